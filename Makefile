@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine (Python 3.11, no GPU needed):
+#   make demo   - set up, then train a drafter on the embedded default
+#   make test   - set up, then run the test suite
+# Set-up creates .venv. Where that venv can import no torch, it installs torch==2.13.0
+# (a CPU build on these machines). To use a CUDA torch you already have, create the venv
+# over your site-packages first:  make VENV_FLAGS=--system-site-packages test
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dflash-installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	@$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torch" || (echo "set-up: torch failed to install" >&2; exit 1)
+	$(PY) -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import dflash, uvloop, structlog" || (echo "set-up: dflash failed to install" >&2; exit 1)
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	bin/dflash run configs/tiny.toml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check dflash tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,114 @@
+"""The `dflash` command. stdout carries JSON records only; people read stderr.
+
+    bin/dflash run configs/tiny.toml                      # train; JSON lines on stdout
+    bin/dflash run configs/tiny.toml --set train.max_steps=20 | jq -c 'select(.event=="train_step")'
+    bin/dflash config show configs/tiny.toml --set drafter.num_layers=2
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import IO
+
+import click
+
+from dflash.errors import ConfigError, DFlashError
+
+__all__ = ["main"]
+
+_SET_HELP = "override a config key, e.g. --set drafter.num_layers=2 (repeatable)"
+
+
+def _fail(err: BaseException) -> None:
+    code = getattr(err, "exit_code", 1)
+    msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+    click.echo(f"dflash: error: {msg}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dflash")
+def main() -> None:
+    """Train DFlash speculative-decoding drafters."""
+
+
+def _profile_overrides(profile_interval: float | None) -> list[str]:
+    # The flag wins over DFLASH_PROFILE_INTERVAL, which wins over the config file.
+    if profile_interval is not None:
+        return [f"profile.interval_s={profile_interval!r}"]
+    env = os.environ.get("DFLASH_PROFILE_INTERVAL")
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            msg = f"DFLASH_PROFILE_INTERVAL={env!r} is not a number of seconds"
+            raise ConfigError(msg) from None
+        return [f"profile.interval_s={value!r}"]
+    return []
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option("--log-file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="also write the JSON records to this file")  # fmt: skip
+@click.option("--profile-interval", type=float, metavar="SEC",
+              help="seconds between profile records (env: DFLASH_PROFILE_INTERVAL)")  # fmt: skip
+def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile_interval: float | None) -> None:
+    """Train a drafter as CONFIG (TOML) says."""
+    from dflash import logs
+    from dflash.config import load_config
+
+    log_fh: IO[str] | None = None
+    try:
+        if profile_interval is not None and profile_interval <= 0:
+            msg = f"--profile-interval must be > 0 seconds (got {profile_interval})"
+            raise ConfigError(msg)
+        cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval)])
+        if log_file is not None:
+            try:
+                log_fh = log_file.open("a", encoding="utf-8")
+            except OSError as err:
+                msg = f"--log-file {log_file}: {err.strerror}"
+                raise ConfigError(msg) from None
+        logs.configure(sys.stdout, log_fh)
+        from dflash.coordinator import run as run_training
+
+        summary = run_training(cfg)
+        logs.human(
+            f"dflash: {summary['reason']} after {summary['steps']} steps in {summary['wall_s']:.1f}s; "
+            f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
+            f"{summary['tokens_per_s']:.0f} tok/s; run folder {summary['run_dir']}"
+        )
+    except DFlashError as err:
+        _fail(err)
+    except KeyboardInterrupt:
+        click.echo("dflash: aborted", err=True)
+        sys.exit(130)
+    finally:
+        if log_fh is not None:
+            log_fh.close()
+
+
+@main.group()
+def config() -> None:
+    """Inspect configs."""
+
+
+@config.command("show")
+@click.argument("config_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+def config_show(config_file: Path, overrides: tuple[str, ...]) -> None:
+    """Print CONFIG_FILE resolved (defaults filled in, overrides applied) as TOML."""
+    from dflash.config import dump_toml, load_config
+
+    try:
+        click.echo(dump_toml(load_config(config_file, list(overrides))), nl=False)
+    except DFlashError as err:
+        _fail(err)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""The typed, strict config schema: TOML in, validated tree out, `--set` overrides.
+
+Every section forbids unknown keys; every error names the key path and what is allowed.
+The resolved config (defaults filled in) is what `config show` prints and what each run
+writes to its output folder.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dflash.errors import ConfigError
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "DrafterConfig",
+    "PipelineConfig",
+    "ProfileConfig",
+    "RunConfig",
+    "TargetConfig",
+    "TinyTargetConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "dump_toml",
+    "load_config",
+    "parse_config",
+]
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+class _Section(BaseModel):
+    # strict: a string is never silently turned into a number; ints are accepted for floats.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("dflash", min_length=1, description="run name; the output folder")
+    output_dir: str = Field("runs", min_length=1, description="parent of run folders")
+    seed: int = Field(0, ge=0, description="seeds data order, anchors and init")
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic"] = Field(
+        "synthetic",
+        description="synthetic: random prompts continued by the target's own greedy output",
+    )
+    num_samples: int = Field(256, ge=1, le=10_000_000)
+    prompt_len: int = Field(16, ge=2, le=65_536, description="max prompt tokens (min is half)")
+    gen_len: int = Field(48, ge=2, le=65_536, description="tokens the target writes per sample")
+    batch_size: int = Field(8, ge=1, le=65_536, description="sequences per batch")
+    shuffle: bool = True
+
+
+class TinyTargetConfig(_Section):
+    """A random Qwen3 built from a config: for tests and configs/tiny.toml."""
+
+    vocab_size: int = Field(512, ge=16, le=1_000_000)
+    hidden_size: int = Field(64, ge=8, le=65_536)
+    num_layers: int = Field(4, ge=1, le=256)
+    num_heads: int = Field(4, ge=1, le=1024)
+    num_kv_heads: int = Field(2, ge=1, le=1024)
+    head_dim: int = Field(16, ge=2, le=1024)
+    intermediate_size: int = Field(128, ge=1, le=1_000_000)
+    rope_theta: float = Field(10_000.0, gt=0)
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyTargetConfig:
+        if self.num_heads % self.num_kv_heads:
+            msg = "num_heads must be a multiple of num_kv_heads"
+            raise ValueError(msg)
+        if self.head_dim % 2:
+            msg = "head_dim must be even (RoPE)"
+            raise ValueError(msg)
+        return self
+
+
+class TargetConfig(_Section):
+    kind: Literal["tiny", "hf"] = Field("tiny", description="tiny: random Qwen3; hf: a local folder")
+    path: str | None = Field(None, description="local Hugging Face model folder (kind = 'hf')")
+    layer_ids: list[int] | None = Field(
+        None, description="target layers whose outputs feed the drafter; default per DFlash"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA, float32 on CPU"
+    )
+    tiny: TinyTargetConfig = TinyTargetConfig()
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layer_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if not v:
+                msg = "must list at least one layer"
+                raise ValueError(msg)
+            if any(i < 0 for i in v) or len(set(v)) != len(v):
+                msg = "layer ids must be distinct and >= 0"
+                raise ValueError(msg)
+        return v
+
+    @model_validator(mode="after")
+    def _path(self) -> TargetConfig:
+        if self.kind == "hf" and not self.path:
+            msg = "kind = 'hf' needs path = a local model folder"
+            raise ValueError(msg)
+        return self
+
+
+class DrafterConfig(_Section):
+    num_layers: int = Field(1, ge=1, le=64)
+    block_size: int = Field(16, ge=2, le=256, description="B: anchor + B-1 predicted tokens")
+    gamma: float | None = Field(
+        None, gt=0, description="loss decay w_k = exp(-(k-1)/gamma); default 7 for B=16"
+    )
+    max_anchors: int = Field(512, ge=1, le=65_536, description="blocks per document per step")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="token id at block positions 1..B-1; default vocab_size-1 (tiny)"
+    )
+    layer_types: list[LayerType] | None = Field(
+        None, description="per draft layer; default all full_attention"
+    )
+    sliding_window: int = Field(2048, ge=1, le=1_048_576)
+    sliding_causal_block: bool = Field(
+        True, description="sliding layers: causal inside a block (SpecForge, z-lab reference)"
+    )
+    intermediate_size: int | None = Field(None, ge=1, description="default: the target's")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="auto: flex attention on CUDA, dense-mask SDPA on CPU"
+    )
+
+    @model_validator(mode="after")
+    def _layers(self) -> DrafterConfig:
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            msg = (
+                f"layer_types has {len(self.layer_types)} entries but num_layers is "
+                f"{self.num_layers}; give one per draft layer"
+            )
+            raise ValueError(msg)
+        return self
+
+    @property
+    def resolved_gamma(self) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        # Published choices: B=16 → 7, B=10 → 5, B=8 → 4; otherwise about half the block.
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, (self.block_size - 1) / 2))
+
+    @property
+    def resolved_layer_types(self) -> list[str]:
+        return list(self.layer_types or ["full_attention"] * self.num_layers)
+
+
+class TrainConfig(_Section):
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    epochs: int = Field(1, ge=1, le=10_000)
+    lr: float = Field(6e-4, gt=0, le=1.0)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decays to lr * this")
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
+    grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per replica per step")
+    betas: tuple[float, float] = (0.9, 0.95)
+    loss_chunk: int = Field(
+        1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)"
+    )
+    log_every: int = Field(10, ge=1, description="train_step records are synced this often")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_list(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            msg = "each beta must be in [0, 1)"
+            raise ValueError(msg)
+        return v
+
+
+class PipelineConfig(_Section):
+    target_devices: list[str] = Field(["cpu"], min_length=1, description="one target chain each")
+    drafter_devices: list[str] = Field(["cpu"], min_length=1, description="one replica each")
+    batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")
+    hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")
+    hs_min_ready: int = Field(1, ge=1, description="drafters take only when this many are ready")
+
+    @field_validator("target_devices", "drafter_devices")
+    @classmethod
+    def _devices(cls, v: list[str]) -> list[str]:
+        for d in v:
+            if not _DEVICE_RE.match(d):
+                msg = f"{d!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'"
+                raise ValueError(msg)
+        return v
+
+    @model_validator(mode="after")
+    def _min_ready(self) -> PipelineConfig:
+        if self.hs_min_ready > self.hs_queue_depth:
+            msg = (
+                f"hs_min_ready ({self.hs_min_ready}) exceeds hs_queue_depth "
+                f"({self.hs_queue_depth}); drafters would wait forever"
+            )
+            raise ValueError(msg)
+        return self
+
+
+class ProfileConfig(_Section):
+    interval_s: float = Field(10.0, gt=0, le=86_400, description="seconds per profile record")
+
+
+class CheckpointConfig(_Section):
+    export_final: bool = Field(True, description="write the trained drafter to <run>/final")
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    target: TargetConfig = TargetConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    profile: ProfileConfig = ProfileConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<config>"
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = field.annotation if field else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            break
+    return sorted(model.model_fields)
+
+
+def _format_validation(err: ValidationError, source: str) -> ConfigError:
+    parts = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(Config, loc[:-1]))
+            parts.append(f"{_loc(loc)}: unknown key (allowed: {allowed})")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] not in ("model_type", "missing") and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        parts.append(f"{_loc(loc)}: {msg}")
+    return ConfigError(f"{source}: " + "; ".join(parts))
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> Config:
+    """Validate a plain dict (as read from TOML) into a Config, or raise ConfigError."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise _format_validation(err, source) from None
+
+
+def _parse_value(raw: str) -> Any:
+    """A `--set` value is a TOML value (2, 1e-3, true, ["cpu"], "x"); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=v` overrides to a raw config dict; reject paths the schema does not have."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            msg = f"--set {item!r}: expected KEY=VALUE, e.g. drafter.num_layers=2"
+            raise ConfigError(msg)
+        parts = key.split(".")
+        model: type[BaseModel] = Config
+        node = data
+        for i, part in enumerate(parts):
+            field = model.model_fields.get(part)
+            if field is None:
+                allowed = ", ".join(sorted(model.model_fields))
+                where = ".".join(parts[:i]) or "top level"
+                msg = f"--set {key}: unknown key {part!r} in {where} (allowed: {allowed})"
+                raise ConfigError(msg)
+            ann = field.annotation
+            is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+            if i == len(parts) - 1:
+                if is_section:
+                    msg = f"--set {key}: is a section; set one of its keys, e.g. {key}.{next(iter(ann.model_fields))}"
+                    raise ConfigError(msg)
+                node[part] = _parse_value(raw.strip())
+            else:
+                if not is_section:
+                    msg = f"--set {key}: {'.'.join(parts[: i + 1])} is not a section"
+                    raise ConfigError(msg)
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):
+                    msg = f"--set {key}: {'.'.join(parts[: i + 1])} is not a table in the file"
+                    raise ConfigError(msg)
+                node, model = child, ann
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or start from defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            with p.open("rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            msg = f"config file not found: {p}"
+            raise ConfigError(msg) from None
+        except IsADirectoryError:
+            msg = f"config path is a folder, not a TOML file: {p}"
+            raise ConfigError(msg) from None
+        except tomllib.TOMLDecodeError as err:
+            msg = f"{p}: not valid TOML: {err}"
+            raise ConfigError(msg) from None
+        except UnicodeDecodeError:
+            msg = f"{p}: not a text (UTF-8) TOML file"
+            raise ConfigError(msg) from None
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " with --set"
+    return parse_config(data, source)
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (keys left unset, i.e. None, are omitted)."""
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))

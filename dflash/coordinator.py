@@ -1,0 +1,378 @@
+"""The Coordinator: builds the topology, owns the TaskGroup, and turns failures into one error.
+
+Topology (one process, one event loop):
+
+    prefetch ─► [batches] ─┬─► target_forward₀ ─► pack₀ ─► transfer₀ ─┐
+                           └─► target_forward₁ ─► pack₁ ─► transfer₁ ─┴─► [hidden_states]
+    [hidden_states] ─┬─► drafter_step₀ ─┐
+                     └─► drafter_step₁ ─┴─► [grads] ─► optimizer ─► [replies₀], [replies₁]
+
+One target chain per `pipeline.target_devices` entry, one drafter replica per
+`pipeline.drafter_devices` entry. Every stage is a task of one TaskGroup; the first to fail
+cancels the others and comes out as a StageError naming it. `stop()` (Ctrl-C, SIGTERM, or
+a caller) stops intake; the in-flight optimizer step finishes, queued work is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from dflash.channel import Channel, ChannelClosed, ConsumerDied
+from dflash.config import Config, dump_toml
+from dflash.data.batching import BatchPlan
+from dflash.data.synthetic import synthesize
+from dflash.devices import Device, check_device
+from dflash.errors import ConfigError, DataError, StageError
+from dflash.export import export_drafter
+from dflash.model.drafter import DrafterSpec, FrozenHead
+from dflash.model.target import Target, load_target
+from dflash.profile import Profiler
+from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
+from dflash.replica import DrafterReplica, build_replicas
+from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
+
+__all__ = ["Coordinator", "Record"]
+
+Record = dict[str, Any]
+
+
+@dataclass
+class _Setup:
+    targets: list[Target]
+    replicas: list[DrafterReplica]
+    plan: BatchPlan
+    spec: DrafterSpec
+    total_steps: int
+
+
+def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in eg.exceptions:
+        out.extend(_flatten(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+class Coordinator:
+    """Runs one training job. `await Coordinator(cfg).run()` inside any event loop."""
+
+    def __init__(self, config: Config, *, log: bool = True) -> None:
+        self.config = config
+        self.run_dir = config.run_dir
+        self._log = structlog.get_logger("dflash") if log else None
+        self._subscribers: list[Callable[[Record], None]] = []
+        self._stop_requested = threading.Event()
+        self._stop_event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.replicas: list[DrafterReplica] = []
+        self.targets: list[Target] = []
+        self.steps = 0
+        self.tokens = 0
+        self.last_step: Record | None = None
+        self.summary: Record | None = None
+
+    # -- records ------------------------------------------------------------------------
+    def subscribe(self, fn: Callable[[Record], None]) -> None:
+        """`fn(record)` is called (on the loop thread) for every record the run emits."""
+        self._subscribers.append(fn)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._log is not None:
+            self._log.info(event, **fields)
+        for fn in self._subscribers:
+            fn({"event": event, **fields})
+
+    def _emit_steps(self, records: list[Record]) -> None:
+        for r in records:
+            self.emit("train_step", **r)
+            self.last_step = r
+            self.tokens += r["tokens"]
+        if records and sys.stderr.isatty():
+            r = records[-1]
+            print(
+                f"\rstep {r['step']}/{self._total_steps} loss {r['loss']:.4f} "
+                f"tau_sim {r['tau_sim']:.2f} lr {r['lr']:.2e}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # -- control ------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the run to stop cleanly. Safe from any thread and from signal handlers."""
+        self._stop_requested.set()
+        loop, ev = self._loop, self._stop_event
+        if loop is not None and ev is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(ev.set)
+
+    # -- set-up (in a worker thread: loading models must not block the loop) ------------
+    def _setup(self) -> _Setup:
+        cfg = self.config
+        torch.manual_seed(cfg.run.seed)
+        t_devs = [
+            check_device(d, f"pipeline.target_devices[{i}]")
+            for i, d in enumerate(cfg.pipeline.target_devices)
+        ]
+        d_devs = [
+            check_device(d, f"pipeline.drafter_devices[{i}]")
+            for i, d in enumerate(cfg.pipeline.drafter_devices)
+        ]
+        targets = [load_target(cfg.target, dev, cfg.drafter.num_layers) for dev in t_devs]
+        t0 = targets[0]
+        mask_id = cfg.drafter.mask_token_id
+        if mask_id is None:
+            if cfg.target.kind != "tiny":
+                msg = "drafter.mask_token_id: required for a real target (an existing, unused token id)"
+                raise ConfigError(msg)
+            mask_id = t0.vocab_size - 1
+        if mask_id >= t0.vocab_size:
+            msg = (
+                f"drafter.mask_token_id: {mask_id} is outside the target's embedding "
+                f"(vocab size {t0.vocab_size}; ids 0..{t0.vocab_size - 1})"
+            )
+            raise ConfigError(msg)
+        head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
+        row, mean = head.norm_of_row(mask_id), head.mean_row_norm()
+        if row < 0.1 * mean:
+            self._warn_later(
+                f"drafter.mask_token_id {mask_id}: its embedding row is near zero "
+                f"(norm {row:.3g} vs mean {mean:.3g}); the drafter cannot tell mask slots apart"
+            )
+        samples = synthesize(cfg.data, t0, cfg.run.seed, exclude_token=mask_id)
+        if not samples:
+            msg = "data: no samples to train on"
+            raise DataError(msg)
+        plan = BatchPlan(samples, cfg.data.batch_size, cfg.train.epochs, cfg.run.seed, cfg.data.shuffle)
+        per_step = cfg.train.grad_accum * len(d_devs)
+        total = cfg.train.max_steps or max(1, math.ceil(len(plan) / per_step))
+        spec = DrafterSpec(
+            hidden_size=t0.hidden_size,
+            num_layers=cfg.drafter.num_layers,
+            num_heads=t0.num_heads,
+            num_kv_heads=t0.num_kv_heads,
+            head_dim=t0.head_dim,
+            intermediate_size=cfg.drafter.intermediate_size or t0.intermediate_size,
+            vocab_size=t0.vocab_size,
+            rms_norm_eps=t0.rms_norm_eps,
+            rope_theta=t0.rope_theta,
+            target_layer_ids=t0.layer_ids,
+            num_target_layers=t0.num_layers,
+            block_size=cfg.drafter.block_size,
+            mask_token_id=mask_id,
+            layer_types=cfg.drafter.resolved_layer_types,
+            sliding_window=cfg.drafter.sliding_window,
+            sliding_causal_block=cfg.drafter.sliding_causal_block,
+        )
+        replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed)
+        return _Setup(targets, replicas, plan, spec, total)
+
+    def _warn_later(self, message: str) -> None:
+        self._warnings.append(message)
+
+    # -- the run ------------------------------------------------------------------------
+    async def run(self) -> Record:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop_event.set()
+        self._warnings: list[str] = []
+        self._total_steps: int | str = "?"
+        t_start = time.perf_counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+        self.emit(
+            "run_start",
+            run_dir=str(self.run_dir),
+            torch=torch.__version__,
+            config=cfg.model_dump(mode="json"),
+        )
+        setup = await asyncio.to_thread(self._setup)
+        for w in self._warnings:
+            self.emit("warning", message=w)
+        self.targets, self.replicas = setup.targets, setup.replicas
+        self._total_steps = setup.total_steps
+        self.emit(
+            "setup",
+            samples=len(setup.plan.samples),
+            batches_per_epoch=setup.plan.batches_per_epoch,
+            total_steps=setup.total_steps,
+            target=setup.targets[0].name,
+            target_layers=setup.spec.target_layer_ids,
+            drafter_params=sum(p.numel() for p in setup.replicas[0].params),
+            mask_token_id=setup.spec.mask_token_id,
+            setup_s=round(time.perf_counter() - t_start, 3),
+        )
+
+        profiler = Profiler(cfg.profile.interval_s, self.emit)
+        devices: list[Device] = []
+
+        def device(spec: str, name: str) -> Device:
+            d = Device(spec, name, profiler)
+            devices.append(d)
+            return d
+
+        stop = self._stop_event
+        n_t, n_d = len(setup.targets), len(setup.replicas)
+        p = cfg.pipeline
+        batches: Channel[Batch] = Channel("batches", p.batch_queue_depth, consumers=n_t)
+        hs: Channel[HostFeatures] = Channel(
+            "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready
+        )
+        grads: Channel[StepGrads] = Channel("grads", n_d, producers=n_d)
+        replies: list[Channel[StepReply]] = [Channel(f"replies{r}", 1) for r in range(n_d)]
+        profiler.add_channel(batches)
+        profiler.add_channel(hs)
+        any_cuda = any(r.device.type == "cuda" for r in setup.replicas) or any(
+            t.device.type == "cuda" for t in setup.targets
+        )
+        use_flex = cfg.drafter.attention == "flex" or (
+            cfg.drafter.attention == "auto" and setup.replicas[0].device.type == "cuda"
+        )
+
+        stages: list[tuple[str, Coroutine[Any, Any, Any]]] = [
+            ("prefetch", prefetch.run(setup.plan, device("cpu", "data"), batches, stop, any_cuda))
+        ]
+        for i, tgt in enumerate(setup.targets):
+            dev = device(str(tgt.device), f"target{i}")
+            feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
+            packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
+            stages += [
+                (f"target_forward[{i}]", target_forward.run(tgt, dev, batches, feats, profiler)),
+                (f"pack[{i}]", pack.run(dev, feats, packed)),
+                (f"transfer[{i}]", transfer.run(dev, packed, hs, profiler, i)),
+            ]
+        for r, rep in enumerate(setup.replicas):
+            stages.append(
+                (
+                    f"drafter_step[{r}]",
+                    drafter_step.run(
+                        rep, device(str(rep.device), f"drafter{r}"), hs, grads, replies[r],
+                        cfg.drafter, profiler, grad_accum=cfg.train.grad_accum,
+                        seed=cfg.run.seed, loss_chunk=cfg.train.loss_chunk, use_flex=use_flex,
+                    ),
+                )
+            )  # fmt: skip
+        opt_task = optimizer.run(
+            setup.replicas, device(str(setup.replicas[0].device), "optimizer"), grads, replies,
+            profiler, self._emit_steps, stop, grad_clip=cfg.train.grad_clip,
+            max_steps=cfg.train.max_steps, log_every=cfg.train.log_every,
+        )  # fmt: skip
+        stages.append(("optimizer", opt_task))
+
+        t_train = time.perf_counter()
+        prof_stop = asyncio.Event()
+        prof_task = asyncio.create_task(profiler.run(prof_stop), name="profiler")
+        results: dict[str, Any] = {}
+        failed = True
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = {name: tg.create_task(self._guard(name, coro), name=name) for name, coro in stages}
+            results = {name: t.result() for name, t in tasks.items()}
+            failed = False
+        except BaseExceptionGroup as eg:
+            raise self._root_error(eg) from None
+        finally:
+            prof_stop.set()
+            await prof_task
+            profiler.emit_window(final=True)
+            for d in devices:
+                d.close(wait=not failed)
+
+        train_s = time.perf_counter() - t_train
+        self.steps = int(results.get("optimizer", 0))
+        reason = "stopped" if stop.is_set() else (
+            "max_steps" if cfg.train.max_steps and self.steps >= cfg.train.max_steps else "data_exhausted"
+        )
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        export_dir = None
+        if cfg.checkpoint.export_final and self.steps > 0:
+            export_dir = self.run_dir / "final"
+            await asyncio.to_thread(export_drafter, setup.replicas[0].model, export_dir)
+        wall = time.perf_counter() - t_start
+        self.summary = {
+            "reason": reason,
+            "steps": self.steps,
+            "wall_s": round(wall, 3),
+            "train_s": round(train_s, 3),
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / train_s, 2) if train_s > 0 else 0.0,
+            "final_loss": self.last_step["loss"] if self.last_step else None,
+            "final_tau_sim": self.last_step["tau_sim"] if self.last_step else None,
+            "export_dir": str(export_dir) if export_dir else None,
+            "run_dir": str(self.run_dir),
+        }
+        self.emit("run_end", **self.summary)
+        return self.summary
+
+    async def _guard(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            return await coro
+        except (asyncio.CancelledError, StageError):
+            raise
+        except Exception as e:
+            raise StageError(name, e) from e
+
+    @staticmethod
+    def _root_error(eg: BaseExceptionGroup) -> BaseException:
+        errors = _flatten(eg)
+        for e in errors:  # KeyboardInterrupt / SystemExit go through untouched
+            if not isinstance(e, Exception):
+                return e
+        stage_errors = [e for e in errors if isinstance(e, StageError)]
+        for e in stage_errors:
+            if not isinstance(e.cause, ConsumerDied | ChannelClosed):
+                return e
+        return stage_errors[0] if stage_errors else errors[0]
+
+
+def _install_signals(loop: asyncio.AbstractEventLoop, coord: Coordinator, main: asyncio.Task[Any]) -> None:
+    import signal
+
+    hits = {"n": 0}
+
+    def on_signal(signame: str) -> None:
+        hits["n"] += 1
+        if hits["n"] == 1:
+            print(f"\ndflash: {signame}: stopping after the current step (again to abort)", file=sys.stderr)
+            coord.stop()
+        else:
+            main.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / Windows
+            pass
+
+
+def run(config: Config, *, install_signals: bool = True) -> Record:
+    """Run synchronously (uvloop when installed); Ctrl-C / SIGTERM stop cleanly."""
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    coord = Coordinator(config)
+
+    async def main() -> Record:
+        task = asyncio.current_task()
+        assert task is not None
+        if install_signals:
+            _install_signals(asyncio.get_running_loop(), coord, task)
+        return await coord.run()
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main())

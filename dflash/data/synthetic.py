@@ -1,0 +1,59 @@
+"""Synthetic self-distillation data: random prompts, continued by the target's greedy output.
+
+This is how production drafters are trained (the target writes the responses), in
+miniature: the loss mask covers the generated tokens only, so a drafter that learns to
+predict them is learning the target's own continuations — and speculative decoding with
+that target will accept its proposals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.config import DataConfig
+from dflash.data.batching import Sample
+from dflash.model.target import Target
+
+__all__ = ["synthesize"]
+
+
+@torch.no_grad()
+def _greedy(target: Target, prompts: torch.Tensor, n: int) -> torch.Tensor:
+    model = target.model
+    out = model(input_ids=prompts, use_cache=True)
+    past = out.past_key_values
+    nxt = out.logits[:, -1].argmax(dim=-1)
+    gen = [nxt]
+    for _ in range(n - 1):
+        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        nxt = out.logits[:, -1].argmax(dim=-1)
+        gen.append(nxt)
+    return torch.stack(gen, dim=1)
+
+
+def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | None) -> list[Sample]:
+    """`cfg.num_samples` samples: a random prompt of prompt_len/2..prompt_len tokens (loss
+    mask 0), then `gen_len` greedy target tokens (loss mask 1)."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    lo = max(1, cfg.prompt_len // 2)
+    lengths = torch.randint(lo, cfg.prompt_len + 1, (cfg.num_samples,), generator=g)
+    vocab = target.vocab_size
+    high = vocab - 1 if exclude_token == vocab - 1 else vocab
+    prompts = [torch.randint(0, high, (int(n),), generator=g) for n in lengths]
+    samples: list[Sample | None] = [None] * cfg.num_samples
+    dev = target.device
+    chunk = 64
+    for length in sorted(set(lengths.tolist())):
+        idx = [i for i, n in enumerate(lengths.tolist()) if n == length]
+        for s in range(0, len(idx), chunk):
+            part = idx[s : s + chunk]
+            p = torch.stack([prompts[i] for i in part]).to(dev)
+            cont = _greedy(target, p, cfg.gen_len).cpu()
+            for row, i in enumerate(part):
+                ids = torch.cat([prompts[i], cont[row]])
+                mask = torch.cat(
+                    [torch.zeros(length, dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)]
+                )
+                samples[i] = Sample(sample_id=i, input_ids=ids, loss_mask=mask)
+    return [s for s in samples if s is not None]

@@ -1,0 +1,145 @@
+"""Export a drafter in the format the reference DFlash code and vLLM / SGLang load:
+a folder with a Qwen3-style `config.json` and `model.safetensors` (no embedding, no LM
+head), written atomically (temporary folder, fsync, rename). `load_drafter` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash.errors import CheckpointError
+from dflash.model.drafter import DFlashDrafter, DrafterSpec
+
+__all__ = ["drafter_config_json", "export_drafter", "load_drafter"]
+
+
+def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "num_target_layers": spec.num_target_layers,
+        "block_size": spec.block_size,
+        "layer_types": list(spec.layer_types),
+        "sliding_window": spec.sliding_window,
+        "use_sliding_window": "sliding_attention" in spec.layer_types,
+        "dflash_config": {
+            "mask_token_id": spec.mask_token_id,
+            "target_layer_ids": list(spec.target_layer_ids),
+            "sliding_causal_block": spec.sliding_causal_block,
+        },
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(drafter_config_json(model.spec), indent=2) + "\n")
+        for f in tmp.iterdir():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
+    d = cfg.get("dflash_config") or {}
+    try:
+        return DrafterSpec(
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            target_layer_ids=[int(i) for i in d["target_layer_ids"]],
+            num_target_layers=int(cfg["num_target_layers"]),
+            block_size=int(cfg.get("block_size", 16)),
+            mask_token_id=int(d["mask_token_id"]),
+            layer_types=list(cfg.get("layer_types") or ["full_attention"] * int(cfg["num_hidden_layers"])),
+            sliding_window=int(cfg.get("sliding_window") or 2048),
+            sliding_causal_block=bool(d.get("sliding_causal_block", True)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        msg = f"drafter config.json is missing or has a bad field: {err}"
+        raise CheckpointError(msg) from None
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Load an exported drafter folder (config.json + model.safetensors)."""
+    p = Path(path)
+    cfg_file, weights = p / "config.json", p / "model.safetensors"
+    if not p.is_dir():
+        msg = f"drafter not found: {p} is not a folder"
+        raise CheckpointError(msg)
+    if not cfg_file.is_file() or not weights.is_file():
+        msg = f"{p}: not an exported drafter (needs config.json and model.safetensors)"
+        raise CheckpointError(msg)
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        msg = f"{cfg_file}: not valid JSON: {err}"
+        raise CheckpointError(msg) from None
+    model = DFlashDrafter(_spec_from_config(cfg))
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        msg = f"{weights}: unreadable safetensors file: {err}"
+        raise CheckpointError(msg) from None
+    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        msg = f"{weights}: weights do not match config.json (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        raise CheckpointError(msg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    return model.to(device=device, dtype=dtype)

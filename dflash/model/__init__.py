@@ -1,0 +1,1 @@
+"""The models: the frozen target, the DFlash drafter, and the mask / anchors / loss."""

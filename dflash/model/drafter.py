@@ -1,0 +1,232 @@
+"""The DFlash drafter (see ../shared/docs/dflash-reference.md).
+
+fc + hidden_norm fuse the chosen target layers into one context feature; each draft layer
+is a Qwen3-style decoder layer whose queries come from the block tokens only and whose
+keys/values are `concat(proj(context), proj(block))` with the same projections (KV
+injection). Parameter names match the reference export (`fc.weight`, `layers.0.self_attn.
+q_proj.weight`, ...). The embedding and LM head are the target's, frozen, held outside
+this module (`FrozenHead`) and never saved with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DFlashDrafter", "DrafterSpec", "FrozenHead", "default_target_layers"]
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """One target layer per draft layer: L//2 for one; else evenly from 1 to L-3."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    if L < 5:  # too shallow for the 1..L-3 rule; spread over what there is
+        return sorted({round(i * (L - 1) / (n - 1)) for i in range(n)})
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Everything that fixes the drafter's shape; written to the export's config.json."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: list[int]
+    num_target_layers: int
+    block_size: int
+    mask_token_id: int
+    layer_types: list[str]
+    sliding_window: int
+    sliding_causal_block: bool = True
+    max_position_embeddings: int = 32768
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (R, 1, L, head_dim) for absolute positions (R, L)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv  # (R, L, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (R, 1, L, hd)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+_compiled_flex: Any = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+    """q (R, h, Q, d), k/v (R, kvh, S, d); `mask` a dense bool (R, 1, Q, S) or a BlockMask.
+
+    Fully masked rows (disabled blocks) give 0, never NaN, on both paths (flex does so by
+    itself; the dense path lets them attend anywhere, then zeroes them).
+    """
+    if isinstance(mask, torch.Tensor):
+        visible = mask.any(dim=-1, keepdim=True)  # (R, 1, Q, 1)
+        safe = mask | ~visible
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, enable_gqa=True)
+        return out * visible.to(out.dtype)
+    return _flex(q, k, v, mask)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        H, hd = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.q_proj = nn.Linear(H, spec.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, spec.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(H, spec.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (R, Q, H) normed block states
+        ctx: torch.Tensor,  # (R, T, H) fused context
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+        mask: Any,
+    ) -> torch.Tensor:
+        R, Q, _ = x.shape
+        T = ctx.shape[1]
+        hd = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(R, Q, self.num_heads, hd)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)  # (R, T+Q, H): KV injection, same projections
+        k = self.k_norm(self.k_proj(kv_in).view(R, T + Q, self.num_kv_heads, hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(R, T + Q, self.num_kv_heads, hd).transpose(1, 2)
+        q = _apply_rope(q, *rope_q)
+        k = _apply_rope(k, *rope_k)
+        out = attend(q, k, v, mask)  # (R, h, Q, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DrafterSpec, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        k = len(spec.target_layer_ids)
+        self.fc = nn.Linear(k * spec.hidden_size, spec.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, t) for t in spec.layer_types)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def forward(
+        self,
+        block_emb: torch.Tensor,  # (R, Q, H) embeddings of [anchor, MASK × (B-1)] per block
+        context: torch.Tensor,  # (R, T, k·H) the chosen target layers, concatenated
+        q_pos: torch.Tensor,  # (R, Q) absolute positions of block slots (anchor + k)
+        ctx_pos: torch.Tensor,  # (R, T) absolute positions of the context
+        masks: dict[str, Any],  # layer type -> mask (dense bool or BlockMask)
+    ) -> torch.Tensor:
+        ctx = self.hidden_norm(self.fc(context))  # (R, T, H): one feature for all layers
+        hd, theta = self.spec.head_dim, self.spec.rope_theta
+        rope_q = rope(q_pos, hd, theta)
+        rope_k = rope(torch.cat([ctx_pos, q_pos], dim=1), hd, theta)
+        x = block_emb
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
+        return self.norm(x)
+
+
+class FrozenHead:
+    """The target's embedding and LM head on one drafter device: frozen, shared, unsaved."""
+
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.embed = embed.detach().requires_grad_(False)  # (V, H)
+        self.lm_head = lm_head.detach().requires_grad_(False)  # (V, H)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenHead:
+        e = self.embed.to(device=device, dtype=dtype)
+        h = e if self.lm_head is self.embed else self.lm_head.to(device=device, dtype=dtype)
+        return FrozenHead(e, h)
+
+    def norm_of_row(self, token_id: int) -> float:
+        return float(self.embed[token_id].float().norm())
+
+    def mean_row_norm(self) -> float:
+        return float(self.embed.float().norm(dim=-1).mean())
+
+
+def param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,118 @@
+"""Labels, γ-decayed weights and the chunked block loss.
+
+Block slot k (k >= 1) of the block anchored at a predicts the token at a + k — no shift:
+the slot *is* that position. Slot 0 (the anchor itself) has no loss. A slot counts when
+its block is valid, a + k lies inside the row and the anchor's document, and the loss mask
+is 1 there. Weights w_k = exp(-(k-1)/γ), w_0 = 0.
+
+The step loss is Σ w·CE / Σ w over the whole optimizer step (all micro-batches and
+replicas): each micro-batch returns its numerator (a tensor, for backward) and its
+denominator (a host float, known before any device work), and the optimizer divides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["BlockTargets", "LossParts", "block_loss", "block_targets", "gamma_weights"]
+
+
+def gamma_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """(B,) float: w_0 = 0, w_k = exp(-(k-1)/γ) for k >= 1."""
+    w = torch.tensor([0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)])
+    return w
+
+
+@dataclass(frozen=True)
+class BlockTargets:
+    """Host-side supervision for one micro-batch, computed before any device work."""
+
+    sel: torch.Tensor  # (M,) int64 flat indices into the (R·N·B) block slots that count
+    labels: torch.Tensor  # (M,) int64 token ids
+    weights: torch.Tensor  # (M,) float w_k
+    slot: torch.Tensor  # (M,) int64 block offset k of each selected slot
+    weight_sum: float  # Σ w over the selected slots
+    count_per_slot: torch.Tensor  # (B,) int64 how many slots of each offset count
+
+
+def block_targets(
+    input_ids: torch.Tensor,  # (R, T)
+    loss_mask: torch.Tensor,  # (R, T)
+    doc_ids: torch.Tensor,  # (R, T)
+    anchors: torch.Tensor,  # (R, N)
+    valid: torch.Tensor,  # (R, N)
+    block_size: int,
+    gamma: float,
+) -> BlockTargets:
+    R, T = input_ids.shape
+    B = block_size
+    pos = anchors[:, :, None] + torch.arange(B)  # (R, N, B)
+    inside = pos < T
+    p = pos.clamp(max=T - 1).reshape(R, -1)
+    labels = torch.gather(input_ids, 1, p).view_as(pos)
+    same_doc = torch.gather(doc_ids, 1, p).view_as(pos) == torch.gather(doc_ids, 1, anchors)[:, :, None]
+    supervised = torch.gather(loss_mask.bool(), 1, p).view_as(pos)
+    m = valid[:, :, None] & inside & same_doc & supervised
+    m[:, :, 0] = False
+    sel = torch.nonzero(m.flatten()).flatten()
+    slot = sel % B
+    w = gamma_weights(B, gamma)
+    weights = w[slot]
+    return BlockTargets(
+        sel=sel,
+        labels=labels.flatten()[sel],
+        weights=weights,
+        slot=slot,
+        weight_sum=float(weights.sum()),
+        count_per_slot=torch.bincount(slot, minlength=B),
+    )
+
+
+@dataclass
+class LossParts:
+    loss_sum: torch.Tensor  # () Σ w·CE, differentiable
+    weight_sum: float  # Σ w
+    correct_per_slot: torch.Tensor  # (B,) float, argmax == label, on device (no sync)
+    count_per_slot: torch.Tensor  # (B,) int64, host
+
+
+def _chunk_loss(
+    h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (h @ head.t()).float()  # (chunk, V)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    correct = (logits.argmax(dim=-1) == labels).float()
+    return (ce * weights).sum(), correct
+
+
+def block_loss(
+    hidden: torch.Tensor,  # (R, N·B, H) drafter output
+    lm_head: torch.Tensor,  # (V, H) frozen
+    targets: BlockTargets,
+    block_size: int,
+    chunk: int,
+) -> LossParts:
+    dev = hidden.device
+    H = hidden.shape[-1]
+    sel = targets.sel.to(dev, non_blocking=True)
+    h = hidden.reshape(-1, H).index_select(0, sel)  # (M, H) contiguous: fast LM head
+    labels = targets.labels.to(dev, non_blocking=True)
+    weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)
+    slot = targets.slot.to(dev, non_blocking=True)
+    # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
+    total = hidden.sum().float() * 0.0
+    correct = torch.zeros(block_size, device=dev)
+    for s in range(0, h.shape[0], chunk):
+        e = s + chunk
+        # Recompute the chunk's logits in backward rather than keep [chunk, V] alive.
+        part, ok = checkpoint(
+            _chunk_loss, h[s:e], lm_head, labels[s:e], weights[s:e], use_reentrant=False
+        )
+        total = total + part
+        correct.index_add_(0, slot[s:e], ok.detach())
+    return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

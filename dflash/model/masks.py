@@ -1,0 +1,86 @@
+"""The DFlash attention mask, defined once as a `mask_mod(b, h, q, kv)`.
+
+Layout per row b: keys/values are `[context 0..T-1 | block_0 .. block_{N-1}]` (T + N·B),
+queries are the N·B block positions. A query in block j at offset k (anchor a_j) sees:
+
+- context position c iff the block is valid, c < a_j (strictly before the anchor), and
+  c is in the same document as a_j; for sliding-window layers also c >= a_j + k - (W-1)
+  (the draft token itself takes one slot of the window);
+- block position (jj, kk) iff jj == j (its own block; never another block), and for
+  sliding layers with in-block causality, kk <= k.
+
+The same function feeds flex attention's `create_block_mask` (CUDA) and, evaluated on
+broadcast index tensors, the dense boolean mask for SDPA (CPU, and tests' reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BlockLayout", "MaskMod", "dense_mask", "flex_block_mask", "make_mask_mod"]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What the mask needs to know about one micro-batch."""
+
+    anchors: torch.Tensor  # (R, N) int64 anchor positions; 0 where disabled
+    valid: torch.Tensor  # (R, N) bool
+    doc_ids: torch.Tensor  # (R, T) int64 document id per context position; -1 = padding
+    block_size: int
+
+    @property
+    def ctx_len(self) -> int:
+        return int(self.doc_ids.shape[1])
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.anchors.shape[1]) * self.block_size
+
+
+def make_mask_mod(layout: BlockLayout, window: int | None, causal_in_block: bool) -> MaskMod:
+    anchors, valid, doc = layout.anchors, layout.valid, layout.doc_ids
+    B, T = layout.block_size, layout.ctx_len
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        j = q // B
+        k = q % B
+        a = anchors[b, j]
+        ok = valid[b, j]
+        c = kv.clamp(max=T - 1)  # index safely; is_ctx decides which branch counts
+        ctx_ok = (c < a) & (doc[b, c] == doc[b, a])
+        if window is not None:
+            ctx_ok = ctx_ok & (c >= a + k - (window - 1))
+        rel = (kv - T).clamp(min=0)
+        blk_ok = (rel // B) == j
+        if causal_in_block:
+            blk_ok = blk_ok & ((rel % B) <= k)
+        return ok & torch.where(kv < T, ctx_ok, blk_ok)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: MaskMod, layout: BlockLayout) -> torch.Tensor:
+    """(R, 1, Q, T+Q) bool, True = attend: the mask_mod evaluated by broadcasting."""
+    R, Q = layout.anchors.shape[0], layout.num_queries
+    dev = layout.anchors.device
+    b = torch.arange(R, device=dev)[:, None, None, None]
+    q = torch.arange(Q, device=dev)[None, None, :, None]
+    kv = torch.arange(layout.ctx_len + Q, device=dev)[None, None, None, :]
+    h = torch.zeros((), dtype=torch.long, device=dev)
+    return mask_mod(b, h, q, kv)
+
+
+def flex_block_mask(mask_mod: MaskMod, layout: BlockLayout) -> object:
+    """The flex-attention BlockMask for the same mask_mod (GPU path)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, Q = layout.anchors.shape[0], layout.num_queries
+    return create_block_mask(
+        mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=layout.anchors.device
+    )

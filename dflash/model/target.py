@@ -1,0 +1,183 @@
+"""The frozen target: any Hugging Face causal LM from a local folder, or a tiny random Qwen3.
+
+Only the outputs of the chosen decoder layers are kept (forward hooks); the forward stops
+right after the last chosen layer, so deeper layers and the LM head are never computed.
+"Layer i" is the output of decoder layer i, i.e. HF `hidden_states[i + 1]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.config import TargetConfig, TinyTargetConfig
+from dflash.errors import ConfigError
+
+__all__ = ["Target", "build_tiny", "load_target", "resolve_dtype"]
+
+
+class _StopForward(Exception):
+    """Raised by the last needed layer's hook: nothing after it is computed."""
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_tiny(cfg: TinyTargetConfig) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hf_cfg = Qwen3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=4096,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = Qwen3ForCausalLM(hf_cfg)
+        # A random model with std-0.02 weights barely depends on its input; larger
+        # embeddings make its greedy continuations varied, so there is something to learn.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    return model
+
+
+def _config_value(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+class Target:
+    """A frozen causal LM plus the layer ids whose outputs it hands to the drafter."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        cfg = model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        bad = [i for i in layer_ids if i >= self.num_layers]
+        if bad:
+            msg = (
+                f"target.layer_ids: {bad} out of range; the target has {self.num_layers} "
+                f"layers (ids 0..{self.num_layers - 1})"
+            )
+            raise ConfigError(msg)
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(_config_value(cfg, "num_key_value_heads", default=self.num_heads))
+        self.head_dim = int(
+            _config_value(cfg, "head_dim", default=self.hidden_size // self.num_heads)
+        )
+        self.intermediate_size = int(cfg.intermediate_size)
+        self.rms_norm_eps = float(_config_value(cfg, "rms_norm_eps", default=1e-6))
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(
+            _config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0))
+        )
+        self.name = str(_config_value(cfg, "_name_or_path", default="")) or type(model).__name__
+        self._captured: dict[int, torch.Tensor] = {}
+        self._active = False
+        layers = self._decoder_layers()
+        last = max(self.layer_ids)
+        for i in self.layer_ids:
+            layers[i].register_forward_hook(self._hook(i, stop=(i == last)))
+
+    def _decoder_layers(self) -> nn.ModuleList:
+        base = getattr(self.model, "model", self.model)
+        layers = getattr(base, "layers", None)
+        if layers is None:
+            msg = f"target {type(self.model).__name__}: cannot find its decoder layers (.model.layers)"
+            raise ConfigError(msg)
+        return layers
+
+    def _hook(self, i: int, stop: bool) -> Any:
+        def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+            if not self._active:  # plain forwards (generation, eval) pass through
+                return
+            self._captured[i] = out[0] if isinstance(out, tuple) else out
+            if stop:
+                raise _StopForward
+
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """The chosen layers' outputs, each (R, T, H), in `layer_ids` order."""
+        self._captured = {}
+        base = getattr(self.model, "model", self.model)
+        self._active = True
+        try:
+            with contextlib.suppress(_StopForward):
+                base(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                )
+        finally:
+            self._active = False
+        out = [self._captured[i] for i in self.layer_ids]
+        self._captured = {}
+        return out
+
+
+def load_target(cfg: TargetConfig, device: torch.device, num_draft_layers: int) -> Target:
+    from dflash.model.drafter import default_target_layers
+
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.kind == "tiny":
+        model = build_tiny(cfg.tiny)
+    else:
+        assert cfg.path is not None
+        path = Path(cfg.path).expanduser()
+        if not path.is_dir():
+            msg = f"target.path: {path} is not a folder (a local Hugging Face model folder)"
+            raise ConfigError(msg)
+        if not (path / "config.json").is_file():
+            msg = f"target.path: {path} has no config.json; not a Hugging Face model folder"
+            raise ConfigError(msg)
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as err:
+            msg = f"target.path: cannot load a causal LM from {path}: {err}".splitlines()[0]
+            raise ConfigError(msg) from None
+    model = model.to(device=device, dtype=dtype)
+    n_layers = int(model.config.num_hidden_layers)
+    layer_ids = cfg.layer_ids or default_target_layers(n_layers, num_draft_layers)
+    return Target(model, layer_ids)

@@ -1,0 +1,196 @@
+"""Stage names (one source of truth) and the profiler that times them.
+
+Every timed span goes through `Profiler.record` (called from worker threads, so it takes
+a lock). Host time is the wall time of the Python call; on CUDA the span also carries a
+(start, end) event pair recorded on the stage's stream, resolved lazily when a window is
+emitted — timing never forces a synchronize in the hot path. Every `interval_s` one
+`profile` record summarises the window: per stage count / total / mean / max / p50 / p95,
+per queue depth and waits, tokens/s, memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from dflash.channel import Channel
+
+__all__ = ["Profiler", "Stage"]
+
+
+class Stage:
+    """Stage names, as users of the seed know them. Used by stages, profiler and report."""
+
+    PREFETCH = "data.prefetch"
+    TARGET_FORWARD = "target.model_forward"
+    TARGET_PACK = "target.pack_hidden"
+    TARGET_D2H = "target.d2h_copy"
+    TARGET_QUEUE_PUT = "target.queue_put_wait"
+    DRAFTER_QUEUE_WAIT = "drafter.queue_wait"
+    DRAFTER_H2D = "drafter.h2d_copy"
+    DRAFTER_ANCHORS = "drafter.anchors"
+    DRAFTER_MASK = "dflash.create_block_mask"
+    DRAFTER_FORWARD = "drafter.forward"
+    DRAFTER_BACKWARD = "drafter.backward"
+    DRAFTER_STEP_WAIT = "drafter.step_wait"
+    GRAD_REDUCE = "drafter.grad_reduce"
+    GRAD_NORM_SYNC = "drafter.grad_norm_sync"
+    OPTIMIZER_STEP = "drafter.optimizer_step"
+    METRICS_SYNC = "metrics.sync"
+
+    # Waits are idle time, not work: the report keeps them apart from busy stages.
+    WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})
+
+
+def _percentile(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return 0.0
+    k = (len(sorted_vals) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):  # not Linux: peak RSS instead
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Profiler:
+    def __init__(self, interval_s: float, emit: Callable[..., None]) -> None:
+        self.interval_s = interval_s
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._channels: list[Channel[Any]] = []
+        self._window = 0
+        self._ready_at: float | None = None  # first moment past warm-up
+        self._start_window(time.perf_counter())
+        self._pending_events: list[tuple[str, Any, Any]] = []
+        self._cuda_devices: set[int] = set()
+
+    def _start_window(self, now: float) -> None:
+        self._win_start = now
+        self._host: dict[str, list[float]] = defaultdict(list)
+        self._device: dict[str, list[float]] = defaultdict(list)
+        self._counters: dict[str, float] = defaultdict(float)
+
+    def add_channel(self, ch: Channel[Any]) -> None:
+        self._channels.append(ch)
+
+    def add_cuda_device(self, index: int) -> None:
+        self._cuda_devices.add(index)
+
+    def record(self, stage: str, host_s: float, events: tuple[Any, Any] | None = None) -> None:
+        """One span of `stage`: host seconds, and on CUDA a (start, end) event pair."""
+        with self._lock:
+            self._host[stage].append(host_s)
+            if events is not None:
+                self._pending_events.append((stage, *events))
+
+    def count(self, name: str, n: float) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def mark_warm(self) -> None:
+        """Called once the pipeline has completed its first steps; earlier windows are warm-up."""
+        if self._ready_at is None:
+            self._ready_at = time.perf_counter()
+
+    def _resolve_events(self) -> None:
+        # Only events that have completed are read; the rest wait for the next window.
+        still = []
+        for stage, start, end in self._pending_events:
+            if end.query():
+                self._device[stage].append(start.elapsed_time(end) / 1000.0)
+            else:
+                still.append((stage, start, end))
+        self._pending_events = still
+
+    def window_record(self, final: bool = False) -> dict[str, Any]:
+        now = time.perf_counter()
+        with self._lock:
+            self._resolve_events()
+            host, device, counters = self._host, self._device, self._counters
+            wall = now - self._win_start
+            warmup = self._ready_at is None or self._ready_at > self._win_start
+            window = self._window
+            self._window += 1
+            self._start_window(now)
+        stages: dict[str, dict[str, float]] = {}
+        for name in sorted(host):
+            vals = sorted(host[name])
+            total = sum(vals)
+            entry = {
+                "count": len(vals),
+                "total_s": round(total, 6),
+                "mean_ms": round(1000 * total / len(vals), 3),
+                "max_ms": round(1000 * vals[-1], 3),
+                "p50_ms": round(1000 * _percentile(vals, 0.5), 3),
+                "p95_ms": round(1000 * _percentile(vals, 0.95), 3),
+                "busy_frac": round(total / wall, 4) if wall > 0 else 0.0,
+            }
+            if device.get(name):
+                dv = sorted(device[name])
+                entry["device_mean_ms"] = round(1000 * sum(dv) / len(dv), 3)
+                entry["device_max_ms"] = round(1000 * dv[-1], 3)
+            stages[name] = entry
+        queues = {}
+        for ch in self._channels:
+            s = ch.snapshot()
+            queues[ch.name] = {
+                "depth": s.depth,
+                "mean_depth": round(s.mean_depth, 3),
+                "max_depth": s.max_depth,
+                "capacity": s.capacity,
+                "min_ready": ch.min_ready,
+                "put_wait_s": round(s.put_wait_s, 6),
+                "get_wait_s": round(s.get_wait_s, 6),
+            }
+        rec: dict[str, Any] = {
+            "window": window,
+            "warmup": warmup,
+            "final": final,
+            "wall_s": round(wall, 4),
+            "stages": stages,
+            "queues": queues,
+            "tokens_per_s": {
+                "target": round(counters["target_tokens"] / wall, 2) if wall > 0 else 0.0,
+                "drafter": round(counters["drafter_tokens"] / wall, 2) if wall > 0 else 0.0,
+            },
+            "samples_per_s": round(counters["samples"] / wall, 3) if wall > 0 else 0.0,
+            "steps": int(counters["steps"]),
+            "memory": {"host_rss_mb": round(_rss_mb(), 1)},
+        }
+        if self._cuda_devices:
+            import torch
+
+            rec["memory"]["cuda"] = {
+                f"cuda:{i}": {
+                    "max_allocated_gb": round(torch.cuda.max_memory_allocated(i) / 2**30, 3),
+                    "max_reserved_gb": round(torch.cuda.max_memory_reserved(i) / 2**30, 3),
+                }
+                for i in sorted(self._cuda_devices)
+            }
+        return rec
+
+    def emit_window(self, final: bool = False) -> None:
+        self._emit("profile", **self.window_record(final=final))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Emit a profile record every interval until `stop` is set."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+            except TimeoutError:
+                self.emit_window()

@@ -1,0 +1,74 @@
+"""The small frozen records that travel between stages, named for what they are.
+
+Batch (prefetch → target forward) → TargetFeatures (→ pack) → PackedFeatures (→ D2H)
+→ HostFeatures (hidden-state channel → drafter step) → StepGrads (→ optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Batch", "HostFeatures", "PackedFeatures", "StepGrads", "StepReply", "TargetFeatures"]
+
+
+@dataclass(frozen=True)
+class Batch:
+    index: int  # position in the run's batch sequence
+    epoch: int
+    input_ids: torch.Tensor  # (R, T) int64
+    loss_mask: torch.Tensor  # (R, T) bool: supervised (assistant) tokens
+    doc_ids: torch.Tensor  # (R, T) int64 global sample id per token; -1 = padding
+    positions: torch.Tensor  # (R, T) int64 position inside its document
+    num_tokens: int  # non-padding tokens
+    num_samples: int
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return (self.doc_ids >= 0).long()
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    batch: Batch
+    layers: list[torch.Tensor]  # per chosen layer (R, T, H), on the target device
+    ready: Any  # CUDA event or None
+
+
+@dataclass(frozen=True)
+class PackedFeatures:
+    batch: Batch
+    hidden: torch.Tensor  # (R, T, k·H) one contiguous buffer, on the target device
+    ready: Any
+
+
+@dataclass(frozen=True)
+class HostFeatures:
+    batch: Batch
+    hidden: torch.Tensor  # (R, T, k·H) on the host (pinned on CUDA machines)
+    source: int  # target replica that produced it
+
+
+@dataclass(frozen=True)
+class StepGrads:
+    """One drafter replica's contribution to optimizer step `step` (grads live in .grad)."""
+
+    replica: int
+    step: int
+    micro_batches: int  # 0: the replica found the stream ended and has nothing to add
+    loss_sum: torch.Tensor | None  # () Σ w·CE over its micro-batches, detached
+    weight_sum: float  # Σ w over its micro-batches
+    correct_per_slot: torch.Tensor | None  # (B,) on its device
+    count_per_slot: torch.Tensor | None  # (B,) host
+    tokens: int  # tokens of the batches it consumed
+    samples: int
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """The optimizer's answer to every replica after a step: go on, or stop."""
+
+    step: int
+    stop: bool

@@ -1,0 +1,73 @@
+"""A drafter replica: its module, the frozen embedding / LM head on its device, and its
+optimizer and schedule. Replicas start identical and receive identical updates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dflash.config import TrainConfig
+from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
+
+__all__ = ["DrafterReplica", "build_replicas", "lr_lambda"]
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):  # noqa: ANN201
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def f(step: int) -> float:  # step = number of optimizer steps already taken
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+@dataclass
+class DrafterReplica:
+    index: int
+    device: torch.device
+    model: DFlashDrafter
+    head: FrozenHead
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+
+def build_replicas(
+    spec: DrafterSpec,
+    head: FrozenHead,
+    devices: list[torch.device],
+    train: TrainConfig,
+    total_steps: int,
+    seed: int,
+) -> list[DrafterReplica]:
+    base = DFlashDrafter(spec)
+    base.init_weights(torch.Generator().manual_seed(seed + 104729))
+    state = base.state_dict()
+    out = []
+    for i, dev in enumerate(devices):
+        model = DFlashDrafter(spec).to(dev)
+        model.load_state_dict(state)
+        model.train()
+        # The frozen head in the dtype of the features the drafter computes in.
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=train.lr,
+            betas=train.betas,
+            weight_decay=train.weight_decay,
+            foreach=dev.type == "cuda",
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio)
+        )
+        out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched))
+    return out

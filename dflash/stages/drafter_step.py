@@ -1,0 +1,145 @@
+"""drafter step: one replica's forward and backward over hidden-state batches.
+
+Per optimizer step a replica takes `grad_accum` batches from the hidden-state channel
+(waiting there is `drafter.queue_wait`: starved by the targets), runs H2D, anchors,
+mask, forward + loss, backward for each (gradients accumulate in .grad), sends its
+StepGrads to the optimizer, and waits for the optimizer's reply (`drafter.step_wait`)
+before touching its weights again. It ends when the optimizer says stop or the channel
+ends (it then sends a last StepGrads with 0 micro-batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.channel import Channel, EndOfStream
+from dflash.config import DrafterConfig
+from dflash.devices import Device
+from dflash.model.anchors import sample_anchors
+from dflash.model.loss import LossParts, block_loss, block_targets
+from dflash.model.masks import BlockLayout, dense_mask, flex_block_mask, make_mask_mod
+from dflash.profile import Profiler, Stage
+from dflash.records import HostFeatures, StepGrads, StepReply
+from dflash.replica import DrafterReplica
+from dflash.stages._link import linked
+
+__all__ = ["build_masks", "micro_step", "run"]
+
+
+def build_masks(
+    layout: BlockLayout, cfg: DrafterConfig, layer_types: list[str], use_flex: bool
+) -> dict[str, Any]:
+    """One mask per layer type present, all from the one mask_mod."""
+    masks: dict[str, Any] = {}
+    for lt in set(layer_types):
+        sliding = lt == "sliding_attention"
+        mod = make_mask_mod(
+            layout,
+            window=cfg.sliding_window if sliding else None,
+            causal_in_block=cfg.sliding_causal_block if sliding else False,
+        )
+        masks[lt] = flex_block_mask(mod, layout) if use_flex else dense_mask(mod, layout)
+    return masks
+
+
+def micro_step(
+    rep: DrafterReplica,
+    device: Device,
+    feats: HostFeatures,
+    *,
+    cfg: DrafterConfig,
+    seed: int,
+    loss_chunk: int,
+    use_flex: bool,
+) -> LossParts:
+    """Forward + backward of one batch on replica `rep` (runs in its worker thread)."""
+    b = feats.batch
+    spec = rep.model.spec
+    B = spec.block_size
+    dev = rep.device
+    cuda = dev.type == "cuda"
+    with device.span(Stage.DRAFTER_H2D):
+        context = feats.hidden.to(dev, non_blocking=True)  # (R, T, k·H)
+        positions = b.positions.to(dev, non_blocking=True)  # (R, T)
+    with device.span(Stage.DRAFTER_ANCHORS):
+        # Host-side: anchors, labels and which slots count are known before device work,
+        # so selecting the supervised slots needs no device sync.
+        anchors, valid = sample_anchors(b.loss_mask, b.doc_ids, cfg.max_anchors, seed=seed, epoch=b.epoch)
+        targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma)
+        R, N = anchors.shape
+        block_ids = torch.full((R, N, B), spec.mask_token_id, dtype=torch.long)
+        block_ids[:, :, 0] = torch.gather(b.input_ids, 1, anchors)  # slot 0: the anchor token
+        q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
+    with device.span(Stage.DRAFTER_MASK):
+        layout = BlockLayout(
+            anchors.to(dev), valid.to(dev), b.doc_ids.to(dev, non_blocking=True), B
+        )
+        masks = build_masks(layout, cfg, spec.layer_types, use_flex)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    with device.span(Stage.DRAFTER_FORWARD), autocast:
+        emb = F.embedding(block_ids.view(R, N * B).to(dev, non_blocking=True), rep.head.embed)
+        hidden = rep.model(emb, context, q_pos.to(dev, non_blocking=True), positions, masks)
+        parts = block_loss(hidden, rep.head.lm_head, targets, B, loss_chunk)  # (R, N·B, H) in
+    with device.span(Stage.DRAFTER_BACKWARD):
+        # Σ w·CE, unnormalised: the optimizer divides by Σ w over the whole step.
+        parts.loss_sum.backward()
+    parts.loss_sum = parts.loss_sum.detach()
+    return parts
+
+
+async def run(
+    rep: DrafterReplica,
+    device: Device,
+    inbox: Channel[HostFeatures],
+    outbox: Channel[StepGrads],
+    replies: Channel[StepReply],
+    cfg: DrafterConfig,
+    profiler: Profiler,
+    *,
+    grad_accum: int,
+    seed: int,
+    loss_chunk: int,
+    use_flex: bool,
+) -> None:
+    work = functools.partial(
+        micro_step, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk, use_flex=use_flex
+    )
+    step = 0
+    with linked([inbox, replies], [outbox]):
+        while True:
+            n = tokens = samples = 0
+            weight_sum = 0.0
+            loss_sum = correct = count = None
+            for _ in range(grad_accum):
+                try:
+                    feats, waited = await inbox.get()
+                except EndOfStream:
+                    break
+                profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited)
+                parts, _ = await device.run(None, work, feats)
+                n += 1
+                tokens += feats.batch.num_tokens
+                samples += feats.batch.num_samples
+                weight_sum += parts.weight_sum
+                loss_sum = parts.loss_sum if loss_sum is None else loss_sum + parts.loss_sum
+                correct = parts.correct_per_slot if correct is None else correct + parts.correct_per_slot
+                count = parts.count_per_slot if count is None else count + parts.count_per_slot
+                profiler.count("drafter_tokens", feats.batch.num_tokens)
+            await outbox.put(
+                StepGrads(rep.index, step, n, loss_sum, weight_sum, correct, count, tokens, samples)
+            )
+            if n == 0:
+                return
+            try:
+                reply, waited = await replies.get()
+            except EndOfStream:
+                return
+            profiler.record(Stage.DRAFTER_STEP_WAIT, waited)
+            if reply.stop:
+                return
+            step += 1

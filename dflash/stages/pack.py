@@ -1,0 +1,28 @@
+"""pack hidden states: the chosen layers, concatenated on the feature axis into one buffer.
+
+Waits for: target features. Unblocks: the device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.channel import Channel
+from dflash.devices import Device
+from dflash.profile import Stage
+from dflash.records import PackedFeatures, TargetFeatures
+from dflash.stages._link import relay
+
+__all__ = ["run"]
+
+
+def _pack(layers: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(layers, dim=-1).contiguous()  # (R, T, k·H)
+
+
+async def run(device: Device, inbox: Channel[TargetFeatures], outbox: Channel[PackedFeatures]) -> None:
+    async def step(f: TargetFeatures) -> PackedFeatures:
+        hidden, ready = await device.run(Stage.TARGET_PACK, _pack, f.layers, wait_for=[f.ready])
+        return PackedFeatures(f.batch, hidden, ready)
+
+    await relay(inbox, outbox, step)

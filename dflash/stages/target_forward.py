@@ -1,0 +1,38 @@
+"""target forward: the frozen target runs over a batch; the chosen layers' outputs are kept.
+
+Waits for: a batch. Unblocks: pack. One such stage per target device.
+"""
+
+from __future__ import annotations
+
+from dflash.channel import Channel
+from dflash.devices import Device
+from dflash.model.target import Target
+from dflash.profile import Profiler, Stage
+from dflash.records import Batch, TargetFeatures
+from dflash.stages._link import relay
+
+__all__ = ["run"]
+
+
+async def run(
+    target: Target,
+    device: Device,
+    inbox: Channel[Batch],
+    outbox: Channel[TargetFeatures],
+    profiler: Profiler,
+) -> None:
+    dev = device.device
+
+    def forward(batch: Batch) -> list:
+        ids = batch.input_ids.to(dev, non_blocking=True)  # (R, T)
+        attn = batch.attention_mask.to(dev, non_blocking=True)
+        pos = batch.positions.to(dev, non_blocking=True)
+        return target.capture(ids, attn, pos)  # k × (R, T, H)
+
+    async def step(batch: Batch) -> TargetFeatures:
+        layers, ready = await device.run(Stage.TARGET_FORWARD, forward, batch)
+        profiler.count("target_tokens", batch.num_tokens)
+        return TargetFeatures(batch, layers, ready)
+
+    await relay(inbox, outbox, step)

@@ -1,0 +1,43 @@
+"""device-to-host copy: packed features into pinned host memory, then onto the
+hidden-state channel that every drafter replica reads.
+
+Waits for: packed features, then the copy's completion (off the loop), then room in the
+hidden-state channel (timed as `target.queue_put_wait`: back-pressure from the drafters).
+On CPU the features already live on the host and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.channel import Channel
+from dflash.devices import Device
+from dflash.profile import Profiler, Stage
+from dflash.records import HostFeatures, PackedFeatures
+from dflash.stages._link import linked
+
+__all__ = ["run"]
+
+
+def _to_host(hidden: torch.Tensor) -> torch.Tensor:
+    if hidden.device.type == "cpu":
+        return hidden
+    # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.
+    host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+    host.copy_(hidden, non_blocking=True)
+    return host
+
+
+async def run(
+    device: Device,
+    inbox: Channel[PackedFeatures],
+    outbox: Channel[HostFeatures],
+    profiler: Profiler,
+    source: int,
+) -> None:
+    with linked([inbox], [outbox]):
+        async for f in inbox:
+            host, ready = await device.run(Stage.TARGET_D2H, _to_host, f.hidden, wait_for=[f.ready])
+            await device.synchronize(ready)  # the host must not read before the copy lands
+            waited = await outbox.put(HostFeatures(f.batch, host, source))
+            profiler.record(Stage.TARGET_QUEUE_PUT, waited)

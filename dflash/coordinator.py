@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 import torch
 
+from dflash import faults
 from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.config import Config, dump_toml
 from dflash.data.batching import BatchPlan
@@ -183,6 +184,7 @@ class Coordinator:
     async def run(self) -> Record:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
+        faults.configure()
         self._stop_event = asyncio.Event()
         if self._stop_requested.is_set():
             self._stop_event.set()
@@ -274,20 +276,25 @@ class Coordinator:
         prof_stop = asyncio.Event()
         prof_task = asyncio.create_task(profiler.run(prof_stop), name="profiler")
         results: dict[str, Any] = {}
-        failed = True
+        error: BaseException | None = None
+        clean = False
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = {name: tg.create_task(self._guard(name, coro), name=name) for name, coro in stages}
             results = {name: t.result() for name, t in tasks.items()}
-            failed = False
+            clean = True
         except BaseExceptionGroup as eg:
-            raise self._root_error(eg) from None
+            error = self._root_error(eg)
         finally:
             prof_stop.set()
             await prof_task
             profiler.emit_window(final=True)
-            for d in devices:
-                d.close(wait=not failed)
+            for d in devices:  # after a failure, do not wait for a worker's in-flight op
+                d.close(wait=clean)
+        if error is not None:
+            if isinstance(error, Exception):
+                self.emit("run_failed", error=str(error), stage=getattr(error, "stage", None))
+            raise error
 
         train_s = time.perf_counter() - t_train
         self.steps = int(results.get("optimizer", 0))

@@ -12,6 +12,7 @@ import torch
 
 from dflash.config import DataConfig
 from dflash.data.batching import Sample
+from dflash.model.hf_compat import cache_kwarg, output_cache
 from dflash.model.target import Target
 
 __all__ = ["synthesize"]
@@ -20,13 +21,12 @@ __all__ = ["synthesize"]
 @torch.no_grad()
 def _greedy(target: Target, prompts: torch.Tensor, n: int) -> torch.Tensor:
     model = target.model
+    key = cache_kwarg(model)
     out = model(input_ids=prompts, use_cache=True)
-    past = out.past_key_values
     nxt = out.logits[:, -1].argmax(dim=-1)
     gen = [nxt]
     for _ in range(n - 1):
-        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt[:, None], use_cache=True, **{key: output_cache(out)})
         nxt = out.logits[:, -1].argmax(dim=-1)
         gen.append(nxt)
     return torch.stack(gen, dim=1)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash import faults
 from dflash.channel import Channel, EndOfStream
 from dflash.config import DrafterConfig
 from dflash.devices import Device
@@ -85,6 +86,7 @@ def micro_step(
         emb = F.embedding(block_ids.view(R, N * B).to(dev, non_blocking=True), rep.head.embed)
         hidden = rep.model(emb, context, q_pos.to(dev, non_blocking=True), positions, masks)
         parts = block_loss(hidden, rep.head.lm_head, targets, B, loss_chunk)  # (R, N·B, H) in
+    faults.check(Stage.DRAFTER_FORWARD)
     with device.span(Stage.DRAFTER_BACKWARD):
         # Σ w·CE, unnormalised: the optimizer divides by Σ w over the whole step.
         parts.loss_sum.backward()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dflash import faults
 from dflash.channel import Channel, EndOfStream
 from dflash.devices import Device
 from dflash.profile import Profiler, Stage
@@ -44,6 +45,7 @@ class StepResult:
 def apply_step(
     replicas: list[DrafterReplica], contribs: list[StepGrads], device: Device, grad_clip: float, step: int
 ) -> StepResult:
+    faults.check(Stage.OPTIMIZER_STEP)
     dev0 = replicas[0].device
     weight = sum(c.weight_sum for c in contribs)
     scale = 1.0 / max(weight, 1e-12)

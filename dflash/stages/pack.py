@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash import faults
 from dflash.channel import Channel
 from dflash.devices import Device
 from dflash.profile import Stage
@@ -17,6 +18,7 @@ __all__ = ["run"]
 
 
 def _pack(layers: list[torch.Tensor]) -> torch.Tensor:
+    faults.check(Stage.TARGET_PACK)
     return torch.cat(layers, dim=-1).contiguous()  # (R, T, k·H)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from dflash import faults
 from dflash.channel import Channel
 from dflash.data.batching import BatchPlan, collate
 from dflash.devices import Device
@@ -20,6 +21,7 @@ __all__ = ["run"]
 
 
 def _collate(samples: list, index: int, epoch: int, pin: bool) -> Batch:
+    faults.check(Stage.PREFETCH)
     batch = collate(samples, index, epoch)
     if pin:  # pinned host memory makes the target's H2D copy asynchronous
         batch = dataclasses.replace(

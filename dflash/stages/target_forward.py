@@ -5,6 +5,7 @@ Waits for: a batch. Unblocks: pack. One such stage per target device.
 
 from __future__ import annotations
 
+from dflash import faults
 from dflash.channel import Channel
 from dflash.devices import Device
 from dflash.model.target import Target
@@ -25,6 +26,7 @@ async def run(
     dev = device.device
 
     def forward(batch: Batch) -> list:
+        faults.check(Stage.TARGET_FORWARD)
         ids = batch.input_ids.to(dev, non_blocking=True)  # (R, T)
         attn = batch.attention_mask.to(dev, non_blocking=True)
         pos = batch.positions.to(dev, non_blocking=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash import faults
 from dflash.channel import Channel
 from dflash.devices import Device
 from dflash.profile import Profiler, Stage
@@ -20,6 +21,7 @@ __all__ = ["run"]
 
 
 def _to_host(hidden: torch.Tensor) -> torch.Tensor:
+    faults.check(Stage.TARGET_D2H)
     if hidden.device.type == "cpu":
         return hidden
     # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.

@@ -92,6 +92,41 @@ def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile
             log_fh.close()
 
 
+@main.command("eval")
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--drafter", "drafter_path", required=True, type=click.Path(path_type=Path),
+              help="an exported drafter folder (config.json + model.safetensors), e.g. runs/tiny/final")  # fmt: skip
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option("--prompts", type=click.IntRange(min=1), help="number of held-out prompts (eval.num_prompts)")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="tokens per prompt (eval.max_new_tokens)")
+def eval_cmd(
+    config: Path, drafter_path: Path, overrides: tuple[str, ...], prompts: int | None, max_new_tokens: int | None
+) -> None:
+    """Speculative decoding with a trained drafter: prints an `eval` JSON record (τ, lossless)."""
+    from dflash import logs
+    from dflash.config import load_config
+
+    extra = [f"eval.num_prompts={prompts}"] if prompts else []
+    extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
+    try:
+        cfg = load_config(config, [*overrides, *extra])
+        logs.configure(sys.stdout)
+        from dflash.eval import run_eval
+
+        record = run_eval(cfg, drafter_path)
+        import structlog
+
+        structlog.get_logger("dflash").info("eval", **record)
+        logs.human(
+            f"dflash eval: tau {record['tau']:.3f} over {record['verify_steps']} verify steps, "
+            f"{record['tokens']} tokens from {record['prompts']} prompts; speculative "
+            f"{record['spec_s']:.2f}s vs plain {record['plain_s']:.2f}s ({record['speedup']}x); "
+            f"lossless: {record['lossless']}"
+        )
+    except DFlashError as err:
+        _fail(err)
+
+
 @main.group()
 def config() -> None:
     """Inspect configs."""

@@ -22,6 +22,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "DrafterConfig",
+    "EvalConfig",
     "PipelineConfig",
     "ProfileConfig",
     "RunConfig",
@@ -220,6 +221,13 @@ class ProfileConfig(_Section):
     interval_s: float = Field(10.0, gt=0, le=86_400, description="seconds per profile record")
 
 
+class EvalConfig(_Section):
+    num_prompts: int = Field(8, ge=1, le=100_000, description="held-out prompts per eval")
+    max_new_tokens: int = Field(64, ge=1, le=65_536)
+    every_steps: int = Field(0, ge=0, description="eval every N optimizer steps; 0 = never")
+    at_end: bool = Field(True, description="evaluate the trained drafter when training ends")
+
+
 class CheckpointConfig(_Section):
     export_final: bool = Field(True, description="write the trained drafter to <run>/final")
 
@@ -232,6 +240,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     pipeline: PipelineConfig = PipelineConfig()
     profile: ProfileConfig = ProfileConfig()
+    eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property

@@ -32,7 +32,8 @@ from dflash import faults
 from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.config import Config, dump_toml
 from dflash.data.batching import BatchPlan
-from dflash.data.synthetic import synthesize
+from dflash.data.synthetic import draw_prompts, synthesize
+from dflash.eval import evaluate, stop_ids_of
 from dflash.devices import Device, check_device
 from dflash.errors import ConfigError, DataError, StageError
 from dflash.export import export_drafter
@@ -128,6 +129,12 @@ class Coordinator:
             check_device(d, f"pipeline.drafter_devices[{i}]")
             for i, d in enumerate(cfg.pipeline.drafter_devices)
         ]
+        if cfg.drafter.attention == "flex" and any(d.type == "cpu" for d in d_devs):
+            msg = (
+                "drafter.attention = 'flex': flex attention has no backward on CPU in this torch; "
+                "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
+            )
+            raise ConfigError(msg)
         targets = [load_target(cfg.target, dev, cfg.drafter.num_layers) for dev in t_devs]
         t0 = targets[0]
         mask_id = cfg.drafter.mask_token_id
@@ -176,6 +183,16 @@ class Coordinator:
         )
         replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed)
         return _Setup(targets, replicas, plan, spec, total)
+
+    def _evaluate(self, step: int) -> Record:
+        """Speculative decoding with replica 0 against target 0 on held-out prompts."""
+        cfg, target, rep = self.config, self.targets[0], self.replicas[0]
+        prompts = draw_prompts(
+            cfg.data, target.vocab_size, cfg.eval.num_prompts, cfg.run.seed + 104_729,
+            rep.model.spec.mask_token_id,
+        )  # fmt: skip
+        record = evaluate(target, rep.model, rep.head, prompts, cfg.eval.max_new_tokens, stop_ids_of(target))
+        return {"step": step, **record}
 
     def _warn_later(self, message: str) -> None:
         self._warnings.append(message)
@@ -269,6 +286,8 @@ class Coordinator:
             setup.replicas, device(str(setup.replicas[0].device), "optimizer"), grads, replies,
             profiler, self._emit_steps, stop, grad_clip=cfg.train.grad_clip,
             max_steps=cfg.train.max_steps, log_every=cfg.train.log_every,
+            eval_every=cfg.eval.every_steps, evaluate=self._evaluate,
+            emit_eval=lambda rec: self.emit("eval", **rec),
         )  # fmt: skip
         stages.append(("optimizer", opt_task))
 
@@ -303,6 +322,10 @@ class Coordinator:
         )
         if sys.stderr.isatty():
             print(file=sys.stderr)
+        eval_record = None
+        if cfg.eval.at_end and self.steps > 0 and not stop.is_set():
+            eval_record = await asyncio.to_thread(self._evaluate, self.steps)
+            self.emit("eval", **eval_record)
         export_dir = None
         if cfg.checkpoint.export_final and self.steps > 0:
             export_dir = self.run_dir / "final"
@@ -317,6 +340,8 @@ class Coordinator:
             "tokens_per_s": round(self.tokens / train_s, 2) if train_s > 0 else 0.0,
             "final_loss": self.last_step["loss"] if self.last_step else None,
             "final_tau_sim": self.last_step["tau_sim"] if self.last_step else None,
+            "eval_tau": eval_record["tau"] if eval_record else None,
+            "eval_lossless": eval_record["lossless"] if eval_record else None,
             "export_dir": str(export_dir) if export_dir else None,
             "run_dir": str(self.run_dir),
         }

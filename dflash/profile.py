@@ -43,6 +43,7 @@ class Stage:
     GRAD_NORM_SYNC = "drafter.grad_norm_sync"
     OPTIMIZER_STEP = "drafter.optimizer_step"
     METRICS_SYNC = "metrics.sync"
+    EVAL = "eval.speculative"
 
     # Waits are idle time, not work: the report keeps them apart from busy stages.
     WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})

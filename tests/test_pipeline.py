@@ -29,7 +29,7 @@ def _run(cfg, records: list | None = None) -> Coordinator:
 def test_loss_goes_down_and_records_are_complete(tiny_config):
     """A short tiny run lowers the loss, and emits run_start, train_step, profile, run_end."""
     records: list[dict] = []
-    cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "train.lr": 3e-3})
+    cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "train.lr": 2e-2})
     coord = _run(cfg, records)
     events = [r["event"] for r in records]
     assert events[0] == "run_start" and events[-1] == "run_end"

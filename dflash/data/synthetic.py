@@ -15,7 +15,7 @@ from dflash.data.batching import Sample
 from dflash.model.hf_compat import cache_kwarg, output_cache
 from dflash.model.target import Target
 
-__all__ = ["synthesize"]
+__all__ = ["draw_prompts", "synthesize"]
 
 
 @torch.no_grad()
@@ -32,20 +32,26 @@ def _greedy(target: Target, prompts: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack(gen, dim=1)
 
 
-def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | None) -> list[Sample]:
-    """`cfg.num_samples` samples: a random prompt of prompt_len/2..prompt_len tokens (loss
-    mask 0), then `gen_len` greedy target tokens (loss mask 1)."""
-    g = torch.Generator().manual_seed(seed + 7919)
+def draw_prompts(cfg: DataConfig, vocab: int, n: int, seed: int, exclude_token: int | None) -> list[torch.Tensor]:
+    """`n` random prompts of prompt_len/2..prompt_len tokens, never containing `exclude_token`
+    when it is the last id of the vocabulary (the tiny target's mask token)."""
+    g = torch.Generator().manual_seed(seed)
     lo = max(1, cfg.prompt_len // 2)
-    lengths = torch.randint(lo, cfg.prompt_len + 1, (cfg.num_samples,), generator=g)
-    vocab = target.vocab_size
+    lengths = torch.randint(lo, cfg.prompt_len + 1, (n,), generator=g)
     high = vocab - 1 if exclude_token == vocab - 1 else vocab
-    prompts = [torch.randint(0, high, (int(n),), generator=g) for n in lengths]
+    return [torch.randint(0, high, (int(k),), generator=g) for k in lengths]
+
+
+def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | None) -> list[Sample]:
+    """`cfg.num_samples` samples: a random prompt (loss mask 0), then `gen_len` greedy
+    target tokens (loss mask 1)."""
+    prompts = draw_prompts(cfg, target.vocab_size, cfg.num_samples, seed + 7919, exclude_token)
+    lengths = [p.numel() for p in prompts]
     samples: list[Sample | None] = [None] * cfg.num_samples
     dev = target.device
     chunk = 64
-    for length in sorted(set(lengths.tolist())):
-        idx = [i for i, n in enumerate(lengths.tolist()) if n == length]
+    for length in sorted(set(lengths)):
+        idx = [i for i, n in enumerate(lengths) if n == length]
         for s in range(0, len(idx), chunk):
             part = idx[s : s + chunk]
             p = torch.stack([prompts[i] for i in part]).to(dev)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DFlashDrafter", "DrafterSpec", "FrozenHead", "default_target_layers"]
+__all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers"]
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -147,6 +147,31 @@ class Attention(nn.Module):
         out = attend(q, k, v, mask)  # (R, h, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * hd))
 
+    def context_kv(self, ctx: torch.Tensor, rope_c: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of context positions (R, kvh, S, hd): they depend on the context only,
+        so inference computes them once per position and caches them."""
+        R, S, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).view(R, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(ctx).view(R, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(k, *rope_c), v
+
+    def forward_cached(
+        self,
+        x: torch.Tensor,  # (R, Q, H) normed block states
+        cache: tuple[torch.Tensor, torch.Tensor],  # context keys/values from context_kv
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,  # (R, 1, Q, S+Q) dense bool
+    ) -> torch.Tensor:
+        R, Q, _ = x.shape
+        hd = self.head_dim
+        q = _apply_rope(self.q_norm(self.q_proj(x).view(R, Q, self.num_heads, hd)).transpose(1, 2), *rope_q)
+        kb = self.k_norm(self.k_proj(x).view(R, Q, self.num_kv_heads, hd)).transpose(1, 2)
+        vb = self.v_proj(x).view(R, Q, self.num_kv_heads, hd).transpose(1, 2)
+        k = torch.cat([cache[0], _apply_rope(kb, *rope_q)], dim=2)
+        v = torch.cat([cache[1], vb], dim=2)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * hd))
+
 
 class MLP(nn.Module):
     def __init__(self, spec: DrafterSpec) -> None:
@@ -207,6 +232,41 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
         return self.norm(x)
+
+    # -- inference: context keys/values cached, one block at a time ------------------------
+    def extend_context(self, cache: DrafterCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append context features (R, S, k·H) at absolute `positions` (R, S) to the cache."""
+        ctx = self.hidden_norm(self.fc(feats))
+        rope_c = rope(positions, self.spec.head_dim, self.spec.rope_theta)
+        for i, layer in enumerate(self.layers):
+            cache.append(i, *layer.self_attn.context_kv(ctx, rope_c))
+        cache.length += feats.shape[1]
+
+    def forward_block(
+        self, cache: DrafterCache, block_emb: torch.Tensor, q_pos: torch.Tensor, masks: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Block states (R, Q, H) reading the cached context; masks are (R, 1, Q, S+Q)."""
+        rope_q = rope(q_pos, self.spec.head_dim, self.spec.rope_theta)
+        x = block_emb
+        for i, layer in enumerate(self.layers):
+            kv = cache.kv[i]
+            assert kv is not None, "extend_context first"
+            h = layer.self_attn.forward_cached(layer.input_layernorm(x), kv, rope_q, masks[layer.layer_type])
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+class DrafterCache:
+    """Per-layer context keys/values for speculative decoding (batch of one sequence)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        old = self.kv[layer]
+        self.kv[layer] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
 
 
 class FrozenHead:

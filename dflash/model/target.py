@@ -8,6 +8,7 @@ right after the last chosen layer, so deeper layers and the LM head are never co
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,8 @@ class Target:
         )
         self.name = str(_config_value(cfg, "_name_or_path", default="")) or type(model).__name__
         self._captured: dict[int, torch.Tensor] = {}
-        self._active = False
+        # Thread-local: eval may run plain forwards while a pipeline thread captures.
+        self._local = threading.local()
         layers = self._decoder_layers()
         last = max(self.layer_ids)
         for i in self.layer_ids:
@@ -112,7 +114,7 @@ class Target:
 
     def _hook(self, i: int, stop: bool) -> Any:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
-            if not self._active:  # plain forwards (generation, eval) pass through
+            if not getattr(self._local, "active", False):  # plain forwards pass through
                 return
             self._captured[i] = out[0] if isinstance(out, tuple) else out
             if stop:
@@ -139,7 +141,7 @@ class Target:
         """The chosen layers' outputs, each (R, T, H), in `layer_ids` order."""
         self._captured = {}
         base = getattr(self.model, "model", self.model)
-        self._active = True
+        self._local.active = True
         try:
             with contextlib.suppress(_StopForward):
                 base(
@@ -149,7 +151,7 @@ class Target:
                     use_cache=False,
                 )
         finally:
-            self._active = False
+            self._local.active = False
         out = [self._captured[i] for i in self.layer_ids]
         self._captured = {}
         return out

@@ -6,7 +6,8 @@ step's total loss weight (Σ w over all micro-batches and replicas), clips the g
 (no host sync: the clip factor stays a tensor), copies the same gradient into every
 replica and steps every replica's optimizer and schedule — so replicas stay identical.
 Unblocks: every replica (a StepReply: go on, or stop). Metrics stay device tensors and
-are synced once every `log_every` steps (`metrics.sync`).
+are synced once every `log_every` steps (`metrics.sync`). With `eval.every_steps`, a
+speculative-decoding eval of replica 0 runs between steps (`eval.speculative`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ async def run(
     grad_clip: float,
     max_steps: int | None,
     log_every: int,
+    eval_every: int = 0,
+    evaluate: Callable[[int], dict[str, Any]] | None = None,
+    emit_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """Returns the number of optimizer steps taken."""
     active = set(range(len(replicas)))
@@ -167,6 +171,11 @@ async def run(
                     profiler.mark_warm()
                 if len(pending) >= log_every:
                     await flush()
+                if evaluate is not None and eval_every and step % eval_every == 0:
+                    # Replicas wait for this step's reply meanwhile: their weights are read.
+                    record, _ = await device.run(Stage.EVAL, evaluate, step)
+                    if emit_eval is not None:
+                        emit_eval(record)
             stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)
             active -= finished
             for r in sorted(active):

@@ -1,0 +1,240 @@
+"""DFlash speculative decoding with a trained drafter: τ, per-position acceptance, and the
+lossless check against the target's own greedy output.
+
+Greedy, one sequence at a time, KV caches on both sides:
+prefill the target on the prompt (first token from its logits, the chosen layers' hidden
+states become the drafter's context, cached as per-layer keys/values); then loop:
+block = [last token, MASK × (B-1)] at positions start..start+B-1; the drafter proposes
+B-1 tokens; the target verifies the block in one forward; accept the longest prefix where
+proposal == target's greedy token, plus the target's next token (bonus); append the
+accepted positions' hidden states to the drafter's context; crop the target cache.
+The drafter's attention mask comes from the same mask_mod as in training.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.model.drafter import DFlashDrafter, DrafterCache, FrozenHead
+from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
+from dflash.model.masks import BlockLayout, dense_mask, make_mask_mod
+from dflash.model.target import Target
+
+__all__ = ["SpecOutput", "evaluate", "greedy_generate", "inference_masks", "speculative_generate"]
+
+
+@dataclass
+class SpecOutput:
+    tokens: list[int]
+    accepted: list[int]  # per verify step: how many proposals were accepted (0..B-1)
+
+
+def inference_masks(drafter: DFlashDrafter, ctx_len: int, block: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """(1, 1, block, ctx_len + block) per layer type, from the training mask_mod.
+
+    One block anchored right after the context: a layout with one extra (dummy) context
+    slot at the anchor position, which `c < anchor` excludes, then dropped.
+    """
+    spec = drafter.spec
+    layout = BlockLayout(
+        anchors=torch.tensor([[ctx_len]], device=device),
+        valid=torch.ones(1, 1, dtype=torch.bool, device=device),
+        doc_ids=torch.zeros(1, ctx_len + 1, dtype=torch.long, device=device),
+        block_size=block,
+    )
+    masks = {}
+    for lt in set(spec.layer_types):
+        sliding = lt == "sliding_attention"
+        mod = make_mask_mod(
+            layout,
+            window=spec.sliding_window if sliding else None,
+            causal_in_block=spec.sliding_causal_block if sliding else False,
+        )
+        m = dense_mask(mod, layout)  # (1, 1, block, ctx_len + 1 + block)
+        masks[lt] = torch.cat([m[..., :ctx_len], m[..., ctx_len + 1 :]], dim=-1)
+    return masks
+
+
+def _features(target: Target, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+    # "Layer i" is the output of decoder layer i: hidden_states[i + 1].
+    return torch.cat([hidden_states[i + 1] for i in target.layer_ids], dim=-1)
+
+
+def _truncate(tokens: list[int], max_new: int, stop_ids: set[int]) -> list[int]:
+    out = []
+    for t in tokens[:max_new]:
+        out.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
+@torch.no_grad()
+def greedy_generate(target: Target, prompt: torch.Tensor, max_new: int, stop_ids: set[int]) -> list[int]:
+    model, key = target.model, cache_kwarg(target.model)
+    out = model(input_ids=prompt[None].to(target.device), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < max_new and tokens[-1] not in stop_ids:
+        nxt = torch.tensor([[tokens[-1]]], device=target.device)
+        out = model(input_ids=nxt, use_cache=True, **{key: output_cache(out)})
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return _truncate(tokens, max_new, stop_ids)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: Target,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    prompt: torch.Tensor,
+    max_new: int,
+    stop_ids: set[int],
+) -> SpecOutput:
+    model, key = target.model, cache_kwarg(target.model)
+    dev = target.device
+    ddev = next(drafter.parameters()).device
+    pdtype = next(drafter.parameters()).dtype
+    B, mask_id = drafter.spec.block_size, drafter.spec.mask_token_id
+    P = prompt.numel()
+    out = model(input_ids=prompt[None].to(dev), use_cache=True, output_hidden_states=True)
+    tcache = output_cache(out)
+    dcache = DrafterCache(len(drafter.layers))
+    feats = _features(target, out.hidden_states).to(ddev, pdtype)
+    drafter.extend_context(dcache, feats, torch.arange(P, device=ddev)[None])
+    tokens = [int(out.logits[0, -1].argmax())]
+    accepted: list[int] = []
+    while len(tokens) < max_new and tokens[-1] not in stop_ids:
+        start = P + len(tokens) - 1  # absolute position of the last token: the anchor
+        bs = min(B, max_new - len(tokens) + 1)
+        block = torch.full((1, bs), mask_id, dtype=torch.long, device=ddev)
+        block[0, 0] = tokens[-1]
+        q_pos = torch.arange(start, start + bs, device=ddev)[None]
+        masks = inference_masks(drafter, dcache.length, bs, ddev)
+        emb = F.embedding(block, head.embed).to(pdtype)
+        h = drafter.forward_block(dcache, emb, q_pos, masks)  # (1, bs, H)
+        proposals = (h[0, 1:].to(head.lm_head.dtype).contiguous() @ head.lm_head.t()).argmax(dim=-1)
+        verify = torch.cat([block[0, :1], proposals]).to(dev)[None]
+        vout = model(
+            input_ids=verify, position_ids=q_pos.to(dev), use_cache=True,
+            output_hidden_states=True, **{key: tcache},
+        )  # fmt: skip
+        tcache = output_cache(vout)
+        post = vout.logits[0].argmax(dim=-1).tolist()  # target's next token after each slot
+        props = proposals.tolist()
+        acc = 0
+        while acc < bs - 1 and props[acc] == post[acc]:
+            acc += 1
+        tokens += props[:acc] + [post[acc]]
+        accepted.append(acc)
+        crop_cache(tcache, start + acc + 1)
+        feats = _features(target, vout.hidden_states)[:, : acc + 1]
+        drafter.extend_context(dcache, feats.to(ddev, pdtype), q_pos[:, : acc + 1])
+    return SpecOutput(_truncate(tokens, max_new, stop_ids), accepted)
+
+
+def evaluate(
+    target: Target,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    prompts: Sequence[torch.Tensor],
+    max_new: int,
+    stop_ids: set[int] | None = None,
+) -> dict[str, Any]:
+    """The `eval` record: τ, acceptance histogram / per position, speed, lossless."""
+    stop = stop_ids or set()
+    was_training = drafter.training
+    drafter.eval()
+    B = drafter.spec.block_size
+    hist = [0] * B
+    spec_s = plain_s = 0.0
+    lossless = True
+    mismatches = 0
+    generated = 0
+    try:
+        for p in prompts:
+            t0 = time.perf_counter()
+            spec = speculative_generate(target, drafter, head, p, max_new, stop)
+            t1 = time.perf_counter()
+            plain = greedy_generate(target, p, max_new, stop)
+            t2 = time.perf_counter()
+            spec_s += t1 - t0
+            plain_s += t2 - t1
+            generated += len(spec.tokens)
+            if spec.tokens != plain:
+                lossless = False
+                mismatches += 1
+            for a in spec.accepted:
+                hist[a] += 1
+    finally:
+        drafter.train(was_training)
+    steps = sum(hist)
+    tau = sum((a + 1) * n for a, n in enumerate(hist)) / steps if steps else 0.0
+    per_position = [sum(hist[k:]) / steps if steps else 0.0 for k in range(1, B)]
+    return {
+        "tau": round(tau, 4),
+        "accept_hist": hist,
+        "accept_per_position": [round(x, 4) for x in per_position],
+        "verify_steps": steps,
+        "prompts": len(prompts),
+        "tokens": generated,
+        "spec_s": round(spec_s, 4),
+        "plain_s": round(plain_s, 4),
+        "speedup": round(plain_s / spec_s, 3) if spec_s > 0 else None,
+        "lossless": lossless,
+        "mismatched_prompts": mismatches,
+        "block_size": B,
+    }
+
+
+def stop_ids_of(target: Target) -> set[int]:
+    """The target's end-of-sequence ids (generation config, then model config)."""
+    ids: set[int] = set()
+    for cfg in (getattr(target.model, "generation_config", None), target.model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
+    """A drafter trained for another target must be refused, not silently evaluated."""
+    from dflash.errors import CheckpointError
+
+    spec = drafter.spec
+    problems = []
+    if spec.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {spec.hidden_size} vs target {target.hidden_size}")
+    if spec.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {spec.vocab_size} vs target {target.vocab_size}")
+    if spec.num_target_layers != target.num_layers:
+        problems.append(f"trained on a {spec.num_target_layers}-layer target, this one has {target.num_layers}")
+    if problems:
+        msg = "drafter does not fit this target: " + "; ".join(problems)
+        raise CheckpointError(msg)
+
+
+def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
+    """`dflash eval`: load the config's target and an exported drafter, evaluate."""
+    from dflash.data.synthetic import draw_prompts
+    from dflash.devices import check_device
+    from dflash.export import load_drafter
+    from dflash.model.target import load_target
+
+    t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
+    d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
+    drafter = load_drafter(drafter_path, d_dev)
+    target = load_target(cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids}), t_dev, 1)
+    check_compatible(drafter, target)
+    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
+    prompts = draw_prompts(
+        cfg.data, target.vocab_size, cfg.eval.num_prompts, cfg.run.seed + 104_729, drafter.spec.mask_token_id
+    )
+    return evaluate(target, drafter, head, prompts, cfg.eval.max_new_tokens, stop_ids_of(target))

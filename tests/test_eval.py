@@ -1,0 +1,112 @@
+"""Speculative decoding: the cached inference path equals training, and eval is lossless."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from dflash import Coordinator
+from dflash.config import load_config
+from dflash.data.synthetic import draw_prompts
+from dflash.eval import evaluate, greedy_generate, inference_masks, speculative_generate
+from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, FrozenHead
+from dflash.model.masks import BlockLayout
+from dflash.model.target import load_target
+from dflash.stages.drafter_step import build_masks
+from tests.conftest import ROOT
+
+
+def _spec(**kw: object) -> DrafterSpec:
+    base = dict(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, target_layer_ids=[0, 1],
+        num_target_layers=2, block_size=4, mask_token_id=63,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=5,
+    )  # fmt: skip
+    base.update(kw)
+    return DrafterSpec(**base)  # type: ignore[arg-type]
+
+
+def test_cached_block_forward_equals_training_forward():
+    """Inference (cached context K/V, one block) gives the training forward's outputs."""
+    torch.manual_seed(0)
+    spec = _spec()
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(1))
+    S, B = 9, spec.block_size
+    feats = torch.randn(1, S, 2 * spec.hidden_size)
+    emb = torch.randn(1, B, spec.hidden_size)
+    # Training layout: one block anchored at S; the context includes a dummy slot at S.
+    ctx = torch.cat([feats, torch.randn(1, 1, 2 * spec.hidden_size)], dim=1)
+    layout = BlockLayout(
+        torch.tensor([[S]]), torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, S + 1, dtype=torch.long), B
+    )
+    from dflash.config import DrafterConfig
+
+    dcfg = DrafterConfig(
+        num_layers=2, block_size=B, layer_types=spec.layer_types, sliding_window=spec.sliding_window
+    )
+    masks = build_masks(layout, dcfg, spec.layer_types, use_flex=False)
+    q_pos = torch.arange(S, S + B)[None]
+    want = d(emb, ctx, q_pos, torch.arange(S + 1)[None], masks)
+    cache = DrafterCache(spec.num_layers)
+    d.extend_context(cache, feats[:, :4], torch.arange(4)[None])  # in two pieces, as decoding does
+    d.extend_context(cache, feats[:, 4:], torch.arange(4, S)[None])
+    got = d.forward_block(cache, emb, q_pos, inference_masks(d, S, B, torch.device("cpu")))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _tiny_target():
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    return cfg, load_target(cfg.target, torch.device("cpu"), 1)
+
+
+def test_untrained_drafter_is_lossless_with_tau_near_one():
+    """An untrained drafter is accepted almost never (τ ≈ 1), and the output is still exact."""
+    cfg, t = _tiny_target()
+    spec = _spec(
+        hidden_size=t.hidden_size, num_layers=1, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim, intermediate_size=t.intermediate_size, vocab_size=t.vocab_size,
+        target_layer_ids=t.layer_ids, num_target_layers=t.num_layers, block_size=8,
+        mask_token_id=t.vocab_size - 1, layer_types=["full_attention"],
+    )  # fmt: skip
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(0))
+    head = FrozenHead(t.embed_weight, t.lm_head_weight)
+    prompts = draw_prompts(cfg.data, t.vocab_size, 3, 99, spec.mask_token_id)
+    rec = evaluate(t, d, head, prompts, 24)
+    assert rec["lossless"] is True
+    assert 1.0 <= rec["tau"] < 1.2
+    assert rec["tokens"] == 3 * 24
+    assert sum(rec["accept_hist"]) == rec["verify_steps"]
+
+
+def test_speculative_equals_greedy_with_perfect_drafter_stand_in():
+    """Whatever a drafter proposes, accepted output equals plain greedy (stop ids honoured)."""
+    cfg, t = _tiny_target()
+    prompts = draw_prompts(cfg.data, t.vocab_size, 2, 7, t.vocab_size - 1)
+    plain = greedy_generate(t, prompts[0], 20, set())
+    stop = {plain[5]}
+    stopped = greedy_generate(t, prompts[0], 20, stop)
+    assert stopped == plain[: plain.index(plain[5]) + 1]
+
+
+def test_training_raises_tau_and_eval_is_lossless(tiny_config):
+    """Training on the tiny config raises tau_sim over step 1, and the trained drafter's
+    speculative decoding is lossless with τ above the untrained ~1."""
+    records: list[dict] = []
+    cfg = tiny_config(
+        **{"data.num_samples": 256, "train.epochs": 4, "train.lr": 2e-2, "eval.num_prompts": 3,
+           "eval.max_new_tokens": 32, "eval.at_end": "true"}
+    )  # fmt: skip
+    coord = Coordinator(cfg, log=False)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    steps = [r for r in records if r["event"] == "train_step"]
+    early = sum(s["tau_sim"] for s in steps[:5]) / 5
+    late = sum(s["tau_sim"] for s in steps[-5:]) / 5
+    assert late > early + 0.2, (early, late)
+    ev = [r for r in records if r["event"] == "eval"]
+    assert len(ev) == 1 and ev[0]["lossless"] is True
+    assert ev[0]["tau"] > 1.2, ev[0]

@@ -19,5 +19,5 @@ setup(
         "uvloop>=0.19; sys_platform != 'win32'",
     ],
     extras_require={"dev": ["pytest>=8", "ruff>=0.6"]},
-    entry_points={"console_scripts": ["dflash=dflash.cli:main"]},
+    entry_points={"console_scripts": ["dflash=dflash.cli:entry"]},
 )

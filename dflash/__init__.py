@@ -6,10 +6,28 @@
     summary = await dflash.Coordinator(cfg).run()  # inside your own event loop
 """
 
+from typing import Any
+
 from dflash.config import Config, dump_toml, load_config, parse_config
-from dflash.coordinator import Coordinator, run
 from dflash.errors import CheckpointError, ConfigError, DataError, DFlashError, StageError
-from dflash.export import export_drafter, load_drafter
+
+# torch-heavy parts load on first use, so that `dflash config show` and errors are instant.
+_LAZY = {
+    "Coordinator": "dflash.coordinator",
+    "run": "dflash.coordinator",
+    "export_drafter": "dflash.export",
+    "load_drafter": "dflash.export",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    msg = f"module 'dflash' has no attribute {name!r}"
+    raise AttributeError(msg)
+
 
 __version__ = "0.1.0"
 

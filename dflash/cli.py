@@ -23,7 +23,8 @@ _SET_HELP = "override a config key, e.g. --set drafter.num_layers=2 (repeatable)
 
 def _fail(err: BaseException) -> None:
     code = getattr(err, "exit_code", 1)
-    msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+    # One line, always: a key or path with a newline in it must not split the message.
+    msg = " ".join(str(err).split()) or type(err).__name__
     click.echo(f"dflash: error: {msg}", err=True)
     sys.exit(code)
 
@@ -43,14 +44,16 @@ def _profile_overrides(profile_interval: float | None) -> list[str]:
         try:
             value = float(env)
         except ValueError:
-            msg = f"DFLASH_PROFILE_INTERVAL={env!r} is not a number of seconds"
-            raise ConfigError(msg) from None
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            msg = f"DFLASH_PROFILE_INTERVAL={env!r}: expected a number of seconds > 0"
+            raise ConfigError(msg)
         return [f"profile.interval_s={value!r}"]
     return []
 
 
 @main.command()
-@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 @click.option("--log-file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="also write the JSON records to this file")  # fmt: skip
@@ -93,7 +96,7 @@ def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile
 
 
 @main.command("eval")
-@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("config", type=click.Path(path_type=Path))
 @click.option("--drafter", "drafter_path", required=True, type=click.Path(path_type=Path),
               help="an exported drafter folder (config.json + model.safetensors), e.g. runs/tiny/final")  # fmt: skip
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
@@ -133,7 +136,7 @@ def config() -> None:
 
 
 @config.command("show")
-@click.argument("config_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("config_file", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 def config_show(config_file: Path, overrides: tuple[str, ...]) -> None:
     """Print CONFIG_FILE resolved (defaults filled in, overrides applied) as TOML."""
@@ -145,5 +148,19 @@ def config_show(config_file: Path, overrides: tuple[str, ...]) -> None:
         _fail(err)
 
 
+def entry() -> None:
+    """Console entry point: click's own usage errors also come out as one line, exit 2."""
+    try:
+        main.main(prog_name="dflash", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("dflash: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"dflash: error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(e.exit_code)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

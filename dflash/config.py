@@ -41,7 +41,7 @@ LayerType = Literal["full_attention", "sliding_attention"]
 
 class _Section(BaseModel):
     # strict: a string is never silently turned into a number; ints are accepted for floats.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -175,6 +175,10 @@ class TrainConfig(_Section):
         1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)"
     )
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
+    noise_reveal_start: float = Field(
+        0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
+    )
+    noise_reveal_end: float = Field(0.0, ge=0, le=1, description="... at the last step (linear)")
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -355,6 +359,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(msg) from None
         except UnicodeDecodeError:
             msg = f"{p}: not a text (UTF-8) TOML file"
+            raise ConfigError(msg) from None
+        except OSError as err:
+            msg = f"cannot read config file {p}: {err.strerror or err}"
             raise ConfigError(msg) from None
     if overrides:
         data = apply_overrides(data, overrides)

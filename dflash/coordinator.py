@@ -160,6 +160,12 @@ class Coordinator:
         if not samples:
             msg = "data: no samples to train on"
             raise DataError(msg)
+        uses = sum(int((s.input_ids == mask_id).sum()) for s in samples)
+        if uses:
+            self._warn_later(
+                f"drafter.mask_token_id {mask_id} occurs {uses} times in the training data; "
+                "an id the data never uses is better"
+            )
         plan = BatchPlan(samples, cfg.data.batch_size, cfg.train.epochs, cfg.run.seed, cfg.data.shuffle)
         per_step = cfg.train.grad_accum * len(d_devs)
         total = cfg.train.max_steps or max(1, math.ceil(len(plan) / per_step))
@@ -259,6 +265,12 @@ class Coordinator:
             cfg.drafter.attention == "auto" and setup.replicas[0].device.type == "cuda"
         )
 
+        t_cfg, total = cfg.train, setup.total_steps
+
+        def noise(step: int) -> float:  # linear from start to end over the run
+            frac = min(1.0, step / max(1, total - 1))
+            return t_cfg.noise_reveal_start + (t_cfg.noise_reveal_end - t_cfg.noise_reveal_start) * frac
+
         stages: list[tuple[str, Coroutine[Any, Any, Any]]] = [
             ("prefetch", prefetch.run(setup.plan, device("cpu", "data"), batches, stop, any_cuda))
         ]
@@ -279,6 +291,7 @@ class Coordinator:
                         rep, device(str(rep.device), f"drafter{r}"), hs, grads, replies[r],
                         cfg.drafter, profiler, grad_accum=cfg.train.grad_accum,
                         seed=cfg.run.seed, loss_chunk=cfg.train.loss_chunk, use_flex=use_flex,
+                        noise=noise,
                     ),
                 )
             )  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BlockTargets", "LossParts", "block_loss", "block_targets", "gamma_weights"]
+__all__ = ["BlockTargets", "LossParts", "block_loss", "block_targets", "gamma_weights", "reveal_slots"]
 
 
 def gamma_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -48,7 +48,9 @@ def block_targets(
     valid: torch.Tensor,  # (R, N)
     block_size: int,
     gamma: float,
+    reveal: torch.Tensor | None = None,  # (R, N, B) bool: slots given their true token
 ) -> BlockTargets:
+    """Which block slots count, their labels and weights. Revealed slots have no loss."""
     R, T = input_ids.shape
     B = block_size
     pos = anchors[:, :, None] + torch.arange(B)  # (R, N, B)
@@ -59,6 +61,8 @@ def block_targets(
     supervised = torch.gather(loss_mask.bool(), 1, p).view_as(pos)
     m = valid[:, :, None] & inside & same_doc & supervised
     m[:, :, 0] = False
+    if reveal is not None:
+        m &= ~reveal
     sel = torch.nonzero(m.flatten()).flatten()
     slot = sel % B
     w = gamma_weights(B, gamma)
@@ -71,6 +75,23 @@ def block_targets(
         weight_sum=float(weights.sum()),
         count_per_slot=torch.bincount(slot, minlength=B),
     )
+
+
+def reveal_slots(
+    input_ids: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+    block_size: int, prob: float, generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noise schedule's draw: each slot k >= 1 of a valid block whose position lies in
+    the anchor's document shows its true token with probability `prob` (else the mask
+    token). Returns reveal (R, N, B) bool and the true tokens (R, N, B)."""
+    R, T = input_ids.shape
+    pos = anchors[:, :, None] + torch.arange(block_size)
+    p = pos.clamp(max=T - 1).reshape(R, -1)
+    tokens = torch.gather(input_ids, 1, p).view_as(pos)
+    same_doc = torch.gather(doc_ids, 1, p).view_as(pos) == torch.gather(doc_ids, 1, anchors)[:, :, None]
+    reveal = (torch.rand(pos.shape, generator=generator) < prob) & valid[:, :, None] & (pos < T) & same_doc
+    reveal[:, :, 0] = False
+    return reveal, tokens
 
 
 @dataclass

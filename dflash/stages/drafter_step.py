@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,8 +22,8 @@ from dflash import faults
 from dflash.channel import Channel, EndOfStream
 from dflash.config import DrafterConfig
 from dflash.devices import Device
-from dflash.model.anchors import sample_anchors
-from dflash.model.loss import LossParts, block_loss, block_targets
+from dflash.model.anchors import sample_anchors, sample_seed
+from dflash.model.loss import LossParts, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, dense_mask, flex_block_mask, make_mask_mod
 from dflash.profile import Profiler, Stage
 from dflash.records import HostFeatures, StepGrads, StepReply
@@ -57,6 +58,7 @@ def micro_step(
     seed: int,
     loss_chunk: int,
     use_flex: bool,
+    reveal_prob: float = 0.0,
 ) -> LossParts:
     """Forward + backward of one batch on replica `rep` (runs in its worker thread)."""
     b = feats.batch
@@ -71,10 +73,17 @@ def micro_step(
         # Host-side: anchors, labels and which slots count are known before device work,
         # so selecting the supervised slots needs no device sync.
         anchors, valid = sample_anchors(b.loss_mask, b.doc_ids, cfg.max_anchors, seed=seed, epoch=b.epoch)
-        targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma)
         R, N = anchors.shape
         block_ids = torch.full((R, N, B), spec.mask_token_id, dtype=torch.long)
         block_ids[:, :, 0] = torch.gather(b.input_ids, 1, anchors)  # slot 0: the anchor token
+        reveal = None
+        if reveal_prob > 0:  # noise schedule: some slots show their true token, no loss there
+            g = torch.Generator().manual_seed(sample_seed(seed, int(b.index), b.epoch) ^ 0x5EED)
+            reveal, true_tokens = reveal_slots(b.input_ids, b.doc_ids, anchors, valid, B, reveal_prob, g)
+            block_ids = torch.where(reveal, true_tokens, block_ids)
+        targets = block_targets(
+            b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma, reveal
+        )
         q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(
@@ -107,16 +116,18 @@ async def run(
     seed: int,
     loss_chunk: int,
     use_flex: bool,
+    noise: Callable[[int], float] = lambda _step: 0.0,
 ) -> None:
-    work = functools.partial(
-        micro_step, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk, use_flex=use_flex
-    )
     step = 0
     with linked([inbox, replies], [outbox]):
         while True:
             n = tokens = samples = 0
             weight_sum = 0.0
             loss_sum = correct = count = None
+            work = functools.partial(
+                micro_step, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk,
+                use_flex=use_flex, reveal_prob=noise(step),
+            )  # fmt: skip
             for _ in range(grad_accum):
                 try:
                     feats, waited = await inbox.get()

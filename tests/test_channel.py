@@ -1,0 +1,414 @@
+"""Channel: the bounded, closable queue between pipeline stages, on a real asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dflash.channel import Channel, ChannelClosed, ConsumerDied, EndOfStream
+
+TICK = 0.05  # long enough for any runnable task to run; waits are measured against it
+
+
+async def blocked(task: asyncio.Task) -> bool:
+    """True if `task` is still waiting after the loop has had time to run it."""
+    await asyncio.sleep(TICK)
+    return not task.done()
+
+
+def test_items_come_out_in_fifo_order() -> None:
+    """get returns items in the order they were put."""
+
+    async def main() -> list[int]:
+        ch: Channel[int] = Channel("t", 8)
+        for i in range(6):
+            await ch.put(i)
+        return [(await ch.get())[0] for _ in range(6)]
+
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4, 5]
+
+
+def test_fifo_order_holds_across_back_pressure() -> None:
+    """A producer faster than its consumer on a small channel still delivers in order."""
+
+    async def main() -> list[int]:
+        ch: Channel[int] = Channel("t", 2)
+
+        async def produce() -> None:
+            for i in range(20):
+                await ch.put(i)
+            ch.close()
+
+        async def consume() -> list[int]:
+            out = []
+            async for item in ch:
+                out.append(item)
+                await asyncio.sleep(0)
+            return out
+
+        _, out = await asyncio.wait_for(asyncio.gather(produce(), consume()), timeout=5)
+        return out
+
+    assert asyncio.run(main()) == list(range(20))
+
+
+def test_put_waits_while_full_until_a_get() -> None:
+    """A put on a full channel waits, and completes once a get makes room."""
+
+    async def main() -> None:
+        ch: Channel[str] = Channel("t", 2)
+        assert isinstance(await ch.put("a"), float)  # put returns the seconds it waited
+        await ch.put("b")
+        task = asyncio.create_task(ch.put("c"))
+        assert await blocked(task)
+        assert len(ch) == 2
+        item, _ = await ch.get()
+        assert item == "a"
+        waited = await asyncio.wait_for(task, timeout=1)
+        assert waited >= TICK * 0.5
+        assert len(ch) == 2
+        assert [(await ch.get())[0] for _ in range(2)] == ["b", "c"]
+
+    asyncio.run(main())
+
+
+def test_put_with_room_does_not_wait() -> None:
+    """put on a channel with room completes at once and reports (almost) no wait."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 3)
+        for i in range(3):
+            waited = await asyncio.wait_for(ch.put(i), timeout=1)
+            assert 0 <= waited < TICK
+        assert len(ch) == 3
+
+    asyncio.run(main())
+
+
+def test_get_waits_on_empty_until_a_put() -> None:
+    """get on an empty open channel waits until an item arrives, then returns it."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        task = asyncio.create_task(ch.get())
+        assert await blocked(task)
+        await ch.put(7)
+        item, waited = await asyncio.wait_for(task, timeout=1)
+        assert item == 7
+        assert waited >= TICK * 0.5
+
+    asyncio.run(main())
+
+
+def test_close_lets_consumers_drain_then_end() -> None:
+    """After the producer closes, buffered items are still delivered, then EndOfStream."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        await ch.put(1)
+        await ch.put(2)
+        ch.close()
+        assert ch.closed
+        assert (await ch.get())[0] == 1
+        assert (await ch.get())[0] == 2
+        with pytest.raises(EndOfStream):
+            await asyncio.wait_for(ch.get(), timeout=1)
+        with pytest.raises(EndOfStream):  # stays ended
+            await asyncio.wait_for(ch.get(), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_close_wakes_a_waiting_consumer() -> None:
+    """A consumer blocked on an empty channel gets EndOfStream when the producer closes."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        task = asyncio.create_task(ch.get())
+        assert await blocked(task)
+        ch.close()
+        with pytest.raises(EndOfStream):
+            await asyncio.wait_for(task, timeout=1)
+
+    asyncio.run(main())
+
+
+def test_async_for_ends_when_closed_and_drained() -> None:
+    """`async for` over a channel yields every item and stops after close."""
+
+    async def main() -> list[int]:
+        ch: Channel[int] = Channel("t", 8)
+        for i in range(3):
+            await ch.put(i)
+        ch.close()
+
+        async def collect() -> list[int]:
+            return [item async for item in ch]
+
+        return await asyncio.wait_for(collect(), timeout=1)
+
+    assert asyncio.run(main()) == [0, 1, 2]
+
+
+def test_put_after_all_producers_closed_is_an_error() -> None:
+    """put after every producer closed is a programming error (RuntimeError)."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        ch.close()
+        with pytest.raises(RuntimeError):
+            await ch.put(1)
+
+    asyncio.run(main())
+
+
+def test_channel_ends_only_after_every_producer_closed() -> None:
+    """With 2 producers, one close is not the end: consumers wait for the second."""
+
+    async def main() -> None:
+        ch: Channel[str] = Channel("t", 4, producers=2)
+        await ch.put("x")
+        ch.close()
+        assert not ch.closed
+        assert (await ch.get())[0] == "x"
+        task = asyncio.create_task(ch.get())
+        assert await blocked(task)
+        await ch.put("y")  # the second producer is still open
+        assert (await asyncio.wait_for(task, timeout=1))[0] == "y"
+        task = asyncio.create_task(ch.get())
+        assert await blocked(task)
+        ch.close()
+        assert ch.closed
+        with pytest.raises(EndOfStream):
+            await asyncio.wait_for(task, timeout=1)
+
+    asyncio.run(main())
+
+
+def test_two_concurrent_producers_deliver_everything() -> None:
+    """Items from two producers all arrive, each producer's in its own order."""
+
+    async def main() -> list[tuple[str, int]]:
+        ch: Channel[tuple[str, int]] = Channel("t", 2, producers=2)
+
+        async def produce(name: str) -> None:
+            try:
+                for i in range(10):
+                    await ch.put((name, i))
+                    await asyncio.sleep(0)
+            finally:
+                ch.close()
+
+        async def consume() -> list[tuple[str, int]]:
+            return [item async for item in ch]
+
+        *_, out = await asyncio.wait_for(
+            asyncio.gather(produce("a"), produce("b"), consume()), timeout=5
+        )
+        return out
+
+    out = asyncio.run(main())
+    assert sorted(out) == sorted([(n, i) for n in "ab" for i in range(10)])
+    for name in "ab":
+        assert [i for n, i in out if n == name] == list(range(10))
+
+
+def test_min_ready_holds_gets_until_enough_items_or_close() -> None:
+    """With min_ready=3, get waits for 3 buffered items, or for close (then drains)."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4, min_ready=3)
+        await ch.put(1)
+        await ch.put(2)
+        task = asyncio.create_task(ch.get())
+        assert await blocked(task)
+        await ch.put(3)
+        assert (await asyncio.wait_for(task, timeout=1))[0] == 1
+        # two left: below min_ready again, so the next get waits ...
+        task = asyncio.create_task(ch.get())
+        assert await blocked(task)
+        # ... until the producer closes, after which the rest drains.
+        ch.close()
+        assert (await asyncio.wait_for(task, timeout=1))[0] == 2
+        assert (await asyncio.wait_for(ch.get(), timeout=1))[0] == 3
+        with pytest.raises(EndOfStream):
+            await asyncio.wait_for(ch.get(), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_detach_by_every_consumer_stops_a_waiting_producer() -> None:
+    """When all consumers detach cleanly, a blocked put raises ChannelClosed."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 1)
+        await ch.put(1)
+        task = asyncio.create_task(ch.put(2))
+        assert await blocked(task)
+        ch.detach()
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(task, timeout=1)
+
+    asyncio.run(main())
+
+
+def test_put_after_every_consumer_detached_raises_channel_closed() -> None:
+    """A put after all consumers left raises ChannelClosed at once (even with room)."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        ch.detach()
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(ch.put(1), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_producer_keeps_going_while_one_consumer_remains() -> None:
+    """With 2 consumers, one clean detach does not stop producers; the second does."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 1, consumers=2)
+        await ch.put(1)
+        task = asyncio.create_task(ch.put(2))
+        ch.detach()
+        assert await blocked(task)
+        assert (await ch.get())[0] == 1
+        await asyncio.wait_for(task, timeout=1)
+        ch.detach()
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(ch.put(3), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_detach_with_error_fails_a_blocked_producer_promptly() -> None:
+    """detach(error) makes a blocked put raise ConsumerDied, chained to the error."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 1, consumers=2)
+        await ch.put(1)
+        task = asyncio.create_task(ch.put(2))
+        assert await blocked(task)
+        boom = ValueError("boom")
+        ch.detach(boom)  # one of two consumers failing is enough
+        with pytest.raises(ConsumerDied) as info:
+            await asyncio.wait_for(task, timeout=1)
+        assert info.value.__cause__ is boom
+        assert "boom" in str(info.value)
+        with pytest.raises(ConsumerDied):  # and every later put fails too
+            await asyncio.wait_for(ch.put(3), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_consumer_died_wins_over_clean_detach() -> None:
+    """If any consumer failed, producers see ConsumerDied rather than ChannelClosed."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4, consumers=2)
+        ch.detach()
+        ch.detach(RuntimeError("late failure"))
+        with pytest.raises(ConsumerDied):
+            await asyncio.wait_for(ch.put(1), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_detach_drops_buffered_items() -> None:
+    """Once every consumer has left, buffered items are dropped (depth 0)."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        await ch.put(1)
+        await ch.put(2)
+        ch.detach()
+        assert len(ch) == 0
+        assert ch.snapshot().depth == 0
+
+    asyncio.run(main())
+
+
+def test_snapshot_reports_window_and_resets() -> None:
+    """snapshot() reports depth, max depth, puts, gets and waits, then starts a new window."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        for i in range(3):
+            await ch.put(i)
+        await ch.get()
+        s = ch.snapshot()
+        assert s.depth == 2
+        assert s.max_depth == 3
+        assert s.capacity == 4
+        assert (s.puts, s.gets) == (3, 1)
+        assert s.put_wait_s >= 0
+        assert s.get_wait_s >= 0
+        assert 0 <= s.mean_depth <= 3
+
+        s2 = ch.snapshot()
+        assert (s2.puts, s2.gets) == (0, 0)
+        assert s2.depth == 2
+        assert s2.max_depth == 2  # the new window starts at the current depth
+        assert s2.put_wait_s == 0
+        assert s2.get_wait_s == 0
+
+    asyncio.run(main())
+
+
+def test_snapshot_without_reset_keeps_the_window() -> None:
+    """snapshot(reset=False) reads the counters without clearing them."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        await ch.put(1)
+        assert ch.snapshot(reset=False).puts == 1
+        assert ch.snapshot(reset=False).puts == 1
+        assert ch.snapshot().puts == 1
+        assert ch.snapshot().puts == 0
+
+    asyncio.run(main())
+
+
+def test_snapshot_measures_producer_and_consumer_waits() -> None:
+    """Time a blocked put or get spends waiting shows up in put_wait_s / get_wait_s."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 1)
+        ch.snapshot()
+        getter = asyncio.create_task(ch.get())
+        assert await blocked(getter)
+        await ch.put(1)
+        await asyncio.wait_for(getter, timeout=1)
+        await ch.put(2)
+        putter = asyncio.create_task(ch.put(3))
+        assert await blocked(putter)
+        await ch.get()
+        await asyncio.wait_for(putter, timeout=1)
+        s = ch.snapshot()
+        assert s.get_wait_s >= TICK * 0.5
+        assert s.put_wait_s >= TICK * 0.5
+        assert (s.puts, s.gets) == (3, 2)
+
+    asyncio.run(main())
+
+
+def test_mean_depth_is_time_weighted() -> None:
+    """mean_depth reflects how long the channel held items, not just the last depth."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("t", 4)
+        ch.snapshot()
+        await ch.put(1)
+        await ch.put(2)
+        await asyncio.sleep(TICK)
+        await ch.get()
+        await ch.get()
+        await asyncio.sleep(TICK)
+        s = ch.snapshot()
+        assert s.depth == 0
+        assert s.max_depth == 2
+        assert 0.3 < s.mean_depth < 1.7  # about 2 for half the window, 0 for the other half
+
+    asyncio.run(main())

@@ -1,0 +1,219 @@
+"""The `bin/dflash` command, as real subprocesses: JSON on stdout, one-line errors on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash.config import load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DFLASH = ROOT / "bin" / "dflash"
+TINY = ROOT / "configs" / "tiny.toml"
+
+# A short run of the tiny config: 32 samples, batch 8, one epoch -> 4 steps.
+SHORT = ["--set", "data.num_samples=32", "--set", "train.epochs=1", "--set", "train.log_every=1"]
+
+
+def dflash(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run bin/dflash with DFLASH_PROFILE_INTERVAL cleared unless `env` sets it."""
+    full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
+    )
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Parse every line as JSON; any non-JSON line fails the test."""
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"non-JSON line on stdout: {line!r}")
+    return records
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """Exit 2, nothing on stdout, exactly one 'dflash: error:' line on stderr; returns it."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("dflash: error: "), lines[0]
+    assert proc.stdout == ""
+    return lines[0]
+
+
+# -- config show ---------------------------------------------------------------------------
+
+
+def test_config_show_prints_resolved_toml_with_overrides() -> None:
+    """`config show FILE --set k=v` prints parseable TOML with the override applied."""
+    proc = dflash("config", "show", "configs/tiny.toml", "--set", "drafter.num_layers=2")
+    assert proc.returncode == 0, proc.stderr
+    data = tomllib.loads(proc.stdout)
+    assert data["drafter"]["num_layers"] == 2
+    assert data["run"]["name"] == "tiny"  # from the file
+    assert data["train"]["grad_clip"] == 1.0  # a default, filled in
+    assert parse_config(data) == load_config(TINY, ["drafter.num_layers=2"])
+
+
+# -- misuse: one line on stderr, exit 2 ----------------------------------------------------
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("case", "expect"),
+    [
+        ("missing_file", "missing.toml"),
+        ("run_missing_file", "missing.toml"),
+        ("unknown_set_key", "drafter.nope"),
+        ("bad_value", "drafter.num_layers"),
+        ("invalid_toml", "bad.toml"),
+        ("unknown_key_in_file", "drafter.bogus"),
+    ],
+)
+def test_config_misuse_is_a_one_line_error(tmp_path: Path, case: str, expect: str) -> None:
+    """Config mistakes exit 2 with one 'dflash: error:' line naming the culprit, no traceback."""
+    args = {
+        "missing_file": ["config", "show", str(tmp_path / "missing.toml")],
+        "run_missing_file": ["run", str(tmp_path / "missing.toml")],
+        "unknown_set_key": ["config", "show", str(TINY), "--set", "drafter.nope=1"],
+        "bad_value": ["config", "show", str(TINY), "--set", "drafter.num_layers=0"],
+        "invalid_toml": ["config", "show", _write(tmp_path, "bad.toml", "[drafter\nnum_layers = 1\n")],
+        "unknown_key_in_file": [
+            "config", "show", _write(tmp_path, "unk.toml", "[drafter]\nbogus = 1\n"),
+        ],
+    }[case]  # fmt: skip
+    line = assert_one_line_error(dflash(*args))
+    assert expect in line
+
+
+def test_negative_profile_interval_is_a_one_line_error(tmp_path: Path) -> None:
+    """`run --profile-interval -1` exits 2 with one error line naming the flag; nothing runs."""
+    proc = dflash("run", str(TINY), "--set", f"run.output_dir={tmp_path}", "--profile-interval", "-1")
+    line = assert_one_line_error(proc)
+    assert "--profile-interval" in line
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_non_numeric_profile_env_is_a_one_line_error(tmp_path: Path) -> None:
+    """`DFLASH_PROFILE_INTERVAL=abc dflash run` exits 2 with one error line naming the variable."""
+    proc = dflash(
+        "run", str(TINY), "--set", f"run.output_dir={tmp_path}", env={"DFLASH_PROFILE_INTERVAL": "abc"}
+    )
+    line = assert_one_line_error(proc)
+    assert "DFLASH_PROFILE_INTERVAL" in line
+    assert "abc" in line
+    assert not (tmp_path / "tiny").exists()
+
+
+# -- runs: one real training run (~10-20 s on CPU); the others stop after run_start --
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One short training run, with both the env var (0.25) and the flag (0.5) set."""
+    out = tmp_path_factory.mktemp("run")
+    proc = dflash(
+        "run", "configs/tiny.toml",
+        "--set", f"run.output_dir={out}", *SHORT,
+        "--profile-interval", "0.5",
+        "--log-file", str(out / "log.jsonl"),
+        env={"DFLASH_PROFILE_INTERVAL": "0.25"},
+        timeout=180,
+    )  # fmt: skip
+    return out, proc
+
+
+def test_short_run_writes_json_records_and_artifacts(
+    short_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """A short run exits 0, stdout is JSON lines only (with the key events), the log file
+    holds the same records, and the run folder has config.toml and the exported drafter."""
+    out, proc = short_run
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    records = json_lines(proc.stdout)
+    events = [r["event"] for r in records]
+    for event in ("run_start", "train_step", "profile", "run_end"):
+        assert event in events, events
+    assert events[0] == "run_start"
+    assert events[-1] == "run_end"
+    steps = [r["step"] for r in records if r["event"] == "train_step"]
+    assert steps == list(range(1, len(steps) + 1))  # log_every=1: every step is recorded
+    assert records[-1]["steps"] == len(steps) > 0
+
+    log_lines = (out / "log.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(log_lines) == len(proc.stdout.splitlines())
+    assert json_lines("\n".join(log_lines)) == records
+
+    run_dir = out / "tiny"
+    assert (run_dir / "config.toml").is_file()
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    saved = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
+    assert saved["data"]["num_samples"] == 32
+    assert parse_config(saved) == parse_config(records[0]["config"])  # the resolved config
+
+
+def test_profile_flag_wins_over_env(short_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    """With DFLASH_PROFILE_INTERVAL=0.25 and --profile-interval 0.5, the flag (0.5) is used."""
+    _, proc = short_run
+    assert proc.returncode == 0, proc.stderr
+    start = json_lines(proc.stdout)[0]
+    assert start["event"] == "run_start"
+    assert start["config"]["profile"]["interval_s"] == 0.5
+
+
+def first_record(*args: str, env: dict[str, str], timeout: float = 60) -> dict[str, Any]:
+    """Start `bin/dflash run ...`, read its first stdout record, then kill the process.
+
+    The run_start record carries the resolved config and comes before the (slow) set-up,
+    so this checks how a run resolves its config without paying for a training run."""
+    full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"} | env
+    proc = subprocess.Popen(
+        [str(DFLASH), "run", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=full_env, cwd=ROOT,
+    )  # fmt: skip
+    watchdog = threading.Timer(timeout, proc.kill)  # a silent hang ends as an empty line
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert line, "no record on stdout"
+    return json.loads(line)
+
+
+def test_profile_env_var_is_honoured(tmp_path: Path) -> None:
+    """DFLASH_PROFILE_INTERVAL=0.25 (no flag) overrides the config file's profile.interval_s."""
+    start = first_record(str(TINY), "--set", f"run.output_dir={tmp_path}", env={"DFLASH_PROFILE_INTERVAL": "0.25"})
+    assert start["event"] == "run_start"
+    assert start["config"]["profile"]["interval_s"] == 0.25
+    assert load_config(TINY).profile.interval_s != 0.25  # so the env var, not the file, set it
+
+
+def test_config_file_interval_is_used_without_flag_or_env(tmp_path: Path) -> None:
+    """With neither the flag nor the env var, profile.interval_s comes from the config file."""
+    start = first_record(str(TINY), "--set", f"run.output_dir={tmp_path}", env={})
+    assert start["event"] == "run_start"
+    assert start["config"]["profile"]["interval_s"] == load_config(TINY).profile.interval_s

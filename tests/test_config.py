@@ -1,0 +1,415 @@
+"""The config schema: strict TOML loading, `--set` overrides, one-line ConfigErrors."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash.config import Config, apply_overrides, dump_toml, load_config, parse_config
+from dflash.errors import ConfigError, DFlashError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def config_error(fn: Callable[[], Any]) -> str:
+    """Call fn, require a ConfigError with a one-line message, and return that message."""
+    with pytest.raises(ConfigError) as info:
+        fn()
+    msg = str(info.value)
+    assert msg, "ConfigError with an empty message"
+    assert "\n" not in msg, f"ConfigError message spans lines: {msg!r}"
+    return msg
+
+
+def load_text(tmp_path: Path, text: str, overrides: list[str] | None = None) -> Config:
+    path = tmp_path / "cfg.toml"
+    path.write_text(text, encoding="utf-8")
+    return load_config(path, overrides)
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def test_defaults_load_without_a_file() -> None:
+    """load_config() with no path gives the schema defaults."""
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.run.name == "dflash"
+    assert cfg.drafter.num_layers == 1
+    assert cfg.drafter.block_size == 16
+    assert cfg.train.lr == pytest.approx(6e-4)
+    assert cfg.train.max_steps is None
+    assert cfg.pipeline.target_devices == ["cpu"]
+    assert cfg.profile.interval_s == 10.0
+
+
+def test_toml_file_loads_and_keeps_defaults_for_unset_keys(tmp_path: Path) -> None:
+    """Keys in the file are used; keys it leaves out keep their defaults."""
+    cfg = load_text(
+        tmp_path,
+        '[run]\nname = "exp"\n[drafter]\nnum_layers = 3\n[train]\nlr = 1e-3\nbetas = [0.8, 0.9]\n',
+    )
+    assert cfg.run.name == "exp"
+    assert cfg.drafter.num_layers == 3
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.train.betas == (0.8, 0.9)
+    assert cfg.drafter.block_size == 16
+    assert cfg.data.num_samples == 256
+
+
+def test_repo_tiny_config_loads() -> None:
+    """configs/tiny.toml is a valid config with its own values."""
+    cfg = load_config(TINY)
+    assert cfg.run.name == "tiny"
+    assert cfg.drafter.block_size == 8
+    assert cfg.train.epochs == 4
+    assert cfg.profile.interval_s == 2.0
+    assert cfg.run_dir == Path("runs") / "tiny"
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    """An empty TOML file is valid and equals the defaults."""
+    assert load_text(tmp_path, "") == Config()
+
+
+def test_config_error_is_a_usage_error() -> None:
+    """ConfigError is a DFlashError whose exit code is 2 (as for usage errors)."""
+    assert issubclass(ConfigError, DFlashError)
+    assert ConfigError.exit_code == 2
+
+
+# -- unknown keys --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "allowed"),
+    [
+        ("bogus = 1\n", "bogus", ["checkpoint", "data", "drafter", "pipeline", "train"]),
+        ("[drafter]\nbogus = 1\n", "drafter.bogus", ["block_size", "num_layers", "layer_types"]),
+        ("[target.tiny]\nbogus = 1\n", "target.tiny.bogus", ["hidden_size", "vocab_size"]),
+        ("[nosuch]\nx = 1\n", "nosuch", ["drafter", "train"]),
+    ],
+)
+def test_unknown_key_names_path_and_allowed_keys(
+    tmp_path: Path, text: str, path: str, allowed: list[str]
+) -> None:
+    """An unknown key, top level or nested, is an error naming its path and the allowed keys."""
+    msg = config_error(lambda: load_text(tmp_path, text))
+    assert f"{path}: unknown key" in msg
+    assert "allowed:" in msg
+    for key in allowed:
+        assert key in msg.split("allowed:", 1)[1]
+    assert str(tmp_path / "cfg.toml") in msg
+
+
+def test_unknown_nested_key_lists_only_that_sections_keys(tmp_path: Path) -> None:
+    """The allowed list for [drafter] names drafter keys, not top-level sections."""
+    msg = config_error(lambda: load_text(tmp_path, "[drafter]\nbogus = 1\n"))
+    allowed = msg.split("allowed:", 1)[1]
+    assert "num_layers" in allowed
+    assert "pipeline" not in allowed
+
+
+# -- types and ranges ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ('[drafter]\nnum_layers = "two"\n', "drafter.num_layers"),
+        ("[drafter]\nnum_layers = 1.5\n", "drafter.num_layers"),
+        ("[drafter]\nnum_layers = true\n", "drafter.num_layers"),
+        ('[train]\nlr = "1e-3"\n', "train.lr"),
+        ("[data]\nshuffle = 1\n", "data.shuffle"),
+        ("[run]\nname = 2\n", "run.name"),
+        ('[drafter]\nlayer_types = ["dense"]\n', "drafter.layer_types[0]"),
+        ("drafter = 3\n", "drafter"),
+    ],
+)
+def test_wrong_type_is_an_error_naming_the_key(tmp_path: Path, text: str, path: str) -> None:
+    """A value of the wrong type is never coerced: ConfigError naming the key path."""
+    msg = config_error(lambda: load_text(tmp_path, text))
+    assert f"{path}:" in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("[drafter]\nnum_layers = 0\n", "drafter.num_layers"),
+        ("[train]\nlr = -1\n", "train.lr"),
+        ("[train]\nlr = 0\n", "train.lr"),
+        ("[data]\nbatch_size = 0\n", "data.batch_size"),
+        ("[profile]\ninterval_s = 0\n", "profile.interval_s"),
+        ("[train]\nbetas = [0.9, 1.0]\n", "train.betas"),
+        ("[target]\nlayer_ids = [1, 1]\n", "target.layer_ids"),
+        ("[target]\nlayer_ids = []\n", "target.layer_ids"),
+    ],
+)
+def test_out_of_range_value_is_an_error_naming_the_key(tmp_path: Path, text: str, path: str) -> None:
+    """A value outside its allowed range is a ConfigError naming the key path."""
+    msg = config_error(lambda: load_text(tmp_path, text))
+    assert f"{path}:" in msg
+
+
+def test_out_of_range_error_shows_the_bad_value(tmp_path: Path) -> None:
+    """The message quotes the offending value so the user can find it."""
+    msg = config_error(lambda: load_text(tmp_path, "[train]\nlr = -1\n"))
+    assert "(got -1)" in msg
+
+
+def test_int_is_accepted_for_a_float_key(tmp_path: Path) -> None:
+    """Strict mode still accepts an integer where a float is expected (lr = 1)."""
+    cfg = load_text(tmp_path, "[train]\nlr = 1\n[profile]\ninterval_s = 3\n")
+    assert cfg.train.lr == 1.0
+    assert cfg.profile.interval_s == 3.0
+
+
+# -- cross-field checks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (
+            "[pipeline]\nhs_queue_depth = 2\nhs_min_ready = 3\n",
+            ["pipeline", "hs_min_ready", "hs_queue_depth"],
+        ),
+        (
+            '[drafter]\nnum_layers = 2\nlayer_types = ["full_attention"]\n',
+            ["drafter", "layer_types", "num_layers"],
+        ),
+        ('[target]\nkind = "hf"\n', ["target", "path"]),
+        ('[pipeline]\ntarget_devices = ["gpu"]\n', ["pipeline.target_devices", "'gpu'"]),
+        ('[pipeline]\ndrafter_devices = ["cuda:x"]\n', ["pipeline.drafter_devices", "'cuda:x'"]),
+        ("[target.tiny]\nnum_heads = 3\nnum_kv_heads = 2\n", ["target.tiny", "num_kv_heads"]),
+    ],
+)
+def test_cross_field_check_fails_with_named_keys(
+    tmp_path: Path, text: str, fragments: list[str]
+) -> None:
+    """Checks spanning several keys are ConfigErrors that name the section and keys."""
+    msg = config_error(lambda: load_text(tmp_path, text))
+    for fragment in fragments:
+        assert fragment in msg
+
+
+def test_cross_field_valid_combinations_load(tmp_path: Path) -> None:
+    """The same keys in consistent combinations are accepted."""
+    cfg = load_text(
+        tmp_path,
+        "[pipeline]\nhs_queue_depth = 3\nhs_min_ready = 3\n"
+        'target_devices = ["cuda", "cuda:1"]\ndrafter_devices = ["cpu"]\n'
+        '[drafter]\nnum_layers = 2\nlayer_types = ["full_attention", "sliding_attention"]\n'
+        '[target]\nkind = "hf"\npath = "/models/x"\n',
+    )
+    assert cfg.pipeline.hs_min_ready == 3
+    assert cfg.pipeline.target_devices == ["cuda", "cuda:1"]
+    assert cfg.drafter.resolved_layer_types == ["full_attention", "sliding_attention"]
+    assert cfg.target.path == "/models/x"
+
+
+# -- overrides -----------------------------------------------------------------------------
+
+
+def test_override_replaces_file_value() -> None:
+    """load_config(path, ["drafter.num_layers=2"]) wins over the file; other keys stay."""
+    cfg = load_config(TINY, ["drafter.num_layers=2"])
+    assert cfg.drafter.num_layers == 2
+    assert cfg.drafter.block_size == 8
+    assert load_config(TINY).drafter.num_layers == 1
+
+
+def test_overrides_apply_without_a_file() -> None:
+    """Overrides work on the defaults too, creating the section as needed."""
+    cfg = load_config(None, ["drafter.num_layers=2", "target.tiny.hidden_size=32"])
+    assert cfg.drafter.num_layers == 2
+    assert cfg.target.tiny.hidden_size == 32
+
+
+def test_apply_overrides_sets_nested_keys_in_the_raw_dict() -> None:
+    """apply_overrides writes parsed values into the nested dict, keeping other entries."""
+    data: dict[str, Any] = {"drafter": {"block_size": 8}}
+    out = apply_overrides(data, ["drafter.num_layers=2", "train.lr=1e-3"])
+    assert out == {"drafter": {"block_size": 8, "num_layers": 2}, "train": {"lr": 1e-3}}
+
+
+def test_later_override_wins() -> None:
+    """When a key is set twice, the last --set wins."""
+    cfg = load_config(None, ["drafter.num_layers=2", "drafter.num_layers=3"])
+    assert cfg.drafter.num_layers == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "get", "expected"),
+    [
+        ("train.lr=1e-3", lambda c: c.train.lr, 1e-3),
+        ("data.shuffle=false", lambda c: c.data.shuffle, False),
+        ("checkpoint.export_final=true", lambda c: c.checkpoint.export_final, True),
+        ('pipeline.target_devices=["cpu","cpu"]', lambda c: c.pipeline.target_devices, ["cpu", "cpu"]),
+        ("train.betas=[0.8, 0.99]", lambda c: c.train.betas, (0.8, 0.99)),
+        ("run.name=bare", lambda c: c.run.name, "bare"),
+        ('run.name="12"', lambda c: c.run.name, "12"),
+        ("train.max_steps=20", lambda c: c.train.max_steps, 20),
+        (" drafter.num_layers = 2 ", lambda c: c.drafter.num_layers, 2),
+    ],
+)
+def test_override_values_are_toml_literals(override: str, get: Callable[[Config], Any], expected: Any) -> None:
+    """--set values parse as TOML (floats, bools, arrays, quoted strings); bare words are strings."""
+    value = get(load_config(None, [override]))
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_override_value_is_validated() -> None:
+    """An override with a bad value fails like the same value in a file."""
+    msg = config_error(lambda: load_config(TINY, ["drafter.num_layers=0"]))
+    assert "drafter.num_layers:" in msg
+    msg = config_error(lambda: load_config(None, ["run.name=2"]))
+    assert "run.name:" in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("drafter.nope=1", ["drafter.nope", "'nope'", "num_layers", "block_size"]),
+        ("nope.x=1", ["nope.x", "'nope'", "top level", "drafter", "train"]),
+        ("target.tiny.nope=1", ["target.tiny.nope", "'nope'", "vocab_size"]),
+    ],
+)
+def test_override_unknown_path_is_rejected(override: str, fragments: list[str]) -> None:
+    """--set on a key the schema lacks fails, naming the key and the allowed keys."""
+    msg = config_error(lambda: load_config(None, [override]))
+    assert "allowed:" in msg
+    for fragment in fragments:
+        assert fragment in msg
+
+
+def test_override_cannot_set_a_section() -> None:
+    """--set drafter=1 is rejected: a section cannot be replaced by a value."""
+    msg = config_error(lambda: load_config(None, ["drafter=1"]))
+    assert "drafter" in msg
+    assert "section" in msg
+
+
+def test_override_cannot_descend_into_a_scalar() -> None:
+    """--set drafter.num_layers.x=1 is rejected: num_layers is not a section."""
+    msg = config_error(lambda: load_config(None, ["drafter.num_layers.x=1"]))
+    assert "drafter.num_layers" in msg
+    assert "not a section" in msg
+
+
+def test_override_into_a_non_table_in_the_file(tmp_path: Path) -> None:
+    """--set under a key the file set to a scalar is a ConfigError, not a crash."""
+    msg = config_error(lambda: load_text(tmp_path, "drafter = 3\n", ["drafter.num_layers=1"]))
+    assert "drafter" in msg
+
+
+@pytest.mark.parametrize("override", ["drafter.num_layers", "=2", "", "   =2"])
+def test_malformed_override_is_rejected(override: str) -> None:
+    """A --set without KEY=VALUE shape is a ConfigError that shows the expected shape."""
+    msg = config_error(lambda: load_config(None, [override]))
+    assert "KEY=VALUE" in msg
+
+
+# -- dump ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [
+            "target.layer_ids=[1, 2]",
+            "drafter.gamma=2.5",
+            "drafter.layer_types=['sliding_attention']",
+            "drafter.mask_token_id=7",
+            "train.max_steps=5",
+            "target.kind='hf'",
+            "target.path='/models/x'",
+            "pipeline.target_devices=['cuda:0', 'cuda:1']",
+        ],
+    ],
+)
+def test_dump_toml_round_trips(overrides: list[str]) -> None:
+    """load -> dump_toml -> tomllib -> parse gives an equal Config."""
+    cfg = load_config(TINY, overrides)
+    again = parse_config(tomllib.loads(dump_toml(cfg)))
+    assert again == cfg
+
+
+def test_dump_toml_round_trips_through_a_file(tmp_path: Path) -> None:
+    """A dumped config, written to a file, loads back equal (what each run folder keeps)."""
+    cfg = load_config(None, ["drafter.num_layers=2", "train.lr=1e-3"])
+    path = tmp_path / "config.toml"
+    path.write_text(dump_toml(cfg), encoding="utf-8")
+    assert load_config(path) == cfg
+
+
+def test_dump_toml_fills_defaults_and_omits_none() -> None:
+    """The dump lists every section with defaults filled in; unset (None) keys are left out."""
+    data = tomllib.loads(dump_toml(load_config(TINY)))
+    assert set(data) == set(Config.model_fields)
+    assert data["train"]["grad_clip"] == 1.0
+    assert data["drafter"]["num_layers"] == 1
+    assert "max_steps" not in data["train"]
+    assert "gamma" not in data["drafter"]
+
+
+# -- file errors ---------------------------------------------------------------------------
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    """A path that does not exist gives a one-line ConfigError naming the file."""
+    path = tmp_path / "missing.toml"
+    msg = config_error(lambda: load_config(path))
+    assert str(path) in msg
+    assert "not found" in msg
+
+
+def test_folder_path_is_a_config_error(tmp_path: Path) -> None:
+    """A folder given as the config gives a one-line ConfigError naming it."""
+    msg = config_error(lambda: load_config(tmp_path))
+    assert str(tmp_path) in msg
+    assert "folder" in msg
+
+
+@pytest.mark.parametrize("text", ["[drafter\nnum_layers = 1\n", "a = \n", "x = 1\nx = 2\n"])
+def test_invalid_toml_is_a_config_error(tmp_path: Path, text: str) -> None:
+    """A file that is not valid TOML gives a one-line ConfigError naming the file."""
+    path = tmp_path / "bad.toml"
+    path.write_text(text, encoding="utf-8")
+    msg = config_error(lambda: load_config(path))
+    assert str(path) in msg
+    assert "TOML" in msg
+
+
+def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
+    """A file with bytes that are not UTF-8 gives a one-line ConfigError naming the file."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[run]\nname = "caf\xe9"\n')
+    msg = config_error(lambda: load_config(path))
+    assert str(path) in msg
+    assert "UTF-8" in msg
+
+
+def test_validation_errors_name_the_source_file(tmp_path: Path) -> None:
+    """Schema errors from a file start with that file's path; from --set, say so."""
+    msg = config_error(lambda: load_text(tmp_path, "[drafter]\nnum_layers = 0\n"))
+    assert msg.startswith(str(tmp_path / "cfg.toml"))
+    msg = config_error(lambda: load_config(None, ["drafter.num_layers=0"]))
+    assert "--set" in msg
+
+
+def test_several_errors_are_reported_on_one_line(tmp_path: Path) -> None:
+    """Every invalid key is named, joined on a single line."""
+    msg = config_error(
+        lambda: load_text(tmp_path, "[drafter]\nnum_layers = 0\nbogus = 1\n[train]\nlr = -1\n")
+    )
+    assert "drafter.num_layers" in msg
+    assert "drafter.bogus" in msg
+    assert "train.lr" in msg

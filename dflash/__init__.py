@@ -1,9 +1,9 @@
 """dflash: train DFlash speculative-decoding drafters through an asyncio pipeline.
 
-    import dflash
-    cfg = dflash.load_config("configs/tiny.toml", ["train.max_steps=20"])
-    summary = dflash.run(cfg)                      # synchronous callers
-    summary = await dflash.Coordinator(cfg).run()  # inside your own event loop
+import dflash
+cfg = dflash.load_config("configs/tiny.toml", ["train.max_steps=20"])
+summary = dflash.run(cfg)                      # synchronous callers
+summary = await dflash.Coordinator(cfg).run()  # inside your own event loop
 """
 
 from typing import Any

@@ -1,8 +1,8 @@
 """The `dflash` command. stdout carries JSON records only; people read stderr.
 
-    bin/dflash run configs/tiny.toml                      # train; JSON lines on stdout
-    bin/dflash run configs/tiny.toml --set train.max_steps=20 | jq -c 'select(.event=="train_step")'
-    bin/dflash config show configs/tiny.toml --set drafter.num_layers=2
+bin/dflash run configs/tiny.toml                      # train; JSON lines on stdout
+bin/dflash run configs/tiny.toml --set train.max_steps=20 | jq -c 'select(.event=="train_step")'
+bin/dflash config show configs/tiny.toml --set drafter.num_layers=2
 """
 
 from __future__ import annotations

@@ -120,16 +120,12 @@ class TargetConfig(_Section):
 class DrafterConfig(_Section):
     num_layers: int = Field(1, ge=1, le=64)
     block_size: int = Field(16, ge=2, le=256, description="B: anchor + B-1 predicted tokens")
-    gamma: float | None = Field(
-        None, gt=0, description="loss decay w_k = exp(-(k-1)/gamma); default 7 for B=16"
-    )
+    gamma: float | None = Field(None, gt=0, description="loss decay w_k = exp(-(k-1)/gamma); default 7 for B=16")
     max_anchors: int = Field(512, ge=1, le=65_536, description="blocks per document per step")
     mask_token_id: int | None = Field(
         None, ge=0, description="token id at block positions 1..B-1; default vocab_size-1 (tiny)"
     )
-    layer_types: list[LayerType] | None = Field(
-        None, description="per draft layer; default all full_attention"
-    )
+    layer_types: list[LayerType] | None = Field(None, description="per draft layer; default all full_attention")
     sliding_window: int = Field(2048, ge=1, le=1_048_576)
     sliding_causal_block: bool = Field(
         True, description="sliding layers: causal inside a block (SpecForge, z-lab reference)"
@@ -171,9 +167,7 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
     grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per replica per step")
     betas: tuple[float, float] = (0.9, 0.95)
-    loss_chunk: int = Field(
-        1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)"
-    )
+    loss_chunk: int = Field(1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)")
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
     noise_reveal_start: float = Field(
         0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -33,9 +32,9 @@ from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.config import Config, dump_toml
 from dflash.data.batching import BatchPlan
 from dflash.data.synthetic import draw_prompts, synthesize
-from dflash.eval import evaluate, stop_ids_of
 from dflash.devices import Device, check_device
 from dflash.errors import ConfigError, DataError, StageError
+from dflash.eval import evaluate, stop_ids_of
 from dflash.export import export_drafter
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.target import Target, load_target
@@ -121,14 +120,8 @@ class Coordinator:
     def _setup(self) -> _Setup:
         cfg = self.config
         torch.manual_seed(cfg.run.seed)
-        t_devs = [
-            check_device(d, f"pipeline.target_devices[{i}]")
-            for i, d in enumerate(cfg.pipeline.target_devices)
-        ]
-        d_devs = [
-            check_device(d, f"pipeline.drafter_devices[{i}]")
-            for i, d in enumerate(cfg.pipeline.drafter_devices)
-        ]
+        t_devs = [check_device(d, f"pipeline.target_devices[{i}]") for i, d in enumerate(cfg.pipeline.target_devices)]
+        d_devs = [check_device(d, f"pipeline.drafter_devices[{i}]") for i, d in enumerate(cfg.pipeline.drafter_devices)]
         if cfg.drafter.attention == "flex" and any(d.type == "cpu" for d in d_devs):
             msg = (
                 "drafter.attention = 'flex': flex attention has no backward on CPU in this torch; "
@@ -330,8 +323,10 @@ class Coordinator:
 
         train_s = time.perf_counter() - t_train
         self.steps = int(results.get("optimizer", 0))
-        reason = "stopped" if stop.is_set() else (
-            "max_steps" if cfg.train.max_steps and self.steps >= cfg.train.max_steps else "data_exhausted"
+        reason = (
+            "stopped"
+            if stop.is_set()
+            else ("max_steps" if cfg.train.max_steps and self.steps >= cfg.train.max_steps else "data_exhausted")
         )
         if sys.stderr.isatty():
             print(file=sys.stderr)

@@ -130,7 +130,7 @@ def speculative_generate(
         acc = 0
         while acc < bs - 1 and props[acc] == post[acc]:
             acc += 1
-        tokens += props[:acc] + [post[acc]]
+        tokens += [*props[:acc], post[acc]]
         accepted.append(acc)
         crop_cache(tcache, start + acc + 1)
         feats = _features(target, vout.hidden_states)[:, : acc + 1]

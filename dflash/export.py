@@ -116,7 +116,9 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
         raise CheckpointError(msg) from None
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
     """Load an exported drafter folder (config.json + model.safetensors)."""
     p = Path(path)
     cfg_file, weights = p / "config.json", p / "model.safetensors"
@@ -139,7 +141,10 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
         raise CheckpointError(msg) from None
     missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
     if missing or unexpected:
-        msg = f"{weights}: weights do not match config.json (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        msg = (
+            f"{weights}: weights do not match config.json "
+            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
         raise CheckpointError(msg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     return model.to(device=device, dtype=dtype)

@@ -15,7 +15,7 @@ from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 __all__ = ["DrafterReplica", "build_replicas", "lr_lambda"]
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):  # noqa: ANN201
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
 
     def f(step: int) -> float:  # step = number of optimizer steps already taken
@@ -66,8 +66,6 @@ def build_replicas(
             weight_decay=train.weight_decay,
             foreach=dev.type == "cuda",
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio)
-        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio))
         out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched))
     return out

@@ -203,9 +203,7 @@ def test_two_concurrent_producers_deliver_everything() -> None:
         async def consume() -> list[tuple[str, int]]:
             return [item async for item in ch]
 
-        *_, out = await asyncio.wait_for(
-            asyncio.gather(produce("a"), produce("b"), consume()), timeout=5
-        )
+        *_, out = await asyncio.wait_for(asyncio.gather(produce("a"), produce("b"), consume()), timeout=5)
         return out
 
     out = asyncio.run(main())

@@ -26,9 +26,7 @@ def dflash(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -
     """Run bin/dflash with DFLASH_PROFILE_INTERVAL cleared unless `env` sets it."""
     full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"}
     full_env.update(env or {})
-    return subprocess.run(
-        [str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
-    )
+    return subprocess.run([str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:
@@ -113,9 +111,7 @@ def test_negative_profile_interval_is_a_one_line_error(tmp_path: Path) -> None:
 
 def test_non_numeric_profile_env_is_a_one_line_error(tmp_path: Path) -> None:
     """`DFLASH_PROFILE_INTERVAL=abc dflash run` exits 2 with one error line naming the variable."""
-    proc = dflash(
-        "run", str(TINY), "--set", f"run.output_dir={tmp_path}", env={"DFLASH_PROFILE_INTERVAL": "abc"}
-    )
+    proc = dflash("run", str(TINY), "--set", f"run.output_dir={tmp_path}", env={"DFLASH_PROFILE_INTERVAL": "abc"})
     line = assert_one_line_error(proc)
     assert "DFLASH_PROFILE_INTERVAL" in line
     assert "abc" in line

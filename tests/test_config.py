@@ -95,9 +95,7 @@ def test_config_error_is_a_usage_error() -> None:
         ("[nosuch]\nx = 1\n", "nosuch", ["drafter", "train"]),
     ],
 )
-def test_unknown_key_names_path_and_allowed_keys(
-    tmp_path: Path, text: str, path: str, allowed: list[str]
-) -> None:
+def test_unknown_key_names_path_and_allowed_keys(tmp_path: Path, text: str, path: str, allowed: list[str]) -> None:
     """An unknown key, top level or nested, is an error naming its path and the allowed keys."""
     msg = config_error(lambda: load_text(tmp_path, text))
     assert f"{path}: unknown key" in msg
@@ -189,9 +187,7 @@ def test_int_is_accepted_for_a_float_key(tmp_path: Path) -> None:
         ("[target.tiny]\nnum_heads = 3\nnum_kv_heads = 2\n", ["target.tiny", "num_kv_heads"]),
     ],
 )
-def test_cross_field_check_fails_with_named_keys(
-    tmp_path: Path, text: str, fragments: list[str]
-) -> None:
+def test_cross_field_check_fails_with_named_keys(tmp_path: Path, text: str, fragments: list[str]) -> None:
     """Checks spanning several keys are ConfigErrors that name the section and keys."""
     msg = config_error(lambda: load_text(tmp_path, text))
     for fragment in fragments:
@@ -407,9 +403,7 @@ def test_validation_errors_name_the_source_file(tmp_path: Path) -> None:
 
 def test_several_errors_are_reported_on_one_line(tmp_path: Path) -> None:
     """Every invalid key is named, joined on a single line."""
-    msg = config_error(
-        lambda: load_text(tmp_path, "[drafter]\nnum_layers = 0\nbogus = 1\n[train]\nlr = -1\n")
-    )
+    msg = config_error(lambda: load_text(tmp_path, "[drafter]\nnum_layers = 0\nbogus = 1\n[train]\nlr = -1\n"))
     assert "drafter.num_layers" in msg
     assert "drafter.bogus" in msg
     assert "train.lr" in msg

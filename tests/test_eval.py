@@ -9,7 +9,7 @@ import torch
 from dflash import Coordinator
 from dflash.config import load_config
 from dflash.data.synthetic import draw_prompts
-from dflash.eval import evaluate, greedy_generate, inference_masks, speculative_generate
+from dflash.eval import evaluate, greedy_generate, inference_masks
 from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, FrozenHead
 from dflash.model.masks import BlockLayout
 from dflash.model.target import load_target
@@ -44,9 +44,7 @@ def test_cached_block_forward_equals_training_forward():
     )
     from dflash.config import DrafterConfig
 
-    dcfg = DrafterConfig(
-        num_layers=2, block_size=B, layer_types=spec.layer_types, sliding_window=spec.sliding_window
-    )
+    dcfg = DrafterConfig(num_layers=2, block_size=B, layer_types=spec.layer_types, sliding_window=spec.sliding_window)
     masks = build_masks(layout, dcfg, spec.layer_types, use_flex=False)
     q_pos = torch.arange(S, S + B)[None]
     want = d(emb, ctx, q_pos, torch.arange(S + 1)[None], masks)

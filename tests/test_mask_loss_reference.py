@@ -7,6 +7,7 @@ package. Everything runs on CPU with tiny shapes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -123,7 +124,7 @@ def random_docs(g: torch.Generator, R: int, T: int, first_id: int = 1) -> torch.
         ndocs = int(torch.randint(1, 4, (1,), generator=g))
         cuts = sorted(torch.randperm(used - 1, generator=g)[: ndocs - 1].add(1).tolist())
         bounds = [0, *cuts, used]
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        for s, e in itertools.pairwise(bounds):
             doc[r, s:e] = nid * 4 + 1  # sparse, non-contiguous ids
             nid += 1
     return doc
@@ -131,7 +132,7 @@ def random_docs(g: torch.Generator, R: int, T: int, first_id: int = 1) -> torch.
 
 def random_anchors(g: torch.Generator, doc: torch.Tensor, N: int):
     """(R, N) anchors inside documents (some at a doc start), ~1/3 disabled (junk value)."""
-    R, T = doc.shape
+    R, _ = doc.shape
     anchors = torch.zeros(R, N, dtype=torch.long)
     valid = torch.zeros(R, N, dtype=torch.bool)
     for r in range(R):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -130,7 +131,7 @@ def test_embedded_in_callers_loop(tiny_config):
 
     summary, ticks = asyncio.run(main())
     assert summary["reason"] == "stopped"
-    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
     # Loading models happens in a thread too; the loop keeps ticking throughout.
     assert max(gaps) < 0.5, max(gaps)
     assert len(ticks) > 50

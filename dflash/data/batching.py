@@ -52,9 +52,7 @@ def collate(samples: list[Sample], index: int, epoch: int) -> Batch:
 class BatchPlan:
     """The run's sequence of batches: `epochs` passes, shuffled per epoch from `seed`."""
 
-    def __init__(
-        self, samples: list[Sample], batch_size: int, epochs: int, seed: int, shuffle: bool
-    ) -> None:
+    def __init__(self, samples: list[Sample], batch_size: int, epochs: int, seed: int, shuffle: bool) -> None:
         assert samples and batch_size >= 1 and epochs >= 1
         self.samples = samples
         self.batch_size = batch_size

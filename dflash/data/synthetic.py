@@ -58,8 +58,6 @@ def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | 
             cont = _greedy(target, p, cfg.gen_len).cpu()
             for row, i in enumerate(part):
                 ids = torch.cat([prompts[i], cont[row]])
-                mask = torch.cat(
-                    [torch.zeros(length, dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)]
-                )
+                mask = torch.cat([torch.zeros(length, dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)])
                 samples[i] = Sample(sample_id=i, input_ids=ids, loss_mask=mask)
     return [s for s in samples if s is not None]

@@ -18,7 +18,7 @@ _MASK63 = (1 << 63) - 1
 
 def sample_seed(seed: int, sample_id: int, epoch: int) -> int:
     # A fixed integer mix (not Python's hash(), which is salted per process).
-    x = (seed * 0x9E3779B97F4A7C15 + sample_id * 0xBF58476D1CE4E5B9 + epoch * 0x94D049BB133111EB)
+    x = seed * 0x9E3779B97F4A7C15 + sample_id * 0xBF58476D1CE4E5B9 + epoch * 0x94D049BB133111EB
     x ^= x >> 31
     return x & _MASK63
 

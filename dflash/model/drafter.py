@@ -147,7 +147,9 @@ class Attention(nn.Module):
         out = attend(q, k, v, mask)  # (R, h, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * hd))
 
-    def context_kv(self, ctx: torch.Tensor, rope_c: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, ctx: torch.Tensor, rope_c: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of context positions (R, kvh, S, hd): they depend on the context only,
         so inference computes them once per position and caches them."""
         R, S, _ = ctx.shape

@@ -78,8 +78,13 @@ def block_targets(
 
 
 def reveal_slots(
-    input_ids: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-    block_size: int, prob: float, generator: torch.Generator,
+    input_ids: torch.Tensor,
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    prob: float,
+    generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The noise schedule's draw: each slot k >= 1 of a valid block whose position lies in
     the anchor's document shows its true token with probability `prob` (else the mask
@@ -131,9 +136,7 @@ def block_loss(
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         # Recompute the chunk's logits in backward rather than keep [chunk, V] alive.
-        part, ok = checkpoint(
-            _chunk_loss, h[s:e], lm_head, labels[s:e], weights[s:e], use_reentrant=False
-        )
+        part, ok = checkpoint(_chunk_loss, h[s:e], lm_head, labels[s:e], weights[s:e], use_reentrant=False)
         total = total + part
         correct.index_add_(0, slot[s:e], ok.detach())
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

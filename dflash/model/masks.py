@@ -81,6 +81,4 @@ def flex_block_mask(mask_mod: MaskMod, layout: BlockLayout) -> object:
     from torch.nn.attention.flex_attention import create_block_mask
 
     R, Q = layout.anchors.shape[0], layout.num_queries
-    return create_block_mask(
-        mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=layout.anchors.device
-    )
+    return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=layout.anchors.device)

@@ -86,15 +86,11 @@ class Target:
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(_config_value(cfg, "num_key_value_heads", default=self.num_heads))
-        self.head_dim = int(
-            _config_value(cfg, "head_dim", default=self.hidden_size // self.num_heads)
-        )
+        self.head_dim = int(_config_value(cfg, "head_dim", default=self.hidden_size // self.num_heads))
         self.intermediate_size = int(cfg.intermediate_size)
         self.rms_norm_eps = float(_config_value(cfg, "rms_norm_eps", default=1e-6))
         rope_params = getattr(cfg, "rope_parameters", None) or {}
-        self.rope_theta = float(
-            _config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0))
-        )
+        self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
         self.name = str(_config_value(cfg, "_name_or_path", default="")) or type(model).__name__
         self._captured: dict[int, torch.Tensor] = {}
         # Thread-local: eval may run plain forwards while a pipeline thread captures.

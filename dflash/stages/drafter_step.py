@@ -33,9 +33,7 @@ from dflash.stages._link import linked
 __all__ = ["build_masks", "micro_step", "run"]
 
 
-def build_masks(
-    layout: BlockLayout, cfg: DrafterConfig, layer_types: list[str], use_flex: bool
-) -> dict[str, Any]:
+def build_masks(layout: BlockLayout, cfg: DrafterConfig, layer_types: list[str], use_flex: bool) -> dict[str, Any]:
     """One mask per layer type present, all from the one mask_mod."""
     masks: dict[str, Any] = {}
     for lt in set(layer_types):
@@ -81,14 +79,10 @@ def micro_step(
             g = torch.Generator().manual_seed(sample_seed(seed, int(b.index), b.epoch) ^ 0x5EED)
             reveal, true_tokens = reveal_slots(b.input_ids, b.doc_ids, anchors, valid, B, reveal_prob, g)
             block_ids = torch.where(reveal, true_tokens, block_ids)
-        targets = block_targets(
-            b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma, reveal
-        )
+        targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma, reveal)
         q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     with device.span(Stage.DRAFTER_MASK):
-        layout = BlockLayout(
-            anchors.to(dev), valid.to(dev), b.doc_ids.to(dev, non_blocking=True), B
-        )
+        layout = BlockLayout(anchors.to(dev), valid.to(dev), b.doc_ids.to(dev, non_blocking=True), B)
         masks = build_masks(layout, cfg, spec.layer_types, use_flex)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with device.span(Stage.DRAFTER_FORWARD), autocast:
@@ -143,9 +137,7 @@ async def run(
                 correct = parts.correct_per_slot if correct is None else correct + parts.correct_per_slot
                 count = parts.count_per_slot if count is None else count + parts.count_per_slot
                 profiler.count("drafter_tokens", feats.batch.num_tokens)
-            await outbox.put(
-                StepGrads(rep.index, step, n, loss_sum, weight_sum, correct, count, tokens, samples)
-            )
+            await outbox.put(StepGrads(rep.index, step, n, loss_sum, weight_sum, correct, count, tokens, samples))
             if n == 0:
                 return
             try:

@@ -64,6 +64,7 @@ class StepGrads:
     count_per_slot: torch.Tensor | None  # (B,) host
     tokens: int  # tokens of the batches it consumed
     samples: int
+    ready: Any = None  # CUDA event: its backward is done (the optimizer's stream waits on it)
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,4 @@ class StepReply:
 
     step: int
     stop: bool
+    ready: Any = None  # CUDA event: the update is done (the replica's stream waits on it)

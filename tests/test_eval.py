@@ -108,3 +108,18 @@ def test_training_raises_tau_and_eval_is_lossless(tiny_config):
     ev = [r for r in records if r["event"] == "eval"]
     assert len(ev) == 1 and ev[0]["lossless"] is True
     assert ev[0]["tau"] > 1.2, ev[0]
+
+
+def test_periodic_eval_during_training(tiny_config):
+    """eval.every_steps = 2 emits an eval record after steps 2 and 4, between steps."""
+    records: list[dict] = []
+    cfg = tiny_config(
+        **{"train.max_steps": 4, "eval.every_steps": 2, "eval.at_end": "false", "eval.num_prompts": 1,
+           "eval.max_new_tokens": 8}
+    )  # fmt: skip
+    coord = Coordinator(cfg, log=False)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4]
+    assert all(e["lossless"] for e in evals)

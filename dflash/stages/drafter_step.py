@@ -97,6 +97,34 @@ def micro_step(
     return parts
 
 
+class _Accumulator:
+    """One replica's sums over the micro-batches of a step (updated in its worker thread)."""
+
+    def __init__(self) -> None:
+        self.n = self.tokens = self.samples = 0
+        self.weight_sum = 0.0
+        self.loss_sum: torch.Tensor | None = None
+        self.correct: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+
+    def add(self, work: Callable[[HostFeatures], LossParts], feats: HostFeatures) -> None:
+        parts = work(feats)
+        self.n += 1
+        self.tokens += feats.batch.num_tokens
+        self.samples += feats.batch.num_samples
+        self.weight_sum += parts.weight_sum
+        first = self.loss_sum is None
+        self.loss_sum = parts.loss_sum if first else self.loss_sum + parts.loss_sum
+        self.correct = parts.correct_per_slot if first else self.correct + parts.correct_per_slot
+        self.count = parts.count_per_slot if first else self.count + parts.count_per_slot
+
+    def grads(self, replica: int, step: int, ready: Any) -> StepGrads:
+        return StepGrads(
+            replica, step, self.n, self.loss_sum, self.weight_sum, self.correct, self.count,
+            self.tokens, self.samples, ready,
+        )  # fmt: skip
+
+
 async def run(
     rep: DrafterReplica,
     device: Device,
@@ -113,32 +141,25 @@ async def run(
     noise: Callable[[int], float] = lambda _step: 0.0,
 ) -> None:
     step = 0
+    wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
     with linked([inbox, replies], [outbox]):
         while True:
-            n = tokens = samples = 0
-            weight_sum = 0.0
-            loss_sum = correct = count = None
+            acc = _Accumulator()
             work = functools.partial(
                 micro_step, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk,
                 use_flex=use_flex, reveal_prob=noise(step),
             )  # fmt: skip
+            ready = None
             for _ in range(grad_accum):
                 try:
                     feats, waited = await inbox.get()
                 except EndOfStream:
                     break
                 profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited)
-                parts, _ = await device.run(None, work, feats)
-                n += 1
-                tokens += feats.batch.num_tokens
-                samples += feats.batch.num_samples
-                weight_sum += parts.weight_sum
-                loss_sum = parts.loss_sum if loss_sum is None else loss_sum + parts.loss_sum
-                correct = parts.correct_per_slot if correct is None else correct + parts.correct_per_slot
-                count = parts.count_per_slot if count is None else count + parts.count_per_slot
+                _, ready = await device.run(None, acc.add, work, feats, wait_for=wait_for)
                 profiler.count("drafter_tokens", feats.batch.num_tokens)
-            await outbox.put(StepGrads(rep.index, step, n, loss_sum, weight_sum, correct, count, tokens, samples))
-            if n == 0:
+            await outbox.put(acc.grads(rep.index, step, ready))
+            if acc.n == 0:
                 return
             try:
                 reply, waited = await replies.get()
@@ -147,4 +168,5 @@ async def run(
             profiler.record(Stage.DRAFTER_STEP_WAIT, waited)
             if reply.stop:
                 return
+            wait_for = [reply.ready]
             step += 1

@@ -141,10 +141,11 @@ async def run(
     """Returns the number of optimizer steps taken."""
     active = set(range(len(replicas)))
     pending: list[StepResult] = []
+    ready = None
     step = 0
 
     async def flush() -> None:
-        records, _ = await device.run(Stage.METRICS_SYNC, to_records, list(pending))
+        records, _ = await device.run(Stage.METRICS_SYNC, to_records, list(pending), wait_for=[ready])
         pending.clear()
         emit_steps(records)
 
@@ -163,7 +164,10 @@ async def run(
                 finished |= active - {m.replica for m in msgs}
             if contribs:
                 step += 1
-                result, _ = await device.run(None, apply_step, replicas, contribs, device, grad_clip, step)
+                result, ready = await device.run(
+                    None, apply_step, replicas, contribs, device, grad_clip, step,
+                    wait_for=[c.ready for c in contribs],
+                )  # fmt: skip
                 pending.append(result)
                 profiler.count("steps", 1)
                 profiler.count("samples", result.samples)
@@ -173,13 +177,13 @@ async def run(
                     await flush()
                 if evaluate is not None and eval_every and step % eval_every == 0:
                     # Replicas wait for this step's reply meanwhile: their weights are read.
-                    record, _ = await device.run(Stage.EVAL, evaluate, step)
+                    record, _ = await device.run(Stage.EVAL, evaluate, step, wait_for=[ready])
                     if emit_eval is not None:
                         emit_eval(record)
             stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)
             active -= finished
             for r in sorted(active):
-                await replies[r].put(StepReply(step, stop_now))
+                await replies[r].put(StepReply(step, stop_now, ready))
             if stop_now or not contribs:
                 break
         if pending:

@@ -1,0 +1,91 @@
+"""Targets from a local Hugging Face folder, layer capture, and mask-token validation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from dflash import ConfigError, Coordinator
+from dflash.config import TinyTargetConfig
+from dflash.model.drafter import default_target_layers
+from dflash.model.target import Target, build_tiny
+
+
+def test_default_target_layers_follow_dflash_rule():
+    """One draft layer reads L//2; n layers read round(1 + i(L-4)/(n-1)) (Qwen3-8B: 1,9,17,25,33)."""
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layers(30, 1) == [15]
+
+
+def test_capture_equals_hidden_states_offset_by_one():
+    """Captured layer i equals HF hidden_states[i + 1] (the output of decoder layer i)."""
+    model = build_tiny(TinyTargetConfig(num_layers=4))
+    t = Target(model, [0, 2])
+    ids = torch.randint(0, 500, (2, 7))
+    got = t.capture(ids, torch.ones_like(ids), torch.arange(7).expand(2, 7))
+    hs = model(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(got[0], hs[1])
+    torch.testing.assert_close(got[1], hs[3])
+    # plain forwards are untouched by the capture hooks
+    assert model(ids).logits.shape == (2, 7, 512)
+
+
+def test_hf_folder_target_trains(tiny_config, tmp_path):
+    """target.kind = 'hf' loads a local model folder (here: the tiny model saved to disk)."""
+    folder = tmp_path / "model"
+    build_tiny(TinyTargetConfig()).save_pretrained(folder)
+    cfg = tiny_config(
+        **{"target.kind": '"hf"', "target.path": f'"{folder}"', "drafter.mask_token_id": 511,
+           "train.max_steps": 2, "eval.at_end": "false"}
+    )  # fmt: skip
+    coord = Coordinator(cfg, log=False)
+    summary = asyncio.run(coord.run())
+    assert summary["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"target.kind": '"hf"', "target.path": '"/nonexistent/model"'}, "is not a folder"),
+        ({"drafter.mask_token_id": 100000}, "outside the target's embedding"),
+        ({"target.layer_ids": "[9]"}, "out of range"),
+        ({"pipeline.drafter_devices": '["cuda:0"]'}, "CUDA is not available"),
+        ({"drafter.attention": '"flex"'}, "no backward on CPU"),
+    ],
+)
+def test_bad_setup_is_a_config_error(tiny_config, overrides, message):
+    """Set-up problems are ConfigErrors that say what is wrong, before any training."""
+    if "cuda" in str(overrides) and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=message):
+        asyncio.run(Coordinator(tiny_config(**overrides), log=False).run())
+
+
+def test_hf_folder_without_mask_token_is_refused(tiny_config, tmp_path):
+    """A real target needs an explicit drafter.mask_token_id."""
+    folder = tmp_path / "model"
+    build_tiny(TinyTargetConfig()).save_pretrained(folder)
+    cfg = tiny_config(**{"target.kind": '"hf"', "target.path": f'"{folder}"'})
+    with pytest.raises(ConfigError, match="mask_token_id: required"):
+        asyncio.run(Coordinator(cfg, log=False).run())
+
+
+def test_near_zero_mask_row_warns(tiny_config, tmp_path):
+    """A mask token whose embedding row is ~0 (SGLang #27924) gives a warning record."""
+    folder = tmp_path / "model"
+    model = build_tiny(TinyTargetConfig())
+    with torch.no_grad():
+        model.get_input_embeddings().weight[7].zero_()
+    model.save_pretrained(folder)
+    records: list[dict] = []
+    cfg = tiny_config(
+        **{"target.kind": '"hf"', "target.path": f'"{folder}"', "drafter.mask_token_id": 7,
+           "train.max_steps": 1, "eval.at_end": "false"}
+    )  # fmt: skip
+    coord = Coordinator(cfg, log=False)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    warnings = [r["message"] for r in records if r["event"] == "warning"]
+    assert any("near zero" in w for w in warnings), warnings

@@ -29,6 +29,14 @@ def _fail(err: BaseException) -> None:
     sys.exit(code)
 
 
+def _unexpected(err: Exception) -> None:
+    if os.environ.get("DFLASH_DEBUG"):
+        raise err
+    msg = " ".join(str(err).split()) or "no message"
+    click.echo(f"dflash: error: {type(err).__name__}: {msg} (DFLASH_DEBUG=1 shows the traceback)", err=True)
+    sys.exit(1)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dflash")
 def main() -> None:
@@ -90,6 +98,8 @@ def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile
     except KeyboardInterrupt:
         click.echo("dflash: aborted", err=True)
         sys.exit(130)
+    except Exception as err:  # not ours: still one line, the traceback on request
+        _unexpected(err)
     finally:
         if log_fh is not None:
             log_fh.close()
@@ -128,6 +138,8 @@ def eval_cmd(
         )
     except DFlashError as err:
         _fail(err)
+    except Exception as err:
+        _unexpected(err)
 
 
 @main.group()

@@ -207,8 +207,12 @@ class Coordinator:
         self._warnings: list[str] = []
         self._total_steps: int | str = "?"
         t_start = time.perf_counter()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+        except OSError as err:
+            msg = f"run.output_dir: cannot write the run folder {self.run_dir}: {err.strerror or err}"
+            raise ConfigError(msg) from None
         self.emit(
             "run_start",
             run_dir=str(self.run_dir),

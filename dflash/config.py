@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "DataFile",
     "DrafterConfig",
     "EvalConfig",
     "PipelineConfig",
@@ -50,16 +51,43 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, description="seeds data order, anchors and init")
 
 
-class DataConfig(_Section):
-    source: Literal["synthetic"] = Field(
-        "synthetic",
-        description="synthetic: random prompts continued by the target's own greedy output",
+class DataFile(_Section):
+    """One dataset in a mix: `[[data.files]] path = "chat.jsonl"  weight = 2.0`."""
+
+    path: str = Field(min_length=1, description="JSONL / parquet file, or a `datasets` folder")
+    weight: float = Field(1.0, gt=0, description="relative share of this file in an epoch")
+    format: Literal["auto", "jsonl", "parquet", "hf_datasets"] = Field(
+        "auto", description="auto: by extension (.jsonl/.json, .parquet) or folder"
     )
-    num_samples: int = Field(256, ge=1, le=10_000_000)
-    prompt_len: int = Field(16, ge=2, le=65_536, description="max prompt tokens (min is half)")
-    gen_len: int = Field(48, ge=2, le=65_536, description="tokens the target writes per sample")
-    batch_size: int = Field(8, ge=1, le=65_536, description="sequences per batch")
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "files"] = Field(
+        "synthetic",
+        description="synthetic: random prompts continued by the target; files: chat datasets",
+    )
+    files: list[DataFile] = Field([], description="source = 'files': the datasets to mix")
+    num_samples: int = Field(256, ge=1, le=10_000_000, description="synthetic: how many samples")
+    prompt_len: int = Field(16, ge=2, le=65_536, description="synthetic: max prompt tokens (min is half)")
+    gen_len: int = Field(48, ge=2, le=65_536, description="synthetic: tokens the target writes per sample")
+    max_seq_len: int = Field(2048, ge=8, le=1_048_576, description="longest sequence, in tokens")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="what to do with longer ones")
+    skip_invalid: bool = Field(False, description="skip (and count) malformed records instead of failing")
+    batch_size: int = Field(8, ge=1, le=65_536, description="most sequences per batch")
+    token_budget: int = Field(
+        0, ge=0, le=16_777_216, description="most tokens per batch (rows x length); 0 = batch_size only"
+    )
+    num_buckets: int = Field(1, ge=1, le=64, description="length buckets (sequences of like length batch together)")
+    pack: bool = Field(False, description="pack several documents into one row (document ids keep them apart)")
     shuffle: bool = True
+    cache_dir: str = Field("", description="tokenization / model cache; default ~/.cache/dflash")
+
+    @model_validator(mode="after")
+    def _files(self) -> DataConfig:
+        if self.source == "files" and not self.files:
+            msg = "source = 'files' needs at least one [[data.files]] entry with a path"
+            raise ValueError(msg)
+        return self
 
 
 class TinyTargetConfig(_Section):
@@ -253,14 +281,25 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "<config>"
 
 
+def _section_type(ann: Any) -> type[BaseModel] | None:
+    """The section model behind an annotation: `Model` or `list[Model]`."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    args = get_args(ann) if get_origin(ann) is list else ()
+    if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        ann = field.annotation if field else None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
+        if isinstance(part, int):  # an index into a list of sections
+            continue
+        field = model.model_fields.get(part)
+        sub = _section_type(field.annotation) if field else None
+        if sub is None:
             break
+        model = sub
     return sorted(model.model_fields)
 
 

@@ -142,6 +142,47 @@ def eval_cmd(
         _unexpected(err)
 
 
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+def regen(config: Path, overrides: tuple[str, ...]) -> None:
+    """Let the target write the assistant turns for the [regen] prompts (resumable)."""
+    from dflash import logs
+    from dflash.config import load_config
+
+    try:
+        cfg = load_config(config, list(overrides))
+        logs.configure(sys.stdout)
+        import structlog
+        import torch
+
+        from dflash.data.regen import regenerate
+        from dflash.devices import check_device
+        from dflash.model.loading import load_tokenizer
+        from dflash.model.target import load_target
+
+        if cfg.target.kind == "tiny":
+            msg = "regen needs a real target with a tokenizer (target.kind = 'hf' or 'gguf')"
+            raise ConfigError(msg)
+        dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
+        tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
+        target = load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
+        torch.manual_seed(cfg.regen.seed)
+        stats = regenerate(cfg, target, tokenizer, progress=sys.stderr.isatty())
+        structlog.get_logger("dflash").info("regen", **stats)
+        logs.human(
+            f"dflash regen: {stats['generated']} replies written ({stats['resumed_from']} already there), "
+            f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
+        )
+    except DFlashError as err:
+        _fail(err)
+    except KeyboardInterrupt:
+        click.echo("dflash: regen interrupted; run it again to resume", err=True)
+        sys.exit(130)
+    except Exception as err:
+        _unexpected(err)
+
+
 @main.group()
 def config() -> None:
     """Inspect configs."""

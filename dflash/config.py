@@ -26,6 +26,7 @@ __all__ = [
     "EvalConfig",
     "PipelineConfig",
     "ProfileConfig",
+    "RegenConfig",
     "RunConfig",
     "TargetConfig",
     "TinyTargetConfig",
@@ -115,8 +116,17 @@ class TinyTargetConfig(_Section):
 
 
 class TargetConfig(_Section):
-    kind: Literal["tiny", "hf"] = Field("tiny", description="tiny: random Qwen3; hf: a local folder")
-    path: str | None = Field(None, description="local Hugging Face model folder (kind = 'hf')")
+    kind: Literal["tiny", "hf", "gguf"] = Field(
+        "tiny", description="tiny: random Qwen3; hf: a local model folder; gguf: a GGUF file"
+    )
+    path: str | None = Field(
+        None,
+        description="hf: a local model folder; gguf: a .gguf file, or pkg:PACKAGE/FILE.gguf for one "
+        "shipped inside an installed Python package",
+    )
+    stop_token: str | None = Field(
+        None, description="end-of-turn token for generation and eval (e.g. '<|im_end|>'); default: the model's eos"
+    )
     layer_ids: list[int] | None = Field(
         None, description="target layers whose outputs feed the drafter; default per DFlash"
     )
@@ -139,8 +149,8 @@ class TargetConfig(_Section):
 
     @model_validator(mode="after")
     def _path(self) -> TargetConfig:
-        if self.kind == "hf" and not self.path:
-            msg = "kind = 'hf' needs path = a local model folder"
+        if self.kind in ("hf", "gguf") and not self.path:
+            msg = f"kind = '{self.kind}' needs path = a local model {'folder' if self.kind == 'hf' else 'file'}"
             raise ValueError(msg)
         return self
 
@@ -247,8 +257,26 @@ class ProfileConfig(_Section):
     interval_s: float = Field(10.0, gt=0, le=86_400, description="seconds per profile record")
 
 
+class RegenConfig(_Section):
+    """`dflash regen`: the target writes the assistant turns (self-distillation)."""
+
+    prompts: str = Field(
+        "chatterbot", description="'chatterbot' (the chatterbot-corpus package) or a chat JSONL file"
+    )
+    output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
+    max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
+    holdout: int = Field(32, ge=0, description="prompts kept out of training, for eval")
+    max_new_tokens: int = Field(64, ge=1, le=65_536)
+    batch_size: int = Field(32, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
+    seed: int = Field(0, ge=0, description="order of the prompts, and sampling")
+
+
 class EvalConfig(_Section):
     num_prompts: int = Field(8, ge=1, le=100_000, description="held-out prompts per eval")
+    prompts: str = Field(
+        "", description="chat JSONL of held-out prompts; default: regen's holdout file (files) or random (synthetic)"
+    )
     max_new_tokens: int = Field(64, ge=1, le=65_536)
     every_steps: int = Field(0, ge=0, description="eval every N optimizer steps; 0 = never")
     at_end: bool = Field(True, description="evaluate the trained drafter when training ends")
@@ -266,12 +294,25 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     pipeline: PipelineConfig = PipelineConfig()
     profile: ProfileConfig = ProfileConfig()
+    regen: RegenConfig = RegenConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
+
+    @property
+    def regen_output(self) -> Path:
+        p = Path(self.regen.output).expanduser()
+        return p if p.is_absolute() else self.run_dir / p
+
+    @property
+    def heldout_prompts(self) -> Path:
+        if self.eval.prompts:
+            return Path(self.eval.prompts).expanduser()
+        out = self.regen_output
+        return out.with_name(out.stem + ".heldout.jsonl")
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -31,12 +31,13 @@ from dflash import faults
 from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.config import Config, dump_toml
 from dflash.data.batching import BatchPlan
-from dflash.data.synthetic import draw_prompts, synthesize
+from dflash.data.synthetic import synthesize
 from dflash.devices import Device, check_device
 from dflash.errors import ConfigError, DataError, StageError
-from dflash.eval import evaluate, stop_ids_of
+from dflash.eval import eval_prompts, evaluate, stop_ids
 from dflash.export import export_drafter
 from dflash.model.drafter import DrafterSpec, FrozenHead
+from dflash.model.loading import cache_root, load_tokenizer
 from dflash.model.target import Target, load_target
 from dflash.profile import Profiler
 from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
@@ -76,6 +77,9 @@ class Coordinator:
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.replicas: list[DrafterReplica] = []
+        self.tokenizer: Any = None
+        self._eval_prompts: list[torch.Tensor] | None = None
+        self._data_stats: dict[str, Any] = {}
         self.targets: list[Target] = []
         self.steps = 0
         self.tokens = 0
@@ -128,7 +132,9 @@ class Coordinator:
                 "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
             )
             raise ConfigError(msg)
-        targets = [load_target(cfg.target, dev, cfg.drafter.num_layers) for dev in t_devs]
+        cache = cfg.data.cache_dir
+        self.tokenizer = load_tokenizer(cfg.target, cache)
+        targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cache) for dev in t_devs]
         t0 = targets[0]
         mask_id = cfg.drafter.mask_token_id
         if mask_id is None:
@@ -149,7 +155,18 @@ class Coordinator:
                 f"drafter.mask_token_id {mask_id}: its embedding row is near zero "
                 f"(norm {row:.3g} vs mean {mean:.3g}); the drafter cannot tell mask slots apart"
             )
-        samples = synthesize(cfg.data, t0, cfg.run.seed, exclude_token=mask_id)
+        if cfg.data.source == "synthetic":
+            samples = synthesize(cfg.data, t0, cfg.run.seed, exclude_token=mask_id)
+            self._data_stats = {"samples": len(samples)}
+        else:
+            if self.tokenizer is None:
+                msg = "data.source = 'files' needs a target with a tokenizer (target.kind = 'hf' or 'gguf')"
+                raise ConfigError(msg)
+            from dflash.data.tokenize import load_samples
+
+            samples, self._data_stats = load_samples(
+                cfg.data, self.tokenizer, cache_dir=cache_root(cache), progress=sys.stderr.isatty()
+            )
         if not samples:
             msg = "data: no samples to train on"
             raise DataError(msg)
@@ -186,11 +203,10 @@ class Coordinator:
     def _evaluate(self, step: int) -> Record:
         """Speculative decoding with replica 0 against target 0 on held-out prompts."""
         cfg, target, rep = self.config, self.targets[0], self.replicas[0]
-        prompts = draw_prompts(
-            cfg.data, target.vocab_size, cfg.eval.num_prompts, cfg.run.seed + 104_729,
-            rep.model.spec.mask_token_id,
-        )  # fmt: skip
-        record = evaluate(target, rep.model, rep.head, prompts, cfg.eval.max_new_tokens, stop_ids_of(target))
+        if self._eval_prompts is None:
+            self._eval_prompts = eval_prompts(cfg, target, self.tokenizer, rep.model.spec.mask_token_id)
+        stops = stop_ids(target, self.tokenizer)
+        record = evaluate(target, rep.model, rep.head, self._eval_prompts, cfg.eval.max_new_tokens, stops)
         return {"step": step, **record}
 
     def _warn_later(self, message: str) -> None:
@@ -227,6 +243,7 @@ class Coordinator:
         self.emit(
             "setup",
             samples=len(setup.plan.samples),
+            data=self._data_stats,
             batches_per_epoch=setup.plan.batches_per_epoch,
             total_steps=setup.total_steps,
             target=setup.targets[0].name,

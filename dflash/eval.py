@@ -221,20 +221,52 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
         raise CheckpointError(msg)
 
 
+def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list[torch.Tensor]:
+    """Held-out prompts as token ids: random ones for synthetic data, else the chat prompts
+    of `eval.prompts` (default: the held-out file regen wrote), through the chat template."""
+    from dflash.data.synthetic import draw_prompts
+
+    n = cfg.eval.num_prompts
+    if cfg.data.source == "synthetic" and not cfg.eval.prompts:
+        return draw_prompts(cfg.data, target.vocab_size, n, cfg.run.seed + 104_729, mask_id)
+    from dflash.data.regen import jsonl_prompts
+    from dflash.errors import DataError
+
+    if tokenizer is None:
+        msg = "eval on chat prompts needs a target with a tokenizer (target.kind = 'hf' or 'gguf')"
+        raise DataError(msg)
+    path = cfg.heldout_prompts
+    if not path.is_file():
+        msg = f"eval prompts not found: {path} (run `dflash regen` first, or set eval.prompts)"
+        raise DataError(msg)
+    out = []
+    for p in jsonl_prompts(path)[:n]:
+        enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
+    return out
+
+
+def stop_ids(target: Target, tokenizer: Any) -> set[int]:
+    """The tokenizer's end-of-turn id when there is a tokenizer (GGUF metadata can be off)."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return {int(tokenizer.eos_token_id)}
+    return stop_ids_of(target)
+
+
 def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
     """`dflash eval`: load the config's target and an exported drafter, evaluate."""
-    from dflash.data.synthetic import draw_prompts
     from dflash.devices import check_device
     from dflash.export import load_drafter
+    from dflash.model.loading import load_tokenizer
     from dflash.model.target import load_target
 
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     drafter = load_drafter(drafter_path, d_dev)
-    target = load_target(cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids}), t_dev, 1)
+    tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
+    target = load_target(tcfg, t_dev, 1, cfg.data.cache_dir)
+    tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     check_compatible(drafter, target)
     head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
-    prompts = draw_prompts(
-        cfg.data, target.vocab_size, cfg.eval.num_prompts, cfg.run.seed + 104_729, drafter.spec.mask_token_id
-    )
-    return evaluate(target, drafter, head, prompts, cfg.eval.max_new_tokens, stop_ids_of(target))
+    prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)
+    return evaluate(target, drafter, head, prompts, cfg.eval.max_new_tokens, stop_ids(target, tokenizer))

@@ -25,10 +25,6 @@ class Batch:
     num_tokens: int  # non-padding tokens
     num_samples: int
 
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return (self.doc_ids >= 0).long()
-
 
 @dataclass(frozen=True)
 class TargetFeatures:

@@ -24,7 +24,7 @@ def test_capture_equals_hidden_states_offset_by_one():
     model = build_tiny(TinyTargetConfig(num_layers=4))
     t = Target(model, [0, 2])
     ids = torch.randint(0, 500, (2, 7))
-    got = t.capture(ids, torch.ones_like(ids), torch.arange(7).expand(2, 7))
+    got = t.capture(ids, torch.zeros_like(ids), torch.arange(7).expand(2, 7))
     hs = model(ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(got[0], hs[1])
     torch.testing.assert_close(got[1], hs[3])
@@ -89,3 +89,18 @@ def test_near_zero_mask_row_warns(tiny_config, tmp_path):
     asyncio.run(coord.run())
     warnings = [r["message"] for r in records if r["event"] == "warning"]
     assert any("near zero" in w for w in warnings), warnings
+
+
+def test_packed_row_features_equal_separate_documents():
+    """A packed row (two documents + padding) gives each document the features it has alone."""
+    model = build_tiny(TinyTargetConfig(num_layers=3))
+    t = Target(model, [1])
+    a, b = torch.randint(0, 500, (5,)), torch.randint(0, 500, (4,))
+    ids = torch.cat([a, b, torch.zeros(2, dtype=torch.long)])[None]
+    doc = torch.tensor([[3] * 5 + [8] * 4 + [-1] * 2])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0]])
+    (packed,) = t.capture(ids, doc, pos)
+    (alone_a,) = t.capture(a[None], torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None])
+    (alone_b,) = t.capture(b[None], torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None])
+    torch.testing.assert_close(packed[0, :5], alone_a[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[0, 5:9], alone_b[0], atol=1e-5, rtol=1e-5)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.errors import ConfigError
 
-__all__ = ["Target", "build_tiny", "load_target", "resolve_dtype"]
+__all__ = ["Target", "build_tiny", "document_mask", "load_target", "resolve_dtype"]
 
 
 class _StopForward(Exception):
@@ -63,6 +62,18 @@ def _config_value(cfg: Any, *names: str, default: Any = None) -> Any:
         if v is not None:
             return v
     return default
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(R, 1, T, T) bool, True = attend: causal inside each document of a packed row.
+
+    Padding positions (-1) attend to themselves only, so that no row is fully masked.
+    """
+    T = doc_ids.shape[1]
+    idx = torch.arange(T, device=doc_ids.device)
+    causal = idx[:, None] >= idx[None, :]  # (T, T)
+    same = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)  # (R, T, T)
+    return ((causal & same) | torch.eye(T, dtype=torch.bool, device=doc_ids.device))[:, None]
 
 
 class Target:
@@ -132,9 +143,16 @@ class Target:
 
     @torch.no_grad()
     def capture(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor
     ) -> list[torch.Tensor]:
-        """The chosen layers' outputs, each (R, T, H), in `layer_ids` order."""
+        """The chosen layers' outputs, each (R, T, H), in `layer_ids` order.
+
+        `doc_ids` (R, T): -1 for padding. A row holding several documents gets a 4-D
+        document-causal mask (documents never see each other); otherwise a plain padding
+        mask, which lets the model use its fastest attention path.
+        """
+        packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())
+        attention_mask = document_mask(doc_ids) if packed else (doc_ids >= 0).long()
         self._captured = {}
         base = getattr(self.model, "model", self.model)
         self._local.active = True
@@ -153,21 +171,18 @@ class Target:
         return out
 
 
-def load_target(cfg: TargetConfig, device: torch.device, num_draft_layers: int) -> Target:
+def load_target(
+    cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = ""
+) -> Target:
     from dflash.model.drafter import default_target_layers
+    from dflash.model.loading import _quiet_transformers, model_folder
 
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.kind == "tiny":
         model = build_tiny(cfg.tiny)
     else:
-        assert cfg.path is not None
-        path = Path(cfg.path).expanduser()
-        if not path.is_dir():
-            msg = f"target.path: {path} is not a folder (a local Hugging Face model folder)"
-            raise ConfigError(msg)
-        if not (path / "config.json").is_file():
-            msg = f"target.path: {path} has no config.json; not a Hugging Face model folder"
-            raise ConfigError(msg)
+        path = model_folder(cfg, cache_dir)
+        _quiet_transformers()
         from transformers import AutoModelForCausalLM
 
         try:

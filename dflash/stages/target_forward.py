@@ -28,9 +28,9 @@ async def run(
     def forward(batch: Batch) -> list:
         faults.check(Stage.TARGET_FORWARD)
         ids = batch.input_ids.to(dev, non_blocking=True)  # (R, T)
-        attn = batch.attention_mask.to(dev, non_blocking=True)
+        docs = batch.doc_ids.to(dev, non_blocking=True)
         pos = batch.positions.to(dev, non_blocking=True)
-        return target.capture(ids, attn, pos)  # k × (R, T, H)
+        return target.capture(ids, docs, pos)  # k × (R, T, H)
 
     async def step(batch: Batch) -> TargetFeatures:
         layers, ready = await device.run(Stage.TARGET_FORWARD, forward, batch)

@@ -1,0 +1,199 @@
+"""Self-distillation: the target writes the assistant turns for a prompt set.
+
+This is how production drafters are trained — on the target's own outputs, which is
+exactly what the drafter must predict at inference — and it makes a small prompt set
+enough. `dflash regen CONFIG` reads prompts (the chatterbot-corpus package, or a chat
+JSONL whose conversations are cut before their first assistant turn), keeps `holdout` of
+them aside for eval, and generates replies in batches (greedy, or sampled), sorted by
+length so that padding stays low. Output is JSONL `{"id", "messages"}`, appended batch by
+batch and flushed: an interrupted regen resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import Config
+from dflash.errors import DataError
+
+__all__ = ["chatterbot_prompts", "jsonl_prompts", "load_prompts", "regenerate", "write_jsonl"]
+
+Messages = list[dict[str, str]]
+
+
+def chatterbot_prompts(language: str = "english") -> list[Messages]:
+    """Every distinct utterance of the chatterbot corpus, as a one-turn user prompt."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec is None or not spec.submodule_search_locations:
+        msg = "regen.prompts = 'chatterbot' needs the package: pip install chatterbot-corpus==1.3.3 pyyaml"
+        raise DataError(msg)
+    import yaml
+
+    folder = Path(next(iter(spec.submodule_search_locations))) / "data" / language
+    seen: dict[str, None] = {}
+    for f in sorted(folder.glob("*.yml")):
+        try:
+            doc = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            msg = f"{f}: unreadable corpus file: {err}".splitlines()[0]
+            raise DataError(msg) from None
+        for conv in doc.get("conversations") or []:
+            for utt in conv or []:
+                if isinstance(utt, str) and utt.strip():
+                    seen.setdefault(utt.strip(), None)
+    return [[{"role": "user", "content": u}] for u in seen]
+
+
+def jsonl_prompts(path: Path) -> list[Messages]:
+    """Conversations from a chat JSONL (`messages` or ShareGPT `conversations`), cut before
+    their first assistant turn."""
+    if not path.is_file():
+        msg = f"regen.prompts: file not found: {path}"
+        raise DataError(msg)
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "model": "assistant", "system": "system"}  # fmt: skip
+    out = []
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+                turns = rec.get("messages") or rec.get("conversations")
+                msgs = [
+                    {"role": roles[t.get("role", t.get("from"))], "content": str(t.get("content", t.get("value")))}
+                    for t in turns
+                ]
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
+                msg = f"{path}:{n}: not a chat record ({type(err).__name__}: {err})"
+                raise DataError(" ".join(msg.split())) from None
+            prompt = []
+            for m in msgs:
+                if m["role"] == "assistant":
+                    break
+                prompt.append(m)
+            if any(m["role"] == "user" for m in prompt):
+                out.append(prompt)
+    if not out:
+        msg = f"{path}: no prompts (no conversation with a user turn)"
+        raise DataError(msg)
+    return out
+
+
+def load_prompts(cfg: Config) -> tuple[list[Messages], list[Messages]]:
+    """(training prompts, held-out prompts), in a fixed shuffled order."""
+    src = cfg.regen.prompts
+    prompts = chatterbot_prompts() if src == "chatterbot" else jsonl_prompts(Path(src).expanduser())
+    random.Random(cfg.regen.seed).shuffle(prompts)
+    held = prompts[: cfg.regen.holdout]
+    train = prompts[cfg.regen.holdout :]
+    if cfg.regen.max_prompts:
+        train = train[: cfg.regen.max_prompts]
+    return train, held
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _done_ids(path: Path) -> set[int]:
+    done: set[int] = set()
+    if not path.is_file():
+        return done
+    with path.open("rb") as f:
+        for raw in f:
+            try:
+                done.add(int(json.loads(raw)["id"]))
+            except (ValueError, KeyError, TypeError):
+                break  # a torn last line from an interrupted run: regenerated below
+    return done
+
+
+def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tuple[int, list[int]]]]:
+    for s in range(0, len(items), size):
+        yield items[s : s + size]
+
+
+@torch.no_grad()
+def regenerate(cfg: Config, target: Any, tokenizer: Any, *, progress: bool = True) -> dict[str, Any]:
+    """Generate replies for every training prompt not yet in the output; returns stats."""
+    out_path = cfg.regen_output
+    train, held = load_prompts(cfg)
+    write_jsonl(cfg.heldout_prompts, [{"id": i, "messages": p} for i, p in enumerate(held)])
+    done = _done_ids(out_path)
+    if done and out_path.is_file():  # drop a torn tail so that appends start on a clean line
+        lines = out_path.read_bytes().splitlines(keepends=True)
+        good = [ln for ln in lines if ln.endswith(b"\n")]
+        out_path.write_bytes(b"".join(good))
+    todo = []
+    for i, p in enumerate(train):
+        if i in done:
+            continue
+        ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+        todo.append((i, list(ids["input_ids"])))
+    todo.sort(key=lambda x: len(x[1]))  # like lengths together: little padding
+    model, dev = target.model, target.device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    gen = torch.Generator(device=dev).manual_seed(cfg.regen.seed)
+    t0 = time.perf_counter()
+    new_tokens = 0
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("a", encoding="utf-8") as out:
+        for b, batch in enumerate(_batches(todo, cfg.regen.batch_size)):
+            L = max(len(x[1]) for x in batch)
+            ids = torch.full((len(batch), L), pad, dtype=torch.long)
+            attn = torch.zeros((len(batch), L), dtype=torch.long)
+            for r, (_, toks) in enumerate(batch):  # left padding: generation continues at the end
+                ids[r, L - len(toks) :] = torch.tensor(toks)
+                attn[r, L - len(toks) :] = 1
+            kwargs: dict[str, Any] = {"do_sample": cfg.regen.temperature > 0}
+            if cfg.regen.temperature > 0:
+                kwargs["temperature"] = cfg.regen.temperature
+                torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+            res = model.generate(
+                input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=cfg.regen.max_new_tokens,
+                pad_token_id=pad, eos_token_id=eos, **kwargs,
+            )  # fmt: skip
+            for r, (i, _) in enumerate(batch):
+                reply = res[r, L:].tolist()
+                if eos in reply:
+                    reply = reply[: reply.index(eos)]
+                new_tokens += len(reply)
+                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                msgs = [*train[i], {"role": "assistant", "content": text}]
+                out.write(json.dumps({"id": i, "messages": msgs}, ensure_ascii=False) + "\n")
+            out.flush()
+            if progress:
+                done_n = len(done) + sum(len(x) for x in list(_batches(todo, cfg.regen.batch_size))[: b + 1])
+                el = time.perf_counter() - t0
+                print(
+                    f"\rregen {done_n}/{len(train)} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s",
+                    end="", file=sys.stderr, flush=True,
+                )  # fmt: skip
+    if progress and todo:
+        print(file=sys.stderr)
+    el = time.perf_counter() - t0
+    return {
+        "output": str(out_path),
+        "heldout": str(cfg.heldout_prompts),
+        "prompts": len(train),
+        "generated": len(todo),
+        "resumed_from": len(done),
+        "new_tokens": new_tokens,
+        "wall_s": round(el, 2),
+        "tokens_per_s": round(new_tokens / el, 1) if el > 0 else 0.0,
+    }

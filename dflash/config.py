@@ -81,6 +81,9 @@ class DataConfig(_Section):
     num_buckets: int = Field(1, ge=1, le=64, description="length buckets (sequences of like length batch together)")
     pack: bool = Field(False, description="pack several documents into one row (document ids keep them apart)")
     shuffle: bool = True
+    feature_cache_mb: int = Field(
+        0, ge=0, description="keep target features of seen samples in memory (MiB); later epochs skip the target"
+    )
     cache_dir: str = Field("", description="tokenization / model cache; default ~/.cache/dflash")
 
     @model_validator(mode="after")
@@ -260,9 +263,7 @@ class ProfileConfig(_Section):
 class RegenConfig(_Section):
     """`dflash regen`: the target writes the assistant turns (self-distillation)."""
 
-    prompts: str = Field(
-        "chatterbot", description="'chatterbot' (the chatterbot-corpus package) or a chat JSONL file"
-    )
+    prompts: str = Field("chatterbot", description="'chatterbot' (the chatterbot-corpus package) or a chat JSONL file")
     output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
     max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
     holdout: int = Field(32, ge=0, description="prompts kept out of training, for eval")

@@ -36,6 +36,7 @@ from dflash.devices import Device, check_device
 from dflash.errors import ConfigError, DataError, StageError
 from dflash.eval import eval_prompts, evaluate, stop_ids
 from dflash.export import export_drafter
+from dflash.feature_cache import FeatureCache
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import cache_root, load_tokenizer
 from dflash.model.target import Target, load_target
@@ -83,6 +84,7 @@ class Coordinator:
         self.targets: list[Target] = []
         self.steps = 0
         self.tokens = 0
+        self.feature_cache: FeatureCache | None = None
         self.last_step: Record | None = None
         self.summary: Record | None = None
 
@@ -288,14 +290,16 @@ class Coordinator:
         stages: list[tuple[str, Coroutine[Any, Any, Any]]] = [
             ("prefetch", prefetch.run(setup.plan, device("cpu", "data"), batches, stop, any_cuda))
         ]
+        fcache = FeatureCache(cfg.data.feature_cache_mb * 2**20) if cfg.data.feature_cache_mb else None
+        self.feature_cache = fcache
         for i, tgt in enumerate(setup.targets):
             dev = device(str(tgt.device), f"target{i}")
             feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
             packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
             stages += [
-                (f"target_forward[{i}]", target_forward.run(tgt, dev, batches, feats, profiler)),
+                (f"target_forward[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, fcache)),
                 (f"pack[{i}]", pack.run(dev, feats, packed)),
-                (f"transfer[{i}]", transfer.run(dev, packed, hs, profiler, i)),
+                (f"transfer[{i}]", transfer.run(dev, packed, hs, profiler, i, fcache)),
             ]
         for r, rep in enumerate(setup.replicas):
             stages.append(
@@ -367,6 +371,7 @@ class Coordinator:
             "train_s": round(train_s, 3),
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / train_s, 2) if train_s > 0 else 0.0,
+            "feature_cache": fcache.stats() if fcache is not None else None,
             "final_loss": self.last_step["loss"] if self.last_step else None,
             "final_tau_sim": self.last_step["tau_sim"] if self.last_step else None,
             "eval_tau": eval_record["tau"] if eval_record else None,

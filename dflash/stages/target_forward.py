@@ -1,5 +1,7 @@
 """target forward: the frozen target runs over a batch; the chosen layers' outputs are kept.
 
+With a feature cache, a batch whose every document was seen before skips the target.
+
 Waits for: a batch. Unblocks: pack. One such stage per target device.
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 from dflash import faults
 from dflash.channel import Channel
 from dflash.devices import Device
+from dflash.feature_cache import FeatureCache
 from dflash.model.target import Target
 from dflash.profile import Profiler, Stage
 from dflash.records import Batch, TargetFeatures
@@ -22,8 +25,10 @@ async def run(
     inbox: Channel[Batch],
     outbox: Channel[TargetFeatures],
     profiler: Profiler,
+    cache: FeatureCache | None = None,
 ) -> None:
     dev = device.device
+    dtype = target.embed_weight.dtype
 
     def forward(batch: Batch) -> list:
         faults.check(Stage.TARGET_FORWARD)
@@ -33,6 +38,11 @@ async def run(
         return target.capture(ids, docs, pos)  # k × (R, T, H)
 
     async def step(batch: Batch) -> TargetFeatures:
+        if cache is not None:
+            # A hit skips the target: one host tensor with the layers already concatenated.
+            hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, dtype)
+            if hit is not None:
+                return TargetFeatures(batch, [hit], None)
         layers, ready = await device.run(Stage.TARGET_FORWARD, forward, batch)
         profiler.count("target_tokens", batch.num_tokens)
         return TargetFeatures(batch, layers, ready)

@@ -13,6 +13,7 @@ import torch
 from dflash import faults
 from dflash.channel import Channel
 from dflash.devices import Device
+from dflash.feature_cache import FeatureCache
 from dflash.profile import Profiler, Stage
 from dflash.records import HostFeatures, PackedFeatures
 from dflash.stages._link import linked
@@ -36,10 +37,13 @@ async def run(
     outbox: Channel[HostFeatures],
     profiler: Profiler,
     source: int,
+    cache: FeatureCache | None = None,
 ) -> None:
     with linked([inbox], [outbox]):
         async for f in inbox:
             host, ready = await device.run(Stage.TARGET_D2H, _to_host, f.hidden, wait_for=[f.ready])
             await device.synchronize(ready)  # the host must not read before the copy lands
+            if cache is not None:
+                await device.run(None, cache.put, f.batch, host)
             waited = await outbox.put(HostFeatures(f.batch, host, source))
             profiler.record(Stage.TARGET_QUEUE_PUT, waited)

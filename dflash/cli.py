@@ -88,10 +88,16 @@ def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile
         from dflash.coordinator import run as run_training
 
         summary = run_training(cfg)
+        tau = (
+            f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
+            f" ({'lossless' if summary['eval_lossless'] else 'NOT lossless'})"
+            if summary["eval_tau"] is not None
+            else ""
+        )
         logs.human(
             f"dflash: {summary['reason']} after {summary['steps']} steps in {summary['wall_s']:.1f}s; "
             f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
-            f"{summary['tokens_per_s']:.0f} tok/s; run folder {summary['run_dir']}"
+            f"{summary['tokens_per_s']:.0f} tok/s{tau}; run folder {summary['run_dir']}"
         )
     except DFlashError as err:
         _fail(err)
@@ -164,11 +170,14 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         if cfg.target.kind == "tiny":
             msg = "regen needs a real target with a tokenizer (target.kind = 'hf' or 'gguf')"
             raise ConfigError(msg)
+        from dflash.data.regen import load_prompts
+
         dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
+        prompts = load_prompts(cfg)  # before the model: a bad prompt file fails in a second
         tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
         target = load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
         torch.manual_seed(cfg.regen.seed)
-        stats = regenerate(cfg, target, tokenizer, progress=sys.stderr.isatty())
+        stats = regenerate(cfg, target, tokenizer, progress=sys.stderr.isatty(), prompts=prompts)
         structlog.get_logger("dflash").info("regen", **stats)
         logs.human(
             f"dflash regen: {stats['generated']} replies written ({stats['resumed_from']} already there), "

@@ -175,6 +175,11 @@ class DrafterConfig(_Section):
         True, description="sliding layers: causal inside a block (SpecForge, z-lab reference)"
     )
     intermediate_size: int | None = Field(None, ge=1, description="default: the target's")
+    init_from_target: bool = Field(
+        False,
+        description="start draft layers from the target layers after the deepest captured one "
+        "(where shapes match), the output norm from the target's; else random",
+    )
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="auto: flex attention on CUDA, dense-mask SDPA on CPU"
     )
@@ -312,11 +317,15 @@ class Config(_Section):
         return p if p.is_absolute() else self.run_dir / p
 
     @property
-    def heldout_prompts(self) -> Path:
-        if self.eval.prompts:
-            return Path(self.eval.prompts).expanduser()
+    def regen_heldout(self) -> Path:
+        """Where `dflash regen` writes its held-out prompts: next to its output."""
         out = self.regen_output
         return out.with_name(out.stem + ".heldout.jsonl")
+
+    @property
+    def heldout_prompts(self) -> Path:
+        """The prompts eval reads: eval.prompts when set, else regen's held-out file."""
+        return Path(self.eval.prompts).expanduser() if self.eval.prompts else self.regen_heldout
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

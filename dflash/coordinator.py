@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -136,6 +137,11 @@ class Coordinator:
                 "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
             )
             raise ConfigError(msg)
+        if cfg.data.source == "files":  # before loading any model: a typo fails in a second
+            for i, f in enumerate(cfg.data.files):
+                if not Path(f.path).expanduser().exists():
+                    msg = f"data.files[{i}]: dataset not found: {f.path}"
+                    raise DataError(msg)
         cache = cfg.data.cache_dir
         self.tokenizer = load_tokenizer(cfg.target, cache)
         targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cache) for dev in t_devs]
@@ -203,7 +209,8 @@ class Coordinator:
             sliding_window=cfg.drafter.sliding_window,
             sliding_causal_block=cfg.drafter.sliding_causal_block,
         )
-        replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed)
+        init_from = t0.model if cfg.drafter.init_from_target else None
+        replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from)
         # Here, in the set-up thread: laying out epoch 0 is work the event loop must not do.
         return _Setup(targets, replicas, plan, spec, total, plan.padding_fraction(0))
 

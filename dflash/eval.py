@@ -263,6 +263,11 @@ def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     drafter = load_drafter(drafter_path, d_dev)
+    if (cfg.data.source != "synthetic" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
+        from dflash.errors import DataError
+
+        msg = f"eval prompts not found: {cfg.heldout_prompts} (run `dflash regen` first, or set eval.prompts)"
+        raise DataError(msg)
     tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
     target = load_target(tcfg, t_dev, 1, cfg.data.cache_dir)
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)

@@ -48,9 +48,12 @@ def build_replicas(
     train: TrainConfig,
     total_steps: int,
     seed: int,
+    init_from: torch.nn.Module | None = None,
 ) -> list[DrafterReplica]:
     base = DFlashDrafter(spec)
     base.init_weights(torch.Generator().manual_seed(seed + 104729))
+    if init_from is not None:
+        base.init_from_target(init_from, spec.target_layer_ids)
     state = base.state_dict()
     out = []
     for i, dev in enumerate(devices):

@@ -109,16 +109,36 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-def _done_ids(path: Path) -> set[int]:
-    done: set[int] = set()
+def _prompt_key(messages: Messages) -> str:
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """An interrupted append can leave a last line without its newline: drop it (that prompt
+    is generated again), so that no half record counts and appends start on a clean line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _done_prompts(path: Path) -> set[str]:
+    """The prompts (messages before the reply) already answered in the output file.
+
+    Matched by content, not position: a resume after changing the seed, holdout or prompt
+    file never mistakes one prompt's reply for another's.
+    """
+    done: set[str] = set()
     if not path.is_file():
         return done
     with path.open("rb") as f:
-        for raw in f:
+        for n, raw in enumerate(f, 1):
             try:
-                done.add(int(json.loads(raw)["id"]))
-            except (ValueError, KeyError, TypeError):
-                break  # a torn last line from an interrupted run: regenerated below
+                done.add(_prompt_key(json.loads(raw)["messages"][:-1]))
+            except (ValueError, KeyError, TypeError, IndexError):
+                msg = f"{path}:{n}: not a regen record; remove the line (or the file) and run regen again"
+                raise DataError(msg) from None
     return done
 
 
@@ -128,23 +148,35 @@ def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tup
 
 
 @torch.no_grad()
-def regenerate(cfg: Config, target: Any, tokenizer: Any, *, progress: bool = True) -> dict[str, Any]:
+def regenerate(
+    cfg: Config,
+    target: Any,
+    tokenizer: Any,
+    *,
+    progress: bool = True,
+    prompts: tuple[list[Messages], list[Messages]] | None = None,
+) -> dict[str, Any]:
     """Generate replies for every training prompt not yet in the output; returns stats."""
     out_path = cfg.regen_output
-    train, held = load_prompts(cfg)
-    write_jsonl(cfg.heldout_prompts, [{"id": i, "messages": p} for i, p in enumerate(held)])
-    done = _done_ids(out_path)
-    if done and out_path.is_file():  # drop a torn tail so that appends start on a clean line
-        lines = out_path.read_bytes().splitlines(keepends=True)
-        good = [ln for ln in lines if ln.endswith(b"\n")]
-        out_path.write_bytes(b"".join(good))
+    train, held = prompts if prompts is not None else load_prompts(cfg)
+    _drop_torn_tail(out_path)
+    done = _done_prompts(out_path)
+    held_keys = {_prompt_key(p) for p in held}
+    if done & held_keys:
+        msg = (
+            f"{out_path} already answers {len(done & held_keys)} prompts that are now held out "
+            "(regen.seed, holdout or prompts changed); use a new regen.output"
+        )
+        raise DataError(msg)
+    write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(held)])
     todo = []
     for i, p in enumerate(train):
-        if i in done:
+        if _prompt_key(p) in done:
             continue
         ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
         todo.append((i, list(ids["input_ids"])))
     todo.sort(key=lambda x: len(x[1]))  # like lengths together: little padding
+    already = len(train) - len(todo)
     model, dev = target.model, target.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
@@ -178,7 +210,7 @@ def regenerate(cfg: Config, target: Any, tokenizer: Any, *, progress: bool = Tru
                 out.write(json.dumps({"id": i, "messages": msgs}, ensure_ascii=False) + "\n")
             out.flush()
             if progress:
-                done_n = len(done) + sum(len(x) for x in list(_batches(todo, cfg.regen.batch_size))[: b + 1])
+                done_n = already + min(len(todo), (b + 1) * cfg.regen.batch_size)
                 el = time.perf_counter() - t0
                 print(
                     f"\rregen {done_n}/{len(train)} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s",
@@ -189,10 +221,10 @@ def regenerate(cfg: Config, target: Any, tokenizer: Any, *, progress: bool = Tru
     el = time.perf_counter() - t0
     return {
         "output": str(out_path),
-        "heldout": str(cfg.heldout_prompts),
+        "heldout": str(cfg.regen_heldout),
         "prompts": len(train),
         "generated": len(todo),
-        "resumed_from": len(done),
+        "resumed_from": already,
         "new_tokens": new_tokens,
         "wall_s": round(el, 2),
         "tokens_per_s": round(new_tokens / el, 1) if el > 0 else 0.0,

@@ -218,6 +218,39 @@ class DFlashDrafter(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
+    @torch.no_grad()
+    def init_from_target(self, target_model: nn.Module, layer_ids: list[int]) -> list[str]:
+        """Warm start: draft layer i from target decoder layer max(layer_ids) + 1 + i, the
+        output norm from the target's final norm, fc as an average of the captured layers.
+        Copies only tensors whose names and shapes match; returns what it copied."""
+        base = getattr(target_model, "model", target_model)
+        t_layers = base.layers
+        copied = []
+        first = max(layer_ids) + 1
+        for i, layer in enumerate(self.layers):
+            src_i = min(first + i, len(t_layers) - 1)
+            src = dict(t_layers[src_i].named_parameters())
+            for name, p in layer.named_parameters():
+                if name in src and src[name].shape == p.shape:
+                    p.copy_(src[name].to(p.dtype))
+                    copied.append(f"layers.{i}.{name}")
+            if i == 0 and "input_layernorm.weight" in src:
+                # The fused context is what the first copied layer reads: normalize it the same way.
+                self.hidden_norm.weight.copy_(src["input_layernorm.weight"].to(self.hidden_norm.weight.dtype))
+                copied.append("hidden_norm.weight")
+        norm = getattr(base, "norm", None)
+        if (
+            norm is not None
+            and getattr(norm, "weight", None) is not None
+            and norm.weight.shape == self.norm.weight.shape
+        ):
+            self.norm.weight.copy_(norm.weight.to(self.norm.weight.dtype))
+            copied.append("norm.weight")
+        H, k = self.spec.hidden_size, len(layer_ids)
+        self.fc.weight.copy_(torch.eye(H).repeat(1, k) / k)  # (H, k·H): the mean of the layers
+        copied.append("fc.weight")
+        return copied
+
     def forward(
         self,
         block_emb: torch.Tensor,  # (R, Q, H) embeddings of [anchor, MASK × (B-1)] per block

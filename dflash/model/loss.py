@@ -133,10 +133,14 @@ def block_loss(
     # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
     total = hidden.sum().float() * 0.0
     correct = torch.zeros(block_size, device=dev)
+    several = h.shape[0] > chunk
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
-        # Recompute the chunk's logits in backward rather than keep [chunk, V] alive.
-        part, ok = checkpoint(_chunk_loss, h[s:e], lm_head, labels[s:e], weights[s:e], use_reentrant=False)
+        if several:
+            # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
+            part, ok = checkpoint(_chunk_loss, h[s:e], lm_head, labels[s:e], weights[s:e], use_reentrant=False)
+        else:  # a single chunk: keeping its logits stays within the bound; skip the recompute
+            part, ok = _chunk_loss(h[s:e], lm_head, labels[s:e], weights[s:e])
         total = total + part
         correct.index_add_(0, slot[s:e], ok.detach())
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

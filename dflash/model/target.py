@@ -142,9 +142,7 @@ class Target:
         return self.model.get_output_embeddings().weight
 
     @torch.no_grad()
-    def capture(
-        self, input_ids: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor
-    ) -> list[torch.Tensor]:
+    def capture(self, input_ids: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """The chosen layers' outputs, each (R, T, H), in `layer_ids` order.
 
         `doc_ids` (R, T): -1 for padding. A row holding several documents gets a 4-D
@@ -171,9 +169,7 @@ class Target:
         return out
 
 
-def load_target(
-    cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = ""
-) -> Target:
+def load_target(cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = "") -> Target:
     from dflash.model.drafter import default_target_layers
     from dflash.model.loading import _quiet_transformers, model_folder
 

@@ -1,0 +1,474 @@
+"""`dflash regen` → `data.source = "files"` → `dflash run` / `dflash eval`, end to end on a
+tiny local Hugging Face folder (random Qwen3 + word-level ChatML tokenizer): the regen
+output and held-out files, resume (torn tails included), determinism, training and eval on
+the regen output, and one-line errors for the usual mistakes.
+
+The CLI runs as real subprocesses of `bin/dflash` (HOME pointed into the tmp folder, so
+nothing can touch ~/.cache), started early and in parallel by `Cli`; regen's resume and
+determinism run in-process against the same model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dflash.config import Config, load_config
+from dflash.data.regen import regenerate
+
+ROOT = Path(__file__).resolve().parents[1]
+DFLASH = ROOT / "bin" / "dflash"
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|mask|>"]
+WORDS = (
+    "system user assistant you are terse hi hello there how is it going fine thanks bye ok "
+    "tell me about the cat dog sun moon sea sky tree red blue green one two three four five "
+    "what why when where who please sure yes no"
+)
+SUBJECTS = ["cat", "dog", "sun", "moon", "sea", "sky"]
+ADJECTIVES = ["red", "blue", "green", "one"]
+NUM_CONVERSATIONS = len(SUBJECTS) * len(ADJECTIVES)  # 24
+HOLDOUT = 4
+NUM_TRAIN = NUM_CONVERSATIONS - HOLDOUT  # 20
+
+
+def _conversations() -> list[dict[str, Any]]:
+    """24 distinct short chats: some with a system turn, some with an assistant turn to cut."""
+    out = []
+    for i, (adj, subj) in enumerate((a, s) for a in ADJECTIVES for s in SUBJECTS):
+        user = {"role": "user", "content": f"tell me about the {adj} {subj}"}
+        if i % 3 == 0:
+            msgs = [{"role": "system", "content": "you are terse"}, user]
+        elif i % 3 == 1:
+            msgs = [user, {"role": "assistant", "content": "fine thanks"}]
+        else:
+            msgs = [user]
+        out.append({"messages": msgs})
+    return out
+
+
+def _prompt_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A conversation cut before its first assistant turn (what regen prompts with)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        out.append(m)
+    return out
+
+
+def _key(messages: list[dict[str, str]]) -> str:
+    return json.dumps(messages, sort_keys=True)
+
+
+@dataclass
+class Env:
+    root: Path
+    model: Path
+    prompts: Path
+    config: Path
+    runs: Path
+    cache: Path
+    home: Path
+    mask_id: int
+
+    def run_dir(self, name: str) -> Path:
+        return self.runs / name
+
+    def cfg(self, name: str, *overrides: str) -> Config:
+        return load_config(self.config, [f'run.name="{name}"', *overrides])
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split(Regex("\n"), "isolated")]
+    )
+    tok.train_from_iterator([WORDS, "\n"], trainers.WordLevelTrainer(special_tokens=SPECIALS))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|mask|>"],
+    )
+    hf.chat_template = CHATML
+    return hf
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    """A local HF folder (random tiny Qwen3 + ChatML tokenizer), a prompt JSONL, a config."""
+    import tomli_w
+    from transformers.utils import logging as hf_logging
+
+    from dflash.config import TinyTargetConfig
+    from dflash.model.target import build_tiny
+
+    root = tmp_path_factory.mktemp("regen_files")
+    model_dir = root / "model"
+    tok = _tokenizer()
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    assert isinstance(mask_id, int) and mask_id != tok.unk_token_id
+    hf_logging.disable_progress_bar()
+    build_tiny(TinyTargetConfig(vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in _conversations()), encoding="utf-8")
+    runs, cache, home = root / "runs", root / "cache", root / "home"
+    home.mkdir()
+    config = {
+        "run": {"name": "main", "output_dir": str(runs), "seed": 0},
+        "target": {"kind": "hf", "path": str(model_dir), "stop_token": "<|im_end|>"},
+        "regen": {"prompts": str(prompts), "holdout": HOLDOUT, "max_new_tokens": 12, "batch_size": 8},
+        "data": {
+            "source": "files",
+            "files": [{"path": str(runs / "main" / "regen.jsonl")}],
+            "cache_dir": str(cache),
+            "batch_size": 8,
+            "max_seq_len": 64,
+        },
+        "drafter": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "mask_token_id": mask_id},
+        "train": {"epochs": 1, "lr": 1e-2, "log_every": 1},
+        "profile": {"interval_s": 5.0},
+        "eval": {"num_prompts": 2, "max_new_tokens": 8, "at_end": True},
+    }
+    cfg_path = root / "regen.toml"
+    cfg_path.write_text(tomli_w.dumps(config), encoding="utf-8")
+    return Env(root, model_dir, prompts, cfg_path, runs, cache, home, mask_id)
+
+
+@pytest.fixture(scope="session")
+def loaded(env: Env) -> tuple[Any, Any]:
+    """(target, tokenizer) loaded in-process, the way `dflash regen` loads them."""
+    from dflash.model.loading import load_tokenizer
+    from dflash.model.target import load_target
+
+    cfg = env.cfg("main")
+    tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
+    target = load_target(cfg.target, torch.device("cpu"), cfg.drafter.num_layers, cfg.data.cache_dir)
+    return target, tokenizer
+
+
+class Cli:
+    """`bin/dflash` subprocesses, each started as soon as its inputs exist and collected when a
+    test needs it. Every start costs ~5 s of imports; on 2 cores overlapping them (and the
+    in-process tests) is what keeps this file near 40 s. cwd is the tmp folder, HOME is in it;
+    stdout/stderr go to files, so a run never stalls on a full pipe while nobody reads it."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.logs = env.root / "cli_logs"
+        self.logs.mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, *args: str, threads: int = 1) -> None:
+        drop = {"DFLASH_PROFILE_INTERVAL", "DFLASH_INJECT_FAULT", "DFLASH_DEBUG"}
+        env_vars = {k: v for k, v in os.environ.items() if k not in drop}
+        env_vars.update(HOME=str(self.env.home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads))
+        with (self.logs / f"{name}.out").open("wb") as out, (self.logs / f"{name}.err").open("wb") as err:
+            self.procs[name] = subprocess.Popen(
+                [str(DFLASH), *args], stdout=out, stderr=err, cwd=self.env.root, env=env_vars
+            )
+
+    def result(self, name: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        proc = self.procs[name]
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"{proc.args} timed out")
+        read = lambda ext: (self.logs / f"{name}.{ext}").read_text(encoding="utf-8")  # noqa: E731
+        return subprocess.CompletedProcess(proc.args, proc.returncode, read("out"), read("err"))
+
+    def close(self) -> None:
+        for proc in self.procs.values():  # only ours, by object: a failed test leaves none behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"non-JSON line on stdout: {line!r}")
+    return records
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def regen_in_process(env: Env, loaded: tuple[Any, Any], name: str, *overrides: str) -> dict[str, Any]:
+    target, tokenizer = loaded
+    return regenerate(env.cfg(name, *overrides), target, tokenizer, progress=False)
+
+
+# -- the CLI runs, shared: regen once, train once on its output, misuse alongside ------------
+
+
+def misuse_cases(env: Env) -> dict[str, tuple[list[str], int, str]]:
+    """name: (bin/dflash arguments, exit code, what the one error line must say)."""
+    cfg = str(env.config)
+    missing_prompts, missing_data = env.root / "no_prompts.jsonl", env.root / "no_data.jsonl"
+    return {
+        "tiny": (
+            ["regen", cfg, "--set", 'run.name="tiny"', "--set", 'target.kind="tiny"'],
+            2, "regen needs a real target",
+        ),
+        "no_prompts": (
+            ["regen", cfg, "--set", 'run.name="no_prompts"', "--set", f'regen.prompts="{missing_prompts}"'],
+            1, f"regen.prompts: file not found: {missing_prompts}",
+        ),
+        "no_data": (
+            ["run", cfg, "--set", 'run.name="no_data"', "--set", f'data.files=[{{path = "{missing_data}"}}]'],
+            1, f"dataset not found: {missing_data}",
+        ),
+        "no_heldout": (  # needs a trained drafter: started once training is done
+            ["eval", cfg, "--set", 'run.name="no_heldout"', "--drafter", str(env.run_dir("main") / "final")],
+            1, f"eval prompts not found: {env.run_dir('no_heldout') / 'regen.heldout.jsonl'}",
+        ),
+    }  # fmt: skip
+
+
+# `eval --prompts 9` on a holdout of 4: the count is capped by the held-out file.
+EVAL_ARGS = ["--set", 'run.name="main"', "--prompts", "9", "--max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="session")
+def cli(env: Env):
+    c = Cli(env)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def regen_run(env: Env, cli: Cli) -> subprocess.CompletedProcess[str]:
+    """`dflash regen` of the whole prompt set (the misuse runs that need nothing start with it);
+    once it is done, the training run on its output starts in the background."""
+    # Same thread count as this process: test_greedy_regen_is_deterministic compares outputs.
+    cli.start("regen", "regen", str(env.config), "--set", 'run.name="main"', threads=torch.get_num_threads())
+    for name in ("tiny", "no_prompts", "no_data"):
+        cli.start(name, *misuse_cases(env)[name][0])
+    proc = cli.result("regen")
+    if proc.returncode == 0:
+        cli.start("run", "run", str(env.config), "--set", 'run.name="main"')
+    return proc
+
+
+@pytest.fixture(scope="session")
+def trained_run(env: Env, cli: Cli, regen_run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """`dflash run` on the regen output; once done, the eval runs on its drafter start."""
+    assert regen_run.returncode == 0, regen_run.stderr
+    proc = cli.result("run")
+    if proc.returncode == 0:
+        final = str(env.run_dir("main") / "final")
+        cli.start("eval", "eval", str(env.config), "--drafter", final, *EVAL_ARGS)
+        cli.start("no_heldout", *misuse_cases(env)["no_heldout"][0])
+    return proc
+
+
+def test_regen_cli_writes_replies_and_disjoint_heldout(env: Env, regen_run: subprocess.CompletedProcess[str]) -> None:
+    """`dflash regen` writes <run>/regen.jsonl ({id, messages} ending with an assistant turn, one
+    per training prompt) and <run>/regen.heldout.jsonl (the held-out prompts, disjoint from the
+    training ones); stdout is exactly one JSON `regen` record."""
+    assert regen_run.returncode == 0, regen_run.stderr
+    assert "Traceback" not in regen_run.stderr
+    (rec,) = json_lines(regen_run.stdout)
+    run = env.run_dir("main")
+    out, held = run / "regen.jsonl", run / "regen.heldout.jsonl"
+    assert rec["event"] == "regen"
+    assert rec["output"] == str(out) and rec["heldout"] == str(held)
+    assert (rec["prompts"], rec["generated"], rec["resumed_from"]) == (NUM_TRAIN, NUM_TRAIN, 0)
+    assert 0 < rec["new_tokens"] <= NUM_TRAIN * 12  # max_new_tokens = 12
+
+    all_prompts = {_key(_prompt_of(c["messages"])) for c in _conversations()}
+    assert len(all_prompts) == NUM_CONVERSATIONS
+    records = read_jsonl(out)
+    assert out.read_bytes().endswith(b"\n")
+    assert len(records) == NUM_TRAIN
+    assert all(set(r) == {"id", "messages"} for r in records)
+    assert sorted(r["id"] for r in records) == list(range(NUM_TRAIN))
+    for r in records:
+        *prompt, reply = r["messages"]
+        assert reply["role"] == "assistant" and isinstance(reply["content"], str)
+        assert prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt)
+    train_prompts = {_key(r["messages"][:-1]) for r in records}
+
+    heldout = read_jsonl(held)
+    assert len(heldout) == HOLDOUT
+    assert sorted(h["id"] for h in heldout) == list(range(HOLDOUT))
+    held_prompts = {_key(h["messages"]) for h in heldout}
+    assert all(h["messages"][-1]["role"] == "user" for h in heldout)
+    assert len(held_prompts) == HOLDOUT and not held_prompts & train_prompts
+    assert held_prompts | train_prompts == all_prompts
+
+
+def test_regen_resumes_and_drops_a_torn_tail(env: Env, loaded: tuple[Any, Any]) -> None:
+    """Regen resumes: 6 prompts, then 12, generates only the 6 new ones; a torn last line is
+    dropped and regenerated, leaving 12 distinct ids and no duplicates."""
+    out = env.cfg("resume").regen_output
+    first = regen_in_process(env, loaded, "resume", "regen.max_prompts=6")
+    assert (first["prompts"], first["generated"], first["resumed_from"]) == (6, 6, 0)
+    ids_6 = [r["id"] for r in read_jsonl(out)]
+    assert sorted(ids_6) == list(range(6))
+
+    second = regen_in_process(env, loaded, "resume", "regen.max_prompts=12")
+    assert (second["prompts"], second["generated"], second["resumed_from"]) == (12, 6, 6)
+    records = read_jsonl(out)
+    assert [r["id"] for r in records[:6]] == ids_6  # appended, the first six untouched
+    assert sorted(r["id"] for r in records) == list(range(12))
+
+    data = out.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    torn_id = json.loads(data[last_start:])["id"]
+    out.write_bytes(data[: last_start + (len(data) - last_start) // 2])  # cut the last line mid-way
+    third = regen_in_process(env, loaded, "resume", "regen.max_prompts=12")
+    assert (third["generated"], third["resumed_from"]) == (1, 11)
+    records = read_jsonl(out)  # every line parses: the torn one is gone
+    assert out.read_bytes().endswith(b"\n")
+    assert sorted(r["id"] for r in records) == list(range(12))
+    assert records[-1]["id"] == torn_id
+
+    again = regen_in_process(env, loaded, "resume", "regen.max_prompts=12")
+    assert (again["generated"], again["resumed_from"]) == (0, 12)
+    assert len(read_jsonl(out)) == 12
+
+
+def test_greedy_regen_is_deterministic(
+    env: Env, loaded: tuple[Any, Any], regen_run: subprocess.CompletedProcess[str]
+) -> None:
+    """Greedy regen is deterministic: the same prompts give byte-identical output and held-out
+    files in two fresh output folders (the CLI's, and one written in-process)."""
+    assert regen_run.returncode == 0, regen_run.stderr
+    stats = regen_in_process(env, loaded, "again")
+    assert stats["generated"] == NUM_TRAIN
+    a, b = env.run_dir("main"), env.run_dir("again")
+    assert (b / "regen.jsonl").read_bytes() == (a / "regen.jsonl").read_bytes()
+    assert (b / "regen.heldout.jsonl").read_bytes() == (a / "regen.heldout.jsonl").read_bytes()
+
+
+def test_run_trains_on_regen_output_and_evaluates(env: Env, trained_run: subprocess.CompletedProcess[str]) -> None:
+    """`dflash run` with data.source = "files" on the regen output trains (setup's data stats
+    count the regen records), evaluates losslessly on the held-out prompts, ends with run_end,
+    and writes no cache outside data.cache_dir."""
+    assert trained_run.returncode == 0, trained_run.stderr
+    assert "Traceback" not in trained_run.stderr
+    records = json_lines(trained_run.stdout)
+    by_event: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_event.setdefault(r["event"], []).append(r)
+    assert "run_failed" not in by_event and "warning" not in by_event, by_event.get("warning")
+
+    (setup,) = by_event["setup"]
+    data = setup["data"]
+    assert data["records"] == data["samples"] == setup["samples"] == NUM_TRAIN
+    assert data["skipped_invalid"] == data["dropped_overlong"] == 0
+    assert 0 < data["supervised_tokens"] < data["tokens"]
+    assert setup["mask_token_id"] == env.mask_id
+    assert setup["total_steps"] == 3  # 20 samples, batch 8, one epoch
+
+    assert len(by_event["train_step"]) == 3
+    (ev,) = by_event["eval"]
+    assert ev["lossless"] is True and ev["mismatched_prompts"] == 0
+    assert ev["prompts"] == 2 and ev["verify_steps"] > 0 and 0 < ev["tokens"] <= 2 * 8
+
+    (end,) = by_event["run_end"]
+    assert records[-1] is end
+    assert end["steps"] == 3 and end["eval_lossless"] is True
+    final = env.run_dir("main") / "final"
+    assert end["export_dir"] == str(final)
+    assert (final / "config.json").is_file() and (final / "model.safetensors").is_file()
+
+    assert any((env.cache / "tokenized").glob("*.safetensors"))
+    assert not (env.home / ".cache" / "dflash").exists()
+
+
+# -- regressions of fixed regen bugs (torn lines, eval.prompts overwritten). In-process,
+# placed here so that they run while the eval subprocesses below are busy. ----------------
+
+
+
+def test_resume_keeps_a_complete_last_record_missing_its_newline(env: Env, loaded: tuple[Any, Any]) -> None:
+    """A regen output cut just before its final newline resumes to all ids, none lost."""
+    out = env.cfg("no_newline").regen_output
+    regen_in_process(env, loaded, "no_newline", "regen.max_prompts=3")
+    out.write_bytes(out.read_bytes()[:-1])
+    stats = regen_in_process(env, loaded, "no_newline", "regen.max_prompts=3")
+    assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2], stats
+
+
+
+def test_resume_after_a_torn_first_line(env: Env, loaded: tuple[Any, Any]) -> None:
+    """A regen output whose only line is torn is regenerated into a valid file, no duplicates."""
+    out = env.cfg("torn_first").regen_output
+    regen_in_process(env, loaded, "torn_first", "regen.max_prompts=3")
+    out.write_bytes(out.read_bytes()[:15])
+    regen_in_process(env, loaded, "torn_first", "regen.max_prompts=3")
+    assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2]
+
+
+
+def test_regen_leaves_eval_prompts_file_alone(env: Env, loaded: tuple[Any, Any]) -> None:
+    """With eval.prompts set to the user's own file, regen does not overwrite it."""
+    mine = env.root / "my_eval_prompts.jsonl"
+    text = json.dumps({"messages": [{"role": "user", "content": "tell me about the tree"}]}) + "\n"
+    mine.write_text(text, encoding="utf-8")
+    regen_in_process(env, loaded, "own_eval", "regen.max_prompts=2", f'eval.prompts="{mine}"')
+    assert mine.read_text(encoding="utf-8") == text
+
+
+def test_eval_cli_on_heldout_prompts(cli: Cli, trained_run: subprocess.CompletedProcess[str]) -> None:
+    """`dflash eval CONFIG --drafter <run>/final` evaluates on the held-out file: one `eval`
+    record, lossless, over min(num_prompts, holdout) prompts."""
+    assert trained_run.returncode == 0, trained_run.stderr
+    proc = cli.result("eval")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (rec,) = json_lines(proc.stdout)
+    assert rec["event"] == "eval"
+    assert rec["lossless"] is True and rec["mismatched_prompts"] == 0
+    assert rec["prompts"] == min(9, HOLDOUT)
+    assert rec["block_size"] == 4 and 0 < rec["tokens"] <= HOLDOUT * 6
+
+
+def test_misuse_is_one_line_without_traceback(
+    env: Env, cli: Cli, regen_run: subprocess.CompletedProcess[str], trained_run: subprocess.CompletedProcess[str]
+) -> None:
+    """Regen on the tiny target, regen with a missing prompts file, eval before regen (no
+    held-out file) and run on a missing data file each fail with one `dflash: error:` line on
+    stderr, the documented exit code, no traceback and no result record."""
+    assert trained_run.returncode == 0, trained_run.stderr
+    for name, (_, code, needle) in misuse_cases(env).items():
+        proc = cli.result(name)
+        assert proc.returncode == code, (name, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr, (name, proc.stderr)
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("dflash: error: "), (name, proc.stderr)
+        assert needle in lines[0], (name, lines[0])
+        events = [r["event"] for r in json_lines(proc.stdout)]
+        assert not {"run_end", "regen", "eval"} & set(events), (name, events)
+    for name in ("tiny", "no_prompts"):
+        assert not (env.run_dir(name) / "regen.jsonl").exists()
+        assert not (env.run_dir(name) / "regen.heldout.jsonl").exists()

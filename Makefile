@@ -20,7 +20,7 @@ $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	@$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import torch" || (echo "set-up: torch failed to install" >&2; exit 1)
+	@$(PY) -c "import torch" 2>/dev/null || (echo "set-up: torch failed to install" >&2; exit 1)
 	$(PY) -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import dflash, uvloop, structlog" || (echo "set-up: dflash failed to install" >&2; exit 1)
 	@touch $(STAMP)

@@ -67,7 +67,15 @@ def _profile_overrides(profile_interval: float | None) -> list[str]:
               help="also write the JSON records to this file")  # fmt: skip
 @click.option("--profile-interval", type=float, metavar="SEC",
               help="seconds between profile records (env: DFLASH_PROFILE_INTERVAL)")  # fmt: skip
-def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile_interval: float | None) -> None:
+@click.option("--resume", metavar="PATH|auto",
+              help="continue from a checkpoint folder, or the latest complete one in the run folder")  # fmt: skip
+def run(
+    config: Path,
+    overrides: tuple[str, ...],
+    log_file: Path | None,
+    profile_interval: float | None,
+    resume: str | None,
+) -> None:
     """Train a drafter as CONFIG (TOML) says."""
     from dflash import logs
     from dflash.config import load_config
@@ -87,7 +95,7 @@ def run(config: Path, overrides: tuple[str, ...], log_file: Path | None, profile
         logs.configure(sys.stdout, log_fh)
         from dflash.coordinator import run as run_training
 
-        summary = run_training(cfg)
+        summary = run_training(cfg, resume=resume)
         tau = (
             f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
             f" ({'lossless' if summary['eval_lossless'] else 'NOT lossless'})"

@@ -292,6 +292,9 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
+    at_end: bool = Field(True, description="checkpoint when the run ends (also after Ctrl-C / SIGTERM)")
+    keep_last: int = Field(2, ge=1, le=10_000, description="complete checkpoints kept in <run>/checkpoints")
     export_final: bool = Field(True, description="write the trained drafter to <run>/final")
 
 

@@ -31,11 +31,12 @@ import torch
 
 from dflash import faults
 from dflash.channel import Channel, ChannelClosed, ConsumerDied
+from dflash.checkpoint import Checkpointer, Loaded, check_compatible, latest_checkpoint, load_checkpoint, restore
 from dflash.config import Config, dump_toml
 from dflash.data.batching import BatchPlan
 from dflash.data.synthetic import synthesize
 from dflash.devices import Device, check_device
-from dflash.errors import ConfigError, DataError, StageError
+from dflash.errors import CheckpointError, ConfigError, DataError, StageError
 from dflash.eval import eval_prompts, evaluate, stop_ids
 from dflash.export import export_drafter
 from dflash.feature_cache import FeatureCache
@@ -60,6 +61,7 @@ class _Setup:
     spec: DrafterSpec
     total_steps: int
     padding_fraction: float  # epoch 0's padded share of the R × T slots
+    start_step: int = 0  # > 0 when resumed
 
 
 def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
@@ -72,8 +74,10 @@ def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
 class Coordinator:
     """Runs one training job. `await Coordinator(cfg).run()` inside any event loop."""
 
-    def __init__(self, config: Config, *, log: bool = True) -> None:
+    def __init__(self, config: Config, *, log: bool = True, resume: str | Path | None = None) -> None:
+        """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder."""
         self.config = config
+        self.resume = resume
         self.run_dir = config.run_dir
         self._log = structlog.get_logger("dflash") if log else None
         self._subscribers: list[Callable[[Record], None]] = []
@@ -188,7 +192,10 @@ class Coordinator:
                 f"drafter.mask_token_id {mask_id} occurs {uses} times in the training data; "
                 "an id the data never uses is better"
             )
-        plan = BatchPlan.from_config(samples, cfg.data, cfg.train.epochs, cfg.run.seed)
+        loaded = self._load_resume()
+        plan = BatchPlan.from_config(
+            samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
+        )
         per_step = cfg.train.grad_accum * len(d_devs)
         total = cfg.train.max_steps or max(1, math.ceil(len(plan) / per_step))
         spec = DrafterSpec(
@@ -211,6 +218,10 @@ class Coordinator:
         )
         init_from = t0.model if cfg.drafter.init_from_target else None
         replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from)
+        if loaded is not None:
+            restore(loaded, replicas)
+            padding = plan.padding_fraction(0)
+            return _Setup(targets, replicas, plan, spec, total, padding, start_step=loaded.step)
         # Here, in the set-up thread: laying out epoch 0 is work the event loop must not do.
         return _Setup(targets, replicas, plan, spec, total, plan.padding_fraction(0))
 
@@ -222,6 +233,21 @@ class Coordinator:
         stops = stop_ids(target, self.tokenizer)
         record = evaluate(target, rep.model, rep.head, self._eval_prompts, cfg.eval.max_new_tokens, stops)
         return {"step": step, **record}
+
+    def _load_resume(self) -> Loaded | None:
+        if self.resume is None:
+            return None
+        cfg = self.config
+        if str(self.resume) == "auto":
+            path = latest_checkpoint(cfg.run_dir)
+            if path is None:
+                msg = f"--resume auto: no complete checkpoint in {cfg.run_dir / 'checkpoints'}"
+                raise CheckpointError(msg)
+        else:
+            path = Path(self.resume).expanduser()
+        loaded = load_checkpoint(path)
+        check_compatible(loaded.config, cfg, path)
+        return loaded
 
     def _warn_later(self, message: str) -> None:
         self._warnings.append(message)
@@ -266,6 +292,7 @@ class Coordinator:
             drafter_params=sum(p.numel() for p in setup.replicas[0].params),
             mask_token_id=setup.spec.mask_token_id,
             setup_s=round(time.perf_counter() - t_start, 3),
+            resumed_from=setup.start_step if self.resume is not None else None,
         )
 
         profiler = Profiler(cfg.profile.interval_s, self.emit)
@@ -322,7 +349,7 @@ class Coordinator:
                         rep, device(str(rep.device), f"drafter{r}"), hs, grads, replies[r],
                         cfg.drafter, profiler, grad_accum=cfg.train.grad_accum,
                         seed=cfg.run.seed, loss_chunk=cfg.train.loss_chunk, use_flex=use_flex,
-                        noise=noise,
+                        noise=noise, start_step=setup.start_step,
                     ),
                 )
             )  # fmt: skip
@@ -331,6 +358,9 @@ class Coordinator:
             profiler, self._emit_steps, stop, grad_clip=cfg.train.grad_clip,
             max_steps=cfg.train.max_steps, log_every=cfg.train.log_every,
             eval_every=cfg.eval.every_steps, evaluate=self._evaluate,
+            checkpointer=Checkpointer(cfg, setup.replicas[0], setup.plan, self.emit),
+            checkpoint_every=cfg.checkpoint.every_steps, checkpoint_at_end=cfg.checkpoint.at_end,
+            start_step=setup.start_step,
             emit_eval=lambda rec: self.emit("eval", **rec),
         )  # fmt: skip
         stages.append(("optimizer", opt_task))
@@ -436,7 +466,7 @@ def _install_signals(loop: asyncio.AbstractEventLoop, coord: Coordinator, main: 
             pass
 
 
-def run(config: Config, *, install_signals: bool = True) -> Record:
+def run(config: Config, *, install_signals: bool = True, resume: str | Path | None = None) -> Record:
     """Run synchronously (uvloop when installed); Ctrl-C / SIGTERM stop cleanly."""
     try:
         import uvloop
@@ -444,7 +474,7 @@ def run(config: Config, *, install_signals: bool = True) -> Record:
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:
         factory = None
-    coord = Coordinator(config)
+    coord = Coordinator(config, resume=resume)
 
     async def main() -> Record:
         task = asyncio.current_task()

@@ -45,6 +45,7 @@ class Stage:
     OPTIMIZER_STEP = "drafter.optimizer_step"
     METRICS_SYNC = "metrics.sync"
     EVAL = "eval.speculative"
+    CHECKPOINT = "checkpoint.snapshot"
 
     # Waits are idle time, not work: the report keeps them apart from busy stages.
     WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})

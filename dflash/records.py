@@ -61,6 +61,7 @@ class StepGrads:
     tokens: int  # tokens of the batches it consumed
     samples: int
     ready: Any = None  # CUDA event: its backward is done (the optimizer's stream waits on it)
+    last_batch: int = -1  # highest batch index it consumed (the data cursor of a checkpoint)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ class _Accumulator:
 
     def __init__(self) -> None:
         self.n = self.tokens = self.samples = 0
+        self.last_batch = -1
         self.weight_sum = 0.0
         self.loss_sum: torch.Tensor | None = None
         self.correct: torch.Tensor | None = None
@@ -110,6 +111,7 @@ class _Accumulator:
     def add(self, work: Callable[[HostFeatures], LossParts], feats: HostFeatures) -> None:
         parts = work(feats)
         self.n += 1
+        self.last_batch = max(self.last_batch, feats.batch.index)
         self.tokens += feats.batch.num_tokens
         self.samples += feats.batch.num_samples
         self.weight_sum += parts.weight_sum
@@ -121,7 +123,7 @@ class _Accumulator:
     def grads(self, replica: int, step: int, ready: Any) -> StepGrads:
         return StepGrads(
             replica, step, self.n, self.loss_sum, self.weight_sum, self.correct, self.count,
-            self.tokens, self.samples, ready,
+            self.tokens, self.samples, ready, self.last_batch,
         )  # fmt: skip
 
 
@@ -139,8 +141,9 @@ async def run(
     loss_chunk: int,
     use_flex: bool,
     noise: Callable[[int], float] = lambda _step: 0.0,
+    start_step: int = 0,
 ) -> None:
-    step = 0
+    step = start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
     with linked([inbox, replies], [outbox]):
         while True:

@@ -21,6 +21,7 @@ import torch
 
 from dflash import faults
 from dflash.channel import Channel, EndOfStream
+from dflash.checkpoint import Checkpointer
 from dflash.devices import Device
 from dflash.profile import Profiler, Stage
 from dflash.records import StepGrads, StepReply
@@ -137,12 +138,22 @@ async def run(
     eval_every: int = 0,
     evaluate: Callable[[int], dict[str, Any]] | None = None,
     emit_eval: Callable[[dict[str, Any]], None] | None = None,
+    checkpointer: Checkpointer | None = None,
+    checkpoint_every: int = 0,
+    checkpoint_at_end: bool = False,
+    start_step: int = 0,
 ) -> int:
     """Returns the number of optimizer steps taken."""
     active = set(range(len(replicas)))
     pending: list[StepResult] = []
     ready = None
-    step = 0
+    step = start_step
+    last_batch = -1
+
+    async def save() -> None:
+        assert checkpointer is not None
+        snap, _ = await device.run(Stage.CHECKPOINT, checkpointer.take, step, last_batch, wait_for=[ready])
+        await checkpointer.write(snap)
 
     async def flush() -> None:
         records, _ = await device.run(Stage.METRICS_SYNC, to_records, list(pending), wait_for=[ready])
@@ -169,6 +180,7 @@ async def run(
                     wait_for=[c.ready for c in contribs],
                 )  # fmt: skip
                 pending.append(result)
+                last_batch = max(last_batch, *(c.last_batch for c in contribs))
                 profiler.count("steps", 1)
                 profiler.count("samples", result.samples)
                 if step == 2:
@@ -180,6 +192,8 @@ async def run(
                     record, _ = await device.run(Stage.EVAL, evaluate, step, wait_for=[ready])
                     if emit_eval is not None:
                         emit_eval(record)
+                if checkpointer is not None and checkpoint_every and step % checkpoint_every == 0:
+                    await save()
             stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)
             active -= finished
             for r in sorted(active):
@@ -188,4 +202,8 @@ async def run(
                 break
         if pending:
             await flush()
+        if checkpointer is not None:
+            if checkpoint_at_end and step > start_step and checkpointer.last_step != step:
+                await save()
+            await checkpointer.finish()
     return step

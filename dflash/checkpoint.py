@@ -1,0 +1,251 @@
+"""Checkpoints: atomic, complete, resumable.
+
+A checkpoint is a folder `<run>/checkpoints/step_000123/` with
+- `drafter.safetensors`   the drafter weights (fp32; every replica is identical),
+- `optimizer.safetensors` AdamW state tensors, `state.<param index>.<name>`,
+- `state.json`            step, data cursor, LR schedule, optimizer param groups, drafter spec,
+- `config.toml`           the resolved config of the run that wrote it.
+It is written into a hidden temporary folder, every file fsynced, then renamed into place
+(and the parent fsynced): a kill at any moment leaves either the old set of checkpoints or
+the old set plus the complete new one. Older ones beyond `keep_last` are removed only after
+that. Nothing here unpickles anything: tensors are safetensors, the rest JSON / TOML.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash.config import Config, dump_toml
+from dflash.errors import CheckpointError
+
+__all__ = [
+    "Checkpointer",
+    "Snapshot",
+    "check_compatible",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "restore",
+    "snapshot",
+    "write_checkpoint",
+]
+
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+@dataclass
+class Snapshot:
+    """Host copies of everything a checkpoint holds, taken between two optimizer steps."""
+
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    config_toml: str
+
+
+def snapshot(step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: Any, cfg: Config) -> Snapshot:
+    """Copies to the host (fast for a drafter); the slow write happens elsewhere."""
+    weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in opt["state"].items():
+        for name, val in st.items():
+            t = val if isinstance(val, torch.Tensor) else torch.tensor(val)
+            tensors[f"state.{idx}.{name}"] = t.detach().to("cpu", copy=True).contiguous()
+    state = {
+        "step": step,
+        "cursor": cursor,
+        "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "param_groups": opt["param_groups"],
+        "spec": model.spec.to_dict(),
+    }
+    return Snapshot(step, weights, tensors, state, dump_toml(cfg))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(snap: Snapshot, root: Path, keep_last: int) -> Path:
+    """Write atomically under `root`; returns the folder. Raises CheckpointError (disk full...)."""
+    final = root / f"step_{snap.step:06d}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{snap.step:06d}-", dir=root))
+    except OSError as err:
+        msg = f"cannot write checkpoints under {root}: {err.strerror or err}"
+        raise CheckpointError(msg) from None
+    try:
+        save_file(snap.weights, str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
+        save_file(snap.optimizer, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+        (tmp / "state.json").write_text(json.dumps(snap.state, indent=1) + "\n")
+        (tmp / "config.toml").write_text(snap.config_toml)
+        for f in tmp.iterdir():
+            _fsync(f)
+        if final.exists():  # the same step written again (e.g. at the end): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        msg = f"checkpoint at step {snap.step} not written ({err.strerror or err}); earlier checkpoints are intact"
+        raise CheckpointError(msg) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in _complete(root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _complete(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first (temporary folders are never listed)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_RE.match(p.name) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = _complete(run_dir / "checkpoints")
+    return done[-1] if done else None
+
+
+@dataclass
+class Loaded:
+    path: Path
+    step: int
+    cursor: Any
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    config: dict[str, Any]
+
+
+def load_checkpoint(path: Path) -> Loaded:
+    if not path.is_dir():
+        msg = f"checkpoint not found: {path} is not a folder"
+        raise CheckpointError(msg)
+    files = ["drafter.safetensors", "optimizer.safetensors", "state.json", "config.toml"]
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        msg = f"{path}: not a complete dflash checkpoint (missing {', '.join(missing)})"
+        raise CheckpointError(msg)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        config = tomllib.loads((path / "config.toml").read_text())
+        weights = load_file(str(path / "drafter.safetensors"))
+        opt_tensors = load_file(str(path / "optimizer.safetensors"))
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, SafetensorError, OSError) as err:
+        msg = f"{path}: unreadable checkpoint: {' '.join(str(err).split())}"
+        raise CheckpointError(msg) from None
+    opt_state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in opt_tensors.items():
+        _, idx, name = key.split(".", 2)
+        opt_state.setdefault(int(idx), {})[name] = t
+    return Loaded(
+        path=path,
+        step=int(state["step"]),
+        cursor=state["cursor"],
+        weights=weights,
+        optimizer={"state": opt_state, "param_groups": state["param_groups"]},
+        scheduler=state["scheduler"],
+        config=config,
+    )
+
+
+# What must match to resume: everything that fixes the drafter's shape, what it reads, and the data.
+_MUST_MATCH = [
+    ("target", "kind"), ("target", "path"), ("target", "layer_ids"), ("target", "tiny"),
+    ("drafter", "num_layers"), ("drafter", "block_size"), ("drafter", "layer_types"),
+    ("drafter", "mask_token_id"), ("drafter", "intermediate_size"), ("drafter", "sliding_window"),
+    ("data", "source"), ("data", "files"), ("data", "num_samples"), ("data", "batch_size"),
+    ("data", "token_budget"), ("data", "num_buckets"), ("data", "pack"), ("data", "max_seq_len"),
+    ("run", "seed"),
+]  # fmt: skip
+
+
+def check_compatible(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+    now = cfg.model_dump(mode="json", exclude_none=True)
+    diffs = []
+    for section, key in _MUST_MATCH:
+        a, b = saved.get(section, {}).get(key), now.get(section, {}).get(key)
+        if a != b:
+            diffs.append(f"{section}.{key} {a!r} -> {b!r}")
+    if diffs:
+        msg = f"{path} was written by an incompatible config: " + "; ".join(diffs[:4])
+        raise CheckpointError(msg)
+
+
+class Checkpointer:
+    """Takes snapshots between optimizer steps and writes them off the hot path.
+
+    `save(step, last_batch)` runs in the optimizer's worker thread (host copies only, a few
+    ms for a drafter); the write then runs in a helper thread while the pipeline goes on.
+    One write at a time: the next save (and `finish`) waits for the previous write first.
+    """
+
+    def __init__(self, cfg: Config, replica: Any, plan: Any, emit: Any) -> None:
+        self.cfg = cfg
+        self.replica = replica
+        self.plan = plan
+        self.emit = emit
+        self.root = cfg.run_dir / "checkpoints"
+        self._pending: Any = None
+        self.last_step = -1
+
+    def take(self, step: int, last_batch: int) -> Snapshot:
+        cursor = self.plan.cursor_after(last_batch) if last_batch >= 0 else None
+        r = self.replica
+        return snapshot(step, r.model, r.optimizer, r.scheduler, cursor, self.cfg)
+
+    async def write(self, snap: Snapshot) -> None:
+        import asyncio
+        import time
+
+        await self.finish()
+        self.last_step = snap.step
+
+        async def go() -> None:
+            t0 = time.perf_counter()
+            path = await asyncio.to_thread(write_checkpoint, snap, self.root, self.cfg.checkpoint.keep_last)
+            self.emit("checkpoint", step=snap.step, path=str(path), write_s=round(time.perf_counter() - t0, 3))
+
+        self._pending = asyncio.ensure_future(go())
+
+    async def finish(self) -> None:
+        """Wait for the write in flight; its error (e.g. disk full) is raised here."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            await pending
+
+
+def restore(loaded: Loaded, replicas: list[Any]) -> None:
+    """Load a checkpoint's weights, optimizer and schedule into every replica."""
+    for r in replicas:
+        try:
+            r.model.load_state_dict({k: v.to(r.device) for k, v in loaded.weights.items()})
+        except RuntimeError as err:
+            msg = f"{loaded.path}: drafter weights do not fit this config: {' '.join(str(err).split())[:200]}"
+            raise CheckpointError(msg) from None
+        r.optimizer.load_state_dict(
+            {"state": {k: dict(v) for k, v in loaded.optimizer["state"].items()},
+             "param_groups": loaded.optimizer["param_groups"]}
+        )  # fmt: skip
+        r.scheduler.load_state_dict({**loaded.scheduler, "lr_lambdas": [None] * len(r.optimizer.param_groups)})

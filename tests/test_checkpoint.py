@@ -1,0 +1,164 @@
+"""Checkpoints: exact resume, SIGTERM then --resume auto, atomic writes, refusals, export."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash import CheckpointError, Coordinator, load_drafter
+from dflash.checkpoint import latest_checkpoint, load_checkpoint
+from dflash.export import export_drafter
+from tests.conftest import ROOT
+
+COMMON = {"data.num_samples": 48, "train.epochs": 2, "eval.at_end": "false", "checkpoint.keep_last": 20}
+
+
+def _run(cfg, resume=None) -> list[dict]:
+    records: list[dict] = []
+    coord = Coordinator(cfg, log=False, resume=resume)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    return records
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "drafter.safetensors"))
+
+
+def _losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if r["event"] == "train_step"}
+
+
+def test_resume_mid_epoch_is_exact(tiny_config, tmp_path):
+    """Resumed from step 4 (mid-epoch), steps 5..12 and the final weights equal an uninterrupted run's."""
+    full = tiny_config(**COMMON, **{"checkpoint.every_steps": 2})
+    a = _run(full)
+    assert [r["step"] for r in a if r["event"] == "checkpoint"] == [2, 4, 6, 8, 10, 12]
+    other = tiny_config(**COMMON, **{"run.output_dir": f'"{tmp_path / "b"}"', "checkpoint.every_steps": 2})
+    b = _run(other, resume=full.run_dir / "checkpoints" / "step_000004")
+    assert next(r for r in b if r["event"] == "setup")["resumed_from"] == 4
+    la, lb = _losses(a), _losses(b)
+    assert sorted(lb) == list(range(5, 13))
+    assert all(la[s] == lb[s] for s in lb)
+    wa, wb = _weights(full.run_dir, 12), _weights(other.run_dir, 12)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_incompatible_checkpoint_is_refused(tiny_config, tmp_path):
+    """A checkpoint of another drafter shape is refused with the differing key named."""
+    cfg = tiny_config(**COMMON, **{"train.max_steps": 1})
+    _run(cfg)
+    ckpt = latest_checkpoint(cfg.run_dir)
+    assert ckpt is not None
+    other = tiny_config(**COMMON, **{"drafter.block_size": 4, "run.output_dir": f'"{tmp_path / "x"}"'})
+    with pytest.raises(CheckpointError, match=r"drafter\.block_size"):
+        _run(other, resume=ckpt)
+    with pytest.raises(CheckpointError, match="not found"):
+        _run(other, resume=tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        _run(other, resume="auto")
+
+
+def test_incomplete_folders_are_never_the_latest(tmp_path):
+    """A temporary folder, or a step folder without state.json, is not a checkpoint."""
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_000003").mkdir(parents=True)
+    (root / "step_000003" / "state.json").write_text("{}")
+    (root / ".tmp-step_000009-abc").mkdir()
+    (root / "step_000007").mkdir()  # torn: no state.json
+    assert latest_checkpoint(tmp_path / "run") == root / "step_000003"
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from dflash.checkpoint import Snapshot, write_checkpoint
+    root = Path(sys.argv[1])
+    step = 0
+    while True:
+        step += 1
+        w = {"w": torch.full((512, 512), float(step))}
+        snap = Snapshot(step, w, {"state.0.exp_avg": w["w"].clone()},
+                        {"step": step, "cursor": None, "scheduler": {}, "param_groups": [], "spec": {}}, "")
+        write_checkpoint(snap, root, keep_last=2)
+        print(step, flush=True)
+    """
+)
+
+
+def test_kill_9_while_checkpointing_leaves_a_readable_latest(tmp_path):
+    """kill -9 at random moments of a write loop: the latest complete checkpoint always loads."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(8):
+        root = tmp_path / f"t{trial}" / "checkpoints"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert proc.stdout is not None
+        proc.stdout.readline()  # at least one complete checkpoint exists
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = latest_checkpoint(root.parent)
+        assert latest is not None
+        state = json.loads((latest / "state.json").read_text())
+        w = load_file(str(latest / "drafter.safetensors"))["w"]
+        assert float(w[0, 0]) == state["step"]
+
+
+def test_sigterm_then_resume_auto_matches_uninterrupted(tiny_config, tmp_path):
+    """SIGTERM mid-run checkpoints the last finished step; --resume auto ends where a run
+    without interruption ends, with the same weights."""
+    ref = f'"{tmp_path / "ref"}"'
+    base = tiny_config(**{**COMMON, "train.epochs": 40, "train.max_steps": 60, "run.output_dir": ref})
+    _run(base)
+    out = tmp_path / "cli"
+    args = [
+        str(ROOT / "bin" / "dflash"), "run", str(ROOT / "configs" / "tiny.toml"),
+        "--set", f'run.output_dir="{out}"', "--set", "data.num_samples=48", "--set", "data.gen_len=24",
+        "--set", "train.epochs=40", "--set", "train.max_steps=60", "--set", "train.log_every=1",
+        "--set", "eval.at_end=false", "--set", "profile.interval_s=0.5", "--set", "checkpoint.keep_last=20",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if '"train_step"' in line and json.loads(line)["step"] >= 10:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    stopped_at = load_checkpoint(latest_checkpoint(out / "tiny")).step  # type: ignore[arg-type]
+    assert 10 <= stopped_at < 60
+    done = subprocess.run([*args, "--resume", "auto"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    wa, wb = _weights(base.run_dir, 60), _weights(out / "tiny", 60)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_export_round_trip_gives_the_training_logits(tiny_config):
+    """An exported drafter (float32) loads back with identical weights and forward outputs."""
+    cfg = tiny_config(**COMMON, **{"train.max_steps": 2})
+    coord = Coordinator(cfg, log=False)
+    asyncio.run(coord.run())
+    model = coord.replicas[0].model
+    path = export_drafter(model, cfg.run_dir / "f32", dtype=torch.float32)
+    back = load_drafter(path)
+    cfgj = json.loads((path / "config.json").read_text())
+    assert cfgj["architectures"] == ["DFlashDraftModel"] and "dflash_config" in cfgj
+    sd, sd2 = model.state_dict(), back.state_dict()
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)

@@ -218,6 +218,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     loss_chunk: int = Field(1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)")
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
+    max_bad_steps: int = Field(5, ge=1, description="abort after this many non-finite steps in a row")
     noise_reveal_start: float = Field(
         0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
     )

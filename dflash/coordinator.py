@@ -360,7 +360,8 @@ class Coordinator:
             eval_every=cfg.eval.every_steps, evaluate=self._evaluate,
             checkpointer=Checkpointer(cfg, setup.replicas[0], setup.plan, self.emit),
             checkpoint_every=cfg.checkpoint.every_steps, checkpoint_at_end=cfg.checkpoint.at_end,
-            start_step=setup.start_step,
+            start_step=setup.start_step, max_bad_steps=cfg.train.max_bad_steps,
+            emit_bad=lambda rec: self.emit("bad_step", **rec),
             emit_eval=lambda rec: self.emit("eval", **rec),
         )  # fmt: skip
         stages.append(("optimizer", opt_task))
@@ -430,6 +431,13 @@ class Coordinator:
             return await coro
         except (asyncio.CancelledError, StageError):
             raise
+        except torch.OutOfMemoryError as e:
+            hint = (
+                "lower data.token_budget or data.batch_size"
+                if name.startswith(("target", "prefetch"))
+                else "lower drafter.max_anchors, data.token_budget or train.loss_chunk"
+            )
+            raise StageError(name, MemoryError(f"out of memory ({hint})")) from e
         except Exception as e:
             raise StageError(name, e) from e
 

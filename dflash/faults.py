@@ -13,6 +13,7 @@ __all__ = ["InjectedFault", "check", "configure"]
 
 _plan: dict[str, int] = {}
 _seen: dict[str, int] = {}
+_from: set[str] = set()
 
 
 class InjectedFault(RuntimeError):
@@ -24,9 +25,22 @@ def configure(spec: str | None = None) -> None:
     spec = os.environ.get("DFLASH_INJECT_FAULT", "") if spec is None else spec
     _plan.clear()
     _seen.clear()
+    _from.clear()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         stage, _, n = part.partition("@")
+        if n.endswith("+"):
+            _from.add(stage)
+            n = n[:-1]
         _plan[stage] = int(n or 0)
+
+
+def poison(name: str) -> bool:
+    """True on the planned call(s) of `name` (`name@n`, or `name@n+` for every call from n)."""
+    if name not in _plan:
+        return False
+    n = _seen.get(name, 0)
+    _seen[name] = n + 1
+    return n == _plan[name] or (name in _from and n >= _plan[name])
 
 
 def check(stage: str) -> None:

@@ -162,3 +162,25 @@ def test_export_round_trip_gives_the_training_logits(tiny_config):
     assert cfgj["architectures"] == ["DFlashDraftModel"] and "dflash_config" in cfgj
     sd, sd2 = model.state_dict(), back.state_dict()
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+
+
+def test_nan_step_is_skipped_and_weights_stay_finite(tiny_config, monkeypatch):
+    """A NaN loss at step 3 is skipped (logged, weights untouched, finite); training goes on."""
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", "drafter.nan@2")
+    cfg = tiny_config(**{**COMMON, "train.max_steps": 5})
+    records = _run(cfg)
+    assert all(torch.isfinite(p).all() for p in load_drafter(cfg.run_dir / "final").parameters())
+    steps = [r for r in records if r["event"] == "train_step"]
+    assert [s["skipped"] for s in steps] == [False, False, True, False, False]
+    assert steps[2]["loss"] is None
+    assert [r["step"] for r in records if r["event"] == "bad_step"] == [3]
+    assert records[-1]["event"] == "run_end"
+
+
+def test_too_many_bad_steps_abort(tiny_config, monkeypatch):
+    """train.max_bad_steps non-finite steps in a row end the run with a clear error."""
+    from dflash import StageError
+
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", "drafter.nan@0+")
+    with pytest.raises(StageError, match="max_bad_steps"):
+        _run(tiny_config(**{**COMMON, "train.max_bad_steps": 3}))

@@ -90,6 +90,8 @@ def micro_step(
         hidden = rep.model(emb, context, q_pos.to(dev, non_blocking=True), positions, masks)
         parts = block_loss(hidden, rep.head.lm_head, targets, B, loss_chunk)  # (R, N·B, H) in
     faults.check(Stage.DRAFTER_FORWARD)
+    if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied
+        parts.loss_sum = parts.loss_sum * float("nan")
     with device.span(Stage.DRAFTER_BACKWARD):
         # Σ w·CE, unnormalised: the optimizer divides by Σ w over the whole step.
         parts.loss_sum.backward()

@@ -3,8 +3,10 @@
 Waits for: one StepGrads from every active replica. Then, in its worker thread: sums the
 replicas' gradients in a fixed order on the first replica's device and divides by the
 step's total loss weight (Σ w over all micro-batches and replicas), clips the global norm
-(no host sync: the clip factor stays a tensor), copies the same gradient into every
-replica and steps every replica's optimizer and schedule — so replicas stay identical.
+(the clip factor stays a tensor), copies the same gradient into every replica and steps
+every replica's optimizer and schedule — so replicas stay identical. One host sync per
+step, named `drafter.grad_norm_sync`: a non-finite loss or gradient skips the step (no
+weight or optimizer state touched), and `train.max_bad_steps` in a row abort the run.
 Unblocks: every replica (a StepReply: go on, or stop). Metrics stay device tensors and
 are synced once every `log_every` steps (`metrics.sync`). With `eval.every_steps`, a
 speculative-decoding eval of replica 0 runs between steps (`eval.speculative`).
@@ -13,6 +15,8 @@ speculative-decoding eval of replica 0 runs between steps (`eval.speculative`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +46,7 @@ class StepResult:
     tokens: int
     samples: int
     weight_sum: float
+    skipped: bool = False  # non-finite loss or gradient: nothing was updated
 
 
 def apply_step(
@@ -62,21 +67,27 @@ def apply_step(
                     if g is not None:
                         total.add_(g.to(dev0, non_blocking=True))
             grads.append(total.mul_(scale))
+    loss = sum((c.loss_sum.to(dev0) for c in contribs if c.loss_sum is not None), torch.zeros((), device=dev0))
     with device.span(Stage.GRAD_NORM_SYNC):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if grad_clip > 0:
-            coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
+        # The one host sync per step, on purpose: a NaN/Inf step must touch neither the
+        # weights nor the optimizer state, and only the host can decide to skip it.
+        finite = bool(torch.isfinite(norm) & torch.isfinite(loss))
+        if grad_clip > 0 and finite:
+            coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(coef)
-    with device.span(Stage.OPTIMIZER_STEP):
-        lr = replicas[0].optimizer.param_groups[0]["lr"]
+    if not finite:
         for r in replicas:
+            r.optimizer.zero_grad(set_to_none=True)
+    with device.span(Stage.OPTIMIZER_STEP) if finite else contextlib.nullcontext():
+        lr = replicas[0].optimizer.param_groups[0]["lr"]
+        for r in replicas if finite else []:
             for p, g in zip(r.params, grads, strict=True):
                 p.grad = g.to(r.device, copy=r.index != 0)
             r.optimizer.step()
             r.scheduler.step()
             r.optimizer.zero_grad(set_to_none=True)
-    loss = sum((c.loss_sum.to(dev0) for c in contribs if c.loss_sum is not None), torch.zeros((), device=dev0))
     correct = sum(c.correct_per_slot.to(dev0) for c in contribs if c.correct_per_slot is not None)
     count = sum(c.count_per_slot for c in contribs if c.count_per_slot is not None)
     return StepResult(
@@ -89,11 +100,13 @@ def apply_step(
         tokens=sum(c.tokens for c in contribs),
         samples=sum(c.samples for c in contribs),
         weight_sum=weight,
+        skipped=not finite,
     )
 
 
 def to_records(results: list[StepResult]) -> list[dict[str, Any]]:
-    """The one host sync for a batch of steps: every metric comes over together."""
+    """One host sync for a batch of steps: every metric comes over together. Non-finite
+    values become null (JSON has no NaN; `jq` must always parse the log)."""
     if not results:
         return []
     packed = torch.stack(
@@ -111,9 +124,10 @@ def to_records(results: list[StepResult]) -> list[dict[str, Any]]:
         out.append(
             {
                 "step": r.step,
-                "loss": round(loss, 6),
+                "loss": round(loss, 6) if math.isfinite(loss) else None,
                 "lr": r.lr,
-                "grad_norm": round(gnorm, 6),
+                "grad_norm": round(gnorm, 6) if math.isfinite(gnorm) else None,
+                "skipped": r.skipped,
                 "tokens": r.tokens,
                 "samples": r.samples,
                 "acc": [round(a, 4) for a in acc],
@@ -142,6 +156,8 @@ async def run(
     checkpoint_every: int = 0,
     checkpoint_at_end: bool = False,
     start_step: int = 0,
+    max_bad_steps: int = 5,
+    emit_bad: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """Returns the number of optimizer steps taken."""
     active = set(range(len(replicas)))
@@ -149,6 +165,7 @@ async def run(
     ready = None
     step = start_step
     last_batch = -1
+    bad = 0  # consecutive skipped steps
 
     async def save() -> None:
         assert checkpointer is not None
@@ -181,6 +198,18 @@ async def run(
                 )  # fmt: skip
                 pending.append(result)
                 last_batch = max(last_batch, *(c.last_batch for c in contribs))
+                if result.skipped:
+                    bad += 1
+                    if emit_bad is not None:
+                        emit_bad({"step": step, "consecutive": bad})
+                    if bad >= max_bad_steps:
+                        msg = (
+                            f"{bad} optimizer steps in a row had a non-finite loss or gradient "
+                            f"(train.max_bad_steps = {max_bad_steps}); lower train.lr or check the data"
+                        )
+                        raise FloatingPointError(msg)
+                else:
+                    bad = 0
                 profiler.count("steps", 1)
                 profiler.count("samples", result.samples)
                 if step == 2:

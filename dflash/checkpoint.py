@@ -208,7 +208,27 @@ class Checkpointer:
         self.emit = emit
         self.root = cfg.run_dir / "checkpoints"
         self._pending: Any = None
-        self.last_step = -1
+        self.last_step = -1  # last step written
+        self.done_step = -1  # last step fully applied, and the batch it consumed up to
+        self.done_batch = -1
+
+    def mark(self, step: int, last_batch: int) -> None:
+        """The optimizer finished step `step`: weights, optimizer and cursor agree again."""
+        self.done_step, self.done_batch = step, last_batch
+
+    def emergency(self) -> Path | None:
+        """After a crash: write the last consistent state, if it is one and not yet written.
+
+        Called once every worker has stopped. The schedule's step count tells whether an
+        update was half applied when the run failed (then nothing is written).
+        """
+        r = self.replica
+        if self.done_step <= self.last_step or r.scheduler.last_epoch != self.done_step:
+            return None
+        snap = self.take(self.done_step, self.done_batch)
+        path = write_checkpoint(snap, self.root, self.cfg.checkpoint.keep_last)
+        self.last_step = snap.step
+        return path
 
     def take(self, step: int, last_batch: int) -> Snapshot:
         cursor = self.plan.cursor_after(last_batch) if last_batch >= 0 else None

@@ -353,12 +353,14 @@ class Coordinator:
                     ),
                 )
             )  # fmt: skip
+        checkpointer = Checkpointer(cfg, setup.replicas[0], setup.plan, self.emit)
+        opt_device = device(str(setup.replicas[0].device), "optimizer")
         opt_task = optimizer.run(
-            setup.replicas, device(str(setup.replicas[0].device), "optimizer"), grads, replies,
+            setup.replicas, opt_device, grads, replies,
             profiler, self._emit_steps, stop, grad_clip=cfg.train.grad_clip,
             max_steps=cfg.train.max_steps, log_every=cfg.train.log_every,
             eval_every=cfg.eval.every_steps, evaluate=self._evaluate,
-            checkpointer=Checkpointer(cfg, setup.replicas[0], setup.plan, self.emit),
+            checkpointer=checkpointer,
             checkpoint_every=cfg.checkpoint.every_steps, checkpoint_at_end=cfg.checkpoint.at_end,
             start_step=setup.start_step, max_bad_steps=cfg.train.max_bad_steps,
             emit_bad=lambda rec: self.emit("bad_step", **rec),
@@ -383,8 +385,17 @@ class Coordinator:
             prof_stop.set()
             await prof_task
             profiler.emit_window(final=True)
-            for d in devices:  # after a failure, do not wait for a worker's in-flight op
-                d.close(wait=clean)
+            for d in devices:  # after a failure, wait only for the optimizer's op in flight
+                d.close(wait=clean or d is opt_device)
+        if error is not None and isinstance(error, Exception) and (cfg.checkpoint.at_end or cfg.checkpoint.every_steps):
+            # The last consistent state (weights, optimizer, cursor of the last full step).
+            try:
+                path = await asyncio.to_thread(checkpointer.emergency)
+            except Exception as err:  # never hide the original error behind this one
+                self.emit("warning", message=f"emergency checkpoint failed: {err}")
+            else:
+                if path is not None:
+                    self.emit("checkpoint", step=checkpointer.last_step, path=str(path), emergency=True)
         if error is not None:
             if isinstance(error, Exception):
                 self.emit("run_failed", error=str(error), stage=getattr(error, "stage", None))
@@ -492,4 +503,7 @@ def run(config: Config, *, install_signals: bool = True, resume: str | Path | No
         return await coord.run()
 
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main())
+        try:
+            return runner.run(main())
+        except asyncio.CancelledError:  # a second Ctrl-C / SIGTERM: abort now
+            raise KeyboardInterrupt from None

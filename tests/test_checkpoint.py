@@ -184,3 +184,81 @@ def test_too_many_bad_steps_abort(tiny_config, monkeypatch):
     monkeypatch.setenv("DFLASH_INJECT_FAULT", "drafter.nan@0+")
     with pytest.raises(StageError, match="max_bad_steps"):
         _run(tiny_config(**{**COMMON, "train.max_bad_steps": 3}))
+
+
+def test_export_names_and_config_keys_match_the_reference():
+    """The export has exactly the reference weight names (no embedding / LM head) and config keys."""
+    from dflash.model.drafter import DFlashDrafter, DrafterSpec
+
+    spec = DrafterSpec(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, target_layer_ids=[1, 3], num_target_layers=6,
+        block_size=8, mask_token_id=5, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+    )  # fmt: skip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = export_drafter(DFlashDrafter(spec), Path(d) / "out")
+        names = set(load_file(str(path / "model.safetensors")))
+        cfg = json.loads((path / "config.json").read_text())
+    per_layer = [
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"), "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    ]  # fmt: skip
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in range(2) for n in per_layer}
+    assert names == want
+    for key in ("architectures", "num_hidden_layers", "num_target_layers", "block_size", "layer_types",
+                "sliding_window", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size"):  # fmt: skip
+        assert key in cfg, key
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"]["mask_token_id"] == 5 and cfg["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["num_target_layers"] == 6
+
+
+def test_crash_writes_an_emergency_checkpoint_that_resumes(tiny_config, tmp_path, monkeypatch):
+    """A stage crash after some steps leaves a checkpoint of the last full step; resuming from it works."""
+    from dflash import StageError
+
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", "target.model_forward@16")
+    # shallow queues: the target runs at most a few batches ahead of the last full step
+    cfg = tiny_config(**{**COMMON, "train.epochs": 3, "pipeline.hs_queue_depth": 1, "pipeline.batch_queue_depth": 1})
+    records: list[dict] = []
+    coord = Coordinator(cfg, log=False)
+    coord.subscribe(records.append)
+    with pytest.raises(StageError, match="target_forward"):
+        asyncio.run(coord.run())
+    emergency = [r for r in records if r["event"] == "checkpoint" and r.get("emergency")]
+    assert len(emergency) == 1
+    loaded = load_checkpoint(Path(emergency[0]["path"]))
+    assert 8 <= loaded.step < 16
+    monkeypatch.delenv("DFLASH_INJECT_FAULT")
+    after = _run(cfg, resume="auto")
+    assert next(r for r in after if r["event"] == "setup")["resumed_from"] == loaded.step
+    assert after[-1]["event"] == "run_end" and after[-1]["steps"] == 18
+
+
+def test_second_sigterm_aborts_at_once(tmp_path):
+    """A second SIGTERM exits at once (130, one line); the checkpoints already written stay readable."""
+    args = [
+        str(ROOT / "bin" / "dflash"), "run", str(ROOT / "configs" / "tiny.toml"),
+        "--set", f'run.output_dir="{tmp_path}"', "--set", "data.num_samples=48", "--set", "train.epochs=1000",
+        "--set", "train.log_every=1", "--set", "checkpoint.every_steps=2", "--set", "eval.at_end=false",
+        # a slow eval after every step keeps the first (clean) stop busy for the second signal
+        "--set", "eval.every_steps=1", "--set", "eval.num_prompts=4", "--set", "eval.max_new_tokens=48",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if '"event": "checkpoint"' in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # two signals at once may merge into one
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.time() - t0 < 15
+    assert "Traceback" not in err and "aborted" in err
+    latest = latest_checkpoint(tmp_path / "tiny")
+    assert latest is not None and load_checkpoint(latest).step >= 2

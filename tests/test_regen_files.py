@@ -409,7 +409,6 @@ def test_run_trains_on_regen_output_and_evaluates(env: Env, trained_run: subproc
 # placed here so that they run while the eval subprocesses below are busy. ----------------
 
 
-
 def test_resume_keeps_a_complete_last_record_missing_its_newline(env: Env, loaded: tuple[Any, Any]) -> None:
     """A regen output cut just before its final newline resumes to all ids, none lost."""
     out = env.cfg("no_newline").regen_output
@@ -419,7 +418,6 @@ def test_resume_keeps_a_complete_last_record_missing_its_newline(env: Env, loade
     assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2], stats
 
 
-
 def test_resume_after_a_torn_first_line(env: Env, loaded: tuple[Any, Any]) -> None:
     """A regen output whose only line is torn is regenerated into a valid file, no duplicates."""
     out = env.cfg("torn_first").regen_output
@@ -427,7 +425,6 @@ def test_resume_after_a_torn_first_line(env: Env, loaded: tuple[Any, Any]) -> No
     out.write_bytes(out.read_bytes()[:15])
     regen_in_process(env, loaded, "torn_first", "regen.max_prompts=3")
     assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2]
-
 
 
 def test_regen_leaves_eval_prompts_file_alone(env: Env, loaded: tuple[Any, Any]) -> None:

@@ -198,6 +198,8 @@ async def run(
                 )  # fmt: skip
                 pending.append(result)
                 last_batch = max(last_batch, *(c.last_batch for c in contribs))
+                if checkpointer is not None:
+                    checkpointer.mark(step, last_batch)
                 if result.skipped:
                     bad += 1
                     if emit_bad is not None:

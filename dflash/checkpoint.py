@@ -102,9 +102,10 @@ def write_checkpoint(snap: Snapshot, root: Path, keep_last: int) -> Path:
             shutil.rmtree(final)
         tmp.rename(final)
         _fsync(root)
-    except OSError as err:
+    except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        msg = f"checkpoint at step {snap.step} not written ({err.strerror or err}); earlier checkpoints are intact"
+        why = getattr(err, "strerror", None) or " ".join(str(err).split())
+        msg = f"checkpoint at step {snap.step} not written under {root} ({why}); earlier checkpoints are intact"
         raise CheckpointError(msg) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

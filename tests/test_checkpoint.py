@@ -162,6 +162,25 @@ def test_export_round_trip_gives_the_training_logits(tiny_config):
     assert cfgj["architectures"] == ["DFlashDraftModel"] and "dflash_config" in cfgj
     sd, sd2 = model.state_dict(), back.state_dict()
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    # the same inputs give the same outputs (logits are these through the frozen LM head)
+    from dflash.model.masks import BlockLayout, dense_mask, make_mask_mod
+
+    torch.manual_seed(0)
+    spec = model.spec
+    R, T, N, B = 2, 12, 2, spec.block_size
+    layout = BlockLayout(
+        torch.tensor([[3, 7], [2, 5]]), torch.ones(R, N, dtype=torch.bool), torch.zeros(R, T, dtype=torch.long), B
+    )
+    masks = {"full_attention": dense_mask(make_mask_mod(layout, None, False), layout)}
+    args = (
+        torch.randn(R, N * B, spec.hidden_size),
+        torch.randn(R, T, spec.hidden_size * len(spec.target_layer_ids)),
+        (layout.anchors[:, :, None] + torch.arange(B)).view(R, -1),
+        torch.arange(T).expand(R, T),
+        masks,
+    )
+    with torch.no_grad():
+        assert torch.equal(model(*args), back(*args))
 
 
 def test_nan_step_is_skipped_and_weights_stay_finite(tiny_config, monkeypatch):
@@ -262,3 +281,26 @@ def test_second_sigterm_aborts_at_once(tmp_path):
     assert "Traceback" not in err and "aborted" in err
     latest = latest_checkpoint(tmp_path / "tiny")
     assert latest is not None and load_checkpoint(latest).step >= 2
+
+
+def test_every_stage_fault_exits_nonzero_naming_the_stage(tmp_path):
+    """Real subprocesses: an exception injected into each stage exits 1 within seconds, one line naming it."""
+    stages = {
+        "data.prefetch": "prefetch", "target.model_forward": "target_forward[0]", "target.pack_hidden": "pack[0]",
+        "target.d2h_copy": "transfer[0]", "drafter.forward": "drafter_step[0]", "drafter.optimizer_step": "optimizer",
+    }  # fmt: skip
+    procs = {}
+    for stage in stages:
+        args = [
+            str(ROOT / "bin" / "dflash"), "run", str(ROOT / "configs" / "tiny.toml"),
+            "--set", f'run.output_dir="{tmp_path / stage}"', "--set", "data.num_samples=32",
+        ]  # fmt: skip
+        env = {**os.environ, "DFLASH_INJECT_FAULT": f"{stage}@3"}
+        procs[stage] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for stage, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, (stage, err)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert lines[-1].startswith(f"dflash: error: stage {stages[stage]} failed: InjectedFault"), (stage, err)
+        assert "Traceback" not in err
+        assert json.loads(out.splitlines()[-1])["event"] == "run_failed"

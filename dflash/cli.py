@@ -7,6 +7,7 @@ bin/dflash config show configs/tiny.toml --set drafter.num_layers=2
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -196,6 +197,23 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
     except KeyboardInterrupt:
         click.echo("dflash: regen interrupted; run it again to resume", err=True)
         sys.exit(130)
+    except Exception as err:
+        _unexpected(err)
+
+
+@main.command()
+@click.argument("log", type=click.File("r", encoding="utf-8"), default="-")
+@click.option("--json", "as_json", is_flag=True, help="print the analysis as one JSON object")
+def report(log: object, as_json: bool) -> None:
+    """Read a run's JSON log (file, or stdin) and name the bottleneck stage."""
+    from dflash.report import analyze, format_report, read_records
+
+    try:
+        name = getattr(log, "name", "-")
+        a = analyze(read_records(log, name))  # type: ignore[arg-type]
+        click.echo(json.dumps(a) if as_json else format_report(a))
+    except DFlashError as err:
+        _fail(err)
     except Exception as err:
         _unexpected(err)
 

@@ -1,0 +1,141 @@
+"""`dflash report LOG`: read a run's JSON log and say where the time went.
+
+Drops warm-up windows, sums every stage over the remaining `profile` records, groups the
+stages by the worker that runs them (data, target, drafter, optimizer — the work of one
+group is serial, so its busy fraction is how loaded that worker is), and names the
+bottleneck: the busiest group. Wait stages (queue waits, step waits) are idle time and
+tell the rest of the story: drafters waiting on the hidden-state queue are starved by the
+targets; targets waiting to put are back-pressured by the drafters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from dflash.errors import DataError
+from dflash.profile import Stage
+
+__all__ = ["analyze", "format_report", "read_records"]
+
+# Which worker runs a stage (the optimizer thread runs the drafter.grad_* / optimizer stages).
+_OPTIMIZER = {Stage.GRAD_REDUCE, Stage.GRAD_NORM_SYNC, Stage.OPTIMIZER_STEP, Stage.METRICS_SYNC, Stage.EVAL,
+              Stage.CHECKPOINT}  # fmt: skip
+
+
+def _group(stage: str) -> str:
+    if stage in _OPTIMIZER:
+        return "optimizer"
+    if stage.startswith("data."):
+        return "data"
+    if stage.startswith("target."):
+        return "target"
+    return "drafter"  # drafter.* and dflash.create_block_mask
+
+
+def read_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
+    out = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            msg = f"{source}:{n}: not a JSON line (pipe the stdout of `dflash run`, or its --log-file)"
+            raise DataError(msg) from None
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
+    profiles = [r for r in records if r.get("event") == "profile"]
+    if not profiles:
+        msg = "no profile records in the log (was it written by `dflash run`?)"
+        raise DataError(msg)
+    steady = [p for p in profiles if not p.get("warmup") and not p.get("final")] or profiles
+    wall = sum(p["wall_s"] for p in steady)
+    stages: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "total_s": 0.0, "max_ms": 0.0, "p95_ms": 0.0}
+    )
+    for p in steady:
+        for name, s in p["stages"].items():
+            st = stages[name]
+            st["count"] += s["count"]
+            st["total_s"] += s["total_s"]
+            st["max_ms"] = max(st["max_ms"], s["max_ms"])
+            st["p95_ms"] = max(st["p95_ms"], s["p95_ms"])
+    table = {}
+    groups: dict[str, float] = defaultdict(float)
+    waits: dict[str, float] = {}
+    for name, st in sorted(stages.items(), key=lambda kv: -kv[1]["total_s"]):
+        share = st["total_s"] / wall if wall else 0.0
+        table[name] = {
+            "count": int(st["count"]),
+            "mean_ms": round(1000 * st["total_s"] / st["count"], 3) if st["count"] else 0.0,
+            "max_ms": round(st["max_ms"], 3),
+            "p95_ms": round(st["p95_ms"], 3),
+            "share": round(share, 4),
+        }
+        if name in Stage.WAITS:
+            waits[name] = share
+        else:
+            groups[_group(name)] += share
+    bottleneck = max(groups, key=lambda g: groups[g]) if groups else None
+    tok = [p["tokens_per_s"]["drafter"] for p in steady]
+    measured = sum(tok) / len(tok) if tok else 0.0
+    busy = groups.get(bottleneck, 0.0) if bottleneck else 0.0
+    return {
+        "windows": len(steady),
+        "warmup_windows_dropped": len(profiles) - len(steady),
+        "wall_s": round(wall, 3),
+        "stages": table,
+        "busy": {g: round(v, 4) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "waits": {k: round(v, 4) for k, v in waits.items()},
+        "bottleneck": bottleneck,
+        "tokens_per_s": round(measured, 2),
+        # If the bottleneck worker were busy all the time, throughput would scale by 1/busy.
+        "bound_tokens_per_s": round(measured / busy, 2) if busy > 0 else None,
+        "host_share": round(sum(groups.values()), 4),
+        # On CUDA, host time is launch work holding the GIL; on CPU it includes the compute
+        # itself (torch releases the GIL there), so the GIL verdict is only made on CUDA.
+        "cuda": any("device_mean_ms" in s for p in steady for s in p["stages"].values()),
+    }
+
+
+def format_report(a: dict[str, Any]) -> str:
+    lines = [
+        f"{a['windows']} steady windows ({a['warmup_windows_dropped']} warm-up/final dropped), {a['wall_s']:.1f} s",
+        "",
+        f"{'stage':32} {'count':>7} {'mean ms':>10} {'p95 ms':>10} {'max ms':>10} {'share':>7}",
+    ]
+    for name, s in a["stages"].items():
+        lines.append(
+            f"{name:32} {s['count']:>7} {s['mean_ms']:>10.2f} {s['p95_ms']:>10.2f} {s['max_ms']:>10.2f} "
+            f"{100 * s['share']:>6.1f}%"
+        )
+    lines.append("")
+    busy = ", ".join(f"{g} {100 * v:.0f}%" for g, v in a["busy"].items())
+    lines.append(f"busy: {busy}")
+    b = a["bottleneck"]
+    lines.append(f"bottleneck: {b} ({100 * a['busy'].get(b, 0):.0f}% busy)")
+    starve = a["waits"].get(Stage.DRAFTER_QUEUE_WAIT, 0.0)
+    back = a["waits"].get(Stage.TARGET_QUEUE_PUT, 0.0)
+    if starve > 0.05:
+        lines.append(f"drafters are starved: {100 * starve:.0f}% of wall time waiting for hidden states")
+    if back > 0.05:
+        lines.append(f"targets are back-pressured: {100 * back:.0f}% of wall time waiting to hand over features")
+    if a["bound_tokens_per_s"]:
+        lines.append(
+            f"throughput: {a['tokens_per_s']:.0f} tok/s measured; {a['bound_tokens_per_s']:.0f} tok/s if the "
+            f"{b} worker never idled"
+        )
+    if a["cuda"] and a["host_share"] > 0.9:
+        lines.append(
+            f"host work sums to {100 * a['host_share']:.0f}% of wall time: one process holding the GIL "
+            "is near its limit; more devices will not help"
+        )
+    return "\n".join(lines)

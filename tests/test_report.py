@@ -35,8 +35,8 @@ def test_report_cli_on_a_real_log(tmp_path):
     log = tmp_path / "log.jsonl"
     run = subprocess.run(
         [str(ROOT / "bin" / "dflash"), "run", str(ROOT / "configs" / "tiny.toml"),
-         "--set", f'run.output_dir="{tmp_path}"', "--set", "data.num_samples=64", "--set", "eval.at_end=false", "--profile-interval", "0.5",
-         "--log-file", str(log)],
+         "--set", f'run.output_dir="{tmp_path}"', "--set", "data.num_samples=64",
+         "--set", "eval.at_end=false", "--profile-interval", "0.5", "--log-file", str(log)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -68,6 +68,8 @@ def _profile_overrides(profile_interval: float | None) -> list[str]:
               help="also write the JSON records to this file")  # fmt: skip
 @click.option("--profile-interval", type=float, metavar="SEC",
               help="seconds between profile records (env: DFLASH_PROFILE_INTERVAL)")  # fmt: skip
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write a Chrome-trace timeline (open in Perfetto / chrome://tracing)")  # fmt: skip
 @click.option("--resume", metavar="PATH|auto",
               help="continue from a checkpoint folder, or the latest complete one in the run folder")  # fmt: skip
 def run(
@@ -75,6 +77,7 @@ def run(
     overrides: tuple[str, ...],
     log_file: Path | None,
     profile_interval: float | None,
+    trace_path: Path | None,
     resume: str | None,
 ) -> None:
     """Train a drafter as CONFIG (TOML) says."""
@@ -86,7 +89,8 @@ def run(
         if profile_interval is not None and profile_interval <= 0:
             msg = f"--profile-interval must be > 0 seconds (got {profile_interval})"
             raise ConfigError(msg)
-        cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval)])
+        extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
+        cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
         if log_file is not None:
             try:
                 log_fh = log_file.open("a", encoding="utf-8")

@@ -267,6 +267,9 @@ class PipelineConfig(_Section):
 
 class ProfileConfig(_Section):
     interval_s: float = Field(10.0, gt=0, le=86_400, description="seconds per profile record")
+    enabled: bool = Field(True, description="time the stages (off: no profile records; for overhead checks)")
+    trace: str = Field("", description="write a Chrome-trace / Perfetto timeline to this path")
+    trace_max_events: int = Field(200_000, ge=1, description="bound on the timeline's size")
 
 
 class RegenConfig(_Section):

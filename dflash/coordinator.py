@@ -43,7 +43,7 @@ from dflash.feature_cache import FeatureCache
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target
-from dflash.profile import Profiler
+from dflash.profile import Profiler, Trace
 from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
 from dflash.replica import DrafterReplica, build_replicas
 from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
@@ -91,6 +91,8 @@ class Coordinator:
         self.targets: list[Target] = []
         self.steps = 0
         self.tokens = 0
+        self._t_train = time.perf_counter()
+        self._start_step = 0
         self.feature_cache: FeatureCache | None = None
         self.last_step: Record | None = None
         self.summary: Record | None = None
@@ -111,11 +113,16 @@ class Coordinator:
             self.emit("train_step", **r)
             self.last_step = r
             self.tokens += r["tokens"]
-        if records and sys.stderr.isatty():
+        if records and sys.stderr.isatty():  # progress for people; stdout stays pure JSON
             r = records[-1]
+            el = time.perf_counter() - self._t_train
+            done = r["step"] - self._start_step
+            rate = self.tokens / el if el > 0 else 0.0
+            left = (self._total_steps - r["step"]) * el / done if done and isinstance(self._total_steps, int) else 0
+            loss = f"{r['loss']:.4f}" if r["loss"] is not None else "nan"
             print(
-                f"\rstep {r['step']}/{self._total_steps} loss {r['loss']:.4f} "
-                f"tau_sim {r['tau_sim']:.2f} lr {r['lr']:.2e}",
+                f"\rstep {r['step']}/{self._total_steps} loss {loss} tau_sim {r['tau_sim']:.2f} "
+                f"{rate:.0f} tok/s ETA {left / 60:.1f} min   ",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -295,7 +302,8 @@ class Coordinator:
             resumed_from=setup.start_step if self.resume is not None else None,
         )
 
-        profiler = Profiler(cfg.profile.interval_s, self.emit)
+        trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
+        profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
         devices: list[Device] = []
 
         def device(spec: str, name: str) -> Device:
@@ -368,7 +376,8 @@ class Coordinator:
         )  # fmt: skip
         stages.append(("optimizer", opt_task))
 
-        t_train = time.perf_counter()
+        t_train = self._t_train = time.perf_counter()
+        self._start_step = setup.start_step
         prof_stop = asyncio.Event()
         prof_task = asyncio.create_task(profiler.run(prof_stop), name="profiler")
         results: dict[str, Any] = {}
@@ -385,6 +394,11 @@ class Coordinator:
             prof_stop.set()
             await prof_task
             profiler.emit_window(final=True)
+            if trace is not None:
+                try:
+                    trace.write()
+                except OSError as err:
+                    self.emit("warning", message=f"trace not written to {trace.path}: {err.strerror or err}")
             for d in devices:  # after a failure, wait only for the optimizer's op in flight
                 d.close(wait=clean or d is opt_device)
         if error is not None and isinstance(error, Exception) and (cfg.checkpoint.at_end or cfg.checkpoint.every_steps):

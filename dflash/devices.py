@@ -75,14 +75,14 @@ class Device:
         t0 = time.perf_counter()
         if not self.is_cuda:
             yield
-            self.profiler.record(stage, time.perf_counter() - t0)
+            self.profiler.record(stage, time.perf_counter() - t0, worker=self.name)
             return
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         yield
         end.record()
-        self.profiler.record(stage, time.perf_counter() - t0, (start, end))
+        self.profiler.record(stage, time.perf_counter() - t0, (start, end), worker=self.name)
 
     def _call(
         self,

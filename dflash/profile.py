@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash.channel import Channel
 
-__all__ = ["Profiler", "Stage"]
+__all__ = ["Profiler", "Stage", "Trace"]
 
 
 class Stage:
@@ -70,15 +70,70 @@ def _rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class Trace:
+    """A Chrome-trace (Perfetto) timeline: one track per worker and stage, queue depths as
+    counters. Bounded: after `max_events` events nothing more is kept (the file says so)."""
+
+    def __init__(self, path: str, max_events: int) -> None:
+        self.path = path
+        self.max_events = max_events
+        self.t0 = time.perf_counter()
+        self.events: list[dict[str, Any]] = []
+        self.dropped = 0
+        self._tids: dict[tuple[str, str], int] = {}
+
+    def _add(self, ev: dict[str, Any]) -> None:
+        if len(self.events) < self.max_events:
+            self.events.append(ev)
+        else:
+            self.dropped += 1
+
+    def span(self, worker: str, stage: str, start: float, dur: float) -> None:
+        tid = self._tids.setdefault((worker, stage), len(self._tids) + 1)
+        ts = (start - self.t0) * 1e6
+        self._add({"name": stage, "cat": worker, "ph": "X", "ts": round(ts, 1), "dur": round(dur * 1e6, 1),
+                   "pid": 1, "tid": tid})  # fmt: skip
+
+    def counter(self, name: str, value: float, t: float) -> None:
+        self._add({"name": name, "ph": "C", "ts": round((t - self.t0) * 1e6, 1), "pid": 1, "args": {"depth": value}})
+
+    def write(self) -> None:
+        import json
+        import os
+
+        meta = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "dflash"}}]
+        meta += [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"{w} {s}"}}
+            for (w, s), tid in sorted(self._tids.items(), key=lambda kv: kv[1])
+        ]
+        doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
+               "otherData": {"dropped_events": self.dropped, "max_events": self.max_events}}  # fmt: skip
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+
+
 class Profiler:
-    def __init__(self, interval_s: float, emit: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        emit: Callable[..., None],
+        *,
+        enabled: bool = True,
+        trace: Trace | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.interval_s = interval_s
+        self.enabled = enabled
+        self.trace = trace
+        self._clock = clock  # tests inject a fake clock
         self._emit = emit
         self._lock = threading.Lock()
         self._channels: list[Channel[Any]] = []
         self._window = 0
         self._ready_at: float | None = None  # first moment past warm-up
-        self._start_window(time.perf_counter())
+        self._start_window(self._clock())
         self._pending_events: list[tuple[str, Any, Any]] = []
         self._cuda_devices: set[int] = set()
 
@@ -94,21 +149,27 @@ class Profiler:
     def add_cuda_device(self, index: int) -> None:
         self._cuda_devices.add(index)
 
-    def record(self, stage: str, host_s: float, events: tuple[Any, Any] | None = None) -> None:
-        """One span of `stage`: host seconds, and on CUDA a (start, end) event pair."""
+    def record(self, stage: str, host_s: float, events: tuple[Any, Any] | None = None, worker: str = "loop") -> None:
+        """One span of `stage` on `worker`: host seconds, and on CUDA a (start, end) event pair."""
+        if not self.enabled:
+            return
         with self._lock:
             self._host[stage].append(host_s)
             if events is not None:
                 self._pending_events.append((stage, *events))
+            if self.trace is not None:
+                self.trace.span(worker, stage, self._clock() - host_s, host_s)
 
     def count(self, name: str, n: float) -> None:
+        if not self.enabled:
+            return
         with self._lock:
             self._counters[name] += n
 
     def mark_warm(self) -> None:
         """Called once the pipeline has completed its first steps; earlier windows are warm-up."""
         if self._ready_at is None:
-            self._ready_at = time.perf_counter()
+            self._ready_at = self._clock()
 
     def _resolve_events(self) -> None:
         # Only events that have completed are read; the rest wait for the next window.
@@ -121,7 +182,7 @@ class Profiler:
         self._pending_events = still
 
     def window_record(self, final: bool = False) -> dict[str, Any]:
-        now = time.perf_counter()
+        now = self._clock()
         with self._lock:
             self._resolve_events()
             host, device, counters = self._host, self._device, self._counters
@@ -188,12 +249,27 @@ class Profiler:
         return rec
 
     def emit_window(self, final: bool = False) -> None:
-        self._emit("profile", **self.window_record(final=final))
+        if self.enabled:
+            self._emit("profile", **self.window_record(final=final))
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Emit a profile record every interval until `stop` is set."""
+        """Emit a profile record every interval until `stop` is set (with a trace, also
+        sample the queue depths every 50 ms as counters)."""
+        if not self.enabled:
+            await stop.wait()
+            return
+        tick = min(self.interval_s, 0.05) if self.trace is not None else self.interval_s
+        next_window = self._clock() + self.interval_s
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+                await asyncio.wait_for(stop.wait(), timeout=tick)
             except TimeoutError:
+                pass
+            if self.trace is not None:
+                now = self._clock()
+                with self._lock:
+                    for ch in self._channels:
+                        self.trace.counter(f"queue {ch.name}", len(ch), now)
+            if self._clock() >= next_window and not stop.is_set():
                 self.emit_window()
+                next_window += self.interval_s

@@ -85,6 +85,7 @@ def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             groups[_group(name)] += share
     bottleneck = max(groups, key=lambda g: groups[g]) if groups else None
+    whatif = _what_if(records, stages, groups)
     tok = [p["tokens_per_s"]["drafter"] for p in steady]
     measured = sum(tok) / len(tok) if tok else 0.0
     busy = groups.get(bottleneck, 0.0) if bottleneck else 0.0
@@ -103,6 +104,37 @@ def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
         # On CUDA, host time is launch work holding the GIL; on CPU it includes the compute
         # itself (torch releases the GIL there), so the GIL verdict is only made on CUDA.
         "cuda": any("device_mean_ms" in s for p in steady for s in p["stages"].values()),
+        "what_if": whatif,
+    }
+
+
+def _what_if(records: list[dict[str, Any]], stages: dict[str, dict[str, float]], groups: dict[str, float]) -> Any:
+    """Batches/s that other target : drafter splits of the same devices would reach.
+
+    Per batch, a target chain is busy t_T (its stages' time / batches) and a drafter replica
+    t_D; with n_t chains and n_d replicas and queues deep enough to absorb jitter, the
+    pipeline runs at min(n_t / t_T, n_d / t_D) — the slower side. Only meaningful when each
+    chain and replica has a device of its own (GPUs), not for "cpu" entries sharing cores.
+    """
+    start = next((r for r in records if r.get("event") == "run_start"), None)
+    batches = stages.get(Stage.TARGET_PACK, {}).get("count", 0)
+    micro = stages.get(Stage.DRAFTER_BACKWARD, {}).get("count", 0)
+    if start is None or not batches or not micro:
+        return None
+    pipe = start["config"]["pipeline"]
+    n_t, n_d = len(pipe["target_devices"]), len(pipe["drafter_devices"])
+    t_target = sum(s["total_s"] for n, s in stages.items() if _group(n) == "target" and n not in Stage.WAITS) / batches
+    t_draft = sum(s["total_s"] for n, s in stages.items() if _group(n) == "drafter" and n not in Stage.WAITS) / micro
+    total = n_t + n_d
+    splits = {f"{a}:{total - a}": round(min(a / t_target, (total - a) / t_draft), 3) for a in range(1, total)}
+    best = max(splits, key=lambda k: splits[k]) if splits else None
+    return {
+        "now": f"{n_t}:{n_d}",
+        "target_s_per_batch": round(t_target, 4),
+        "drafter_s_per_batch": round(t_draft, 4),
+        "batches_per_s": splits,
+        "best": best,
+        "shared_cpu": all(d == "cpu" for d in [*pipe["target_devices"], *pipe["drafter_devices"]]),
     }
 
 
@@ -132,6 +164,16 @@ def format_report(a: dict[str, Any]) -> str:
         lines.append(
             f"throughput: {a['tokens_per_s']:.0f} tok/s measured; {a['bound_tokens_per_s']:.0f} tok/s if the "
             f"{b} worker never idled"
+        )
+    w = a.get("what_if")
+    if w:
+        now, best = w["batches_per_s"].get(w["now"]), w["best"]
+        lines.append(
+            f"per batch: target {1000 * w['target_s_per_batch']:.0f} ms busy, drafter "
+            f"{1000 * w['drafter_s_per_batch']:.0f} ms busy; split now {w['now']}"
+            + (f" ({now:.2f} batches/s)" if now else "")
+            + f", best {best} ({w['batches_per_s'][best]:.2f} batches/s)"
+            + (" — devices are all 'cpu' here, so splits share cores: indicative only" if w["shared_cpu"] else "")
         )
     if a["cuda"] and a["host_share"] > 0.9:
         lines.append(

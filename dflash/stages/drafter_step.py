@@ -160,7 +160,7 @@ async def run(
                     feats, waited = await inbox.get()
                 except EndOfStream:
                     break
-                profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited)
+                profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
                 _, ready = await device.run(None, acc.add, work, feats, wait_for=wait_for)
                 profiler.count("drafter_tokens", feats.batch.num_tokens)
             await outbox.put(acc.grads(rep.index, step, ready))
@@ -170,7 +170,7 @@ async def run(
                 reply, waited = await replies.get()
             except EndOfStream:
                 return
-            profiler.record(Stage.DRAFTER_STEP_WAIT, waited)
+            profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
             if reply.stop:
                 return
             wait_for = [reply.ready]

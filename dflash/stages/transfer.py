@@ -46,4 +46,4 @@ async def run(
             if cache is not None:
                 await device.run(None, cache.put, f.batch, host)
             waited = await outbox.put(HostFeatures(f.batch, host, source))
-            profiler.record(Stage.TARGET_QUEUE_PUT, waited)
+            profiler.record(Stage.TARGET_QUEUE_PUT, waited, worker=device.name)

@@ -208,14 +208,18 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
 @main.command()
 @click.argument("log", type=click.File("r", encoding="utf-8"), default="-")
 @click.option("--json", "as_json", is_flag=True, help="print the analysis as one JSON object")
-def report(log: object, as_json: bool) -> None:
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="draw stage times and queue depth (PNG)")
+def report(log: object, as_json: bool, plot_path: str | None) -> None:
     """Read a run's JSON log (file, or stdin) and name the bottleneck stage."""
-    from dflash.report import analyze, format_report, read_records
+    from dflash.report import analyze, format_report, plot, read_records
 
     try:
         name = getattr(log, "name", "-")
-        a = analyze(read_records(log, name))  # type: ignore[arg-type]
+        records = read_records(log, name)  # type: ignore[arg-type]
+        a = analyze(records)
         click.echo(json.dumps(a) if as_json else format_report(a))
+        if plot_path:
+            plot(records, plot_path)
     except DFlashError as err:
         _fail(err)
     except Exception as err:

@@ -138,6 +138,46 @@ def _what_if(records: list[dict[str, Any]], stages: dict[str, dict[str, float]],
     }
 
 
+def plot(records: list[dict[str, Any]], path: str) -> None:
+    """Stage times (mean ms per window) and hidden-state queue depth over the run, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        msg = "--plot needs matplotlib: pip install matplotlib"
+        raise DataError(msg) from None
+    profiles = [r for r in records if r.get("event") == "profile" and not r.get("final")]
+    if not profiles:
+        msg = "no profile records in the log to plot"
+        raise DataError(msg)
+    t, acc = [], 0.0
+    for p in profiles:
+        acc += p["wall_s"]
+        t.append(acc)
+    names = sorted({n for p in profiles for n in p["stages"] if n not in Stage.WAITS},
+                   key=lambda n: -sum(p["stages"].get(n, {}).get("total_s", 0) for p in profiles))[:8]  # fmt: skip
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for n in names:
+        ax1.plot(t, [p["stages"].get(n, {}).get("mean_ms", 0) for p in profiles], label=n, marker=".")
+    ax1.set_ylabel("mean ms per call")
+    ax1.legend(fontsize=7)
+    ax1.set_title("dflash: stage times and hidden-state queue")
+    q = [p["queues"].get("hidden_states", {}) for p in profiles]
+    ax2.plot(t, [x.get("mean_depth", 0) for x in q], label="mean depth")
+    ax2.plot(t, [x.get("max_depth", 0) for x in q], label="max depth")
+    ax2.set_ylabel("queue depth")
+    ax2.set_xlabel("seconds")
+    ax2.legend(fontsize=7)
+    for p, x in zip(profiles, t, strict=True):
+        if p.get("warmup"):
+            ax1.axvspan(x - p["wall_s"], x, color="0.9")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def format_report(a: dict[str, Any]) -> str:
     lines = [
         f"{a['windows']} steady windows ({a['warmup_windows_dropped']} warm-up/final dropped), {a['wall_s']:.1f} s",
@@ -156,6 +196,11 @@ def format_report(a: dict[str, Any]) -> str:
     lines.append(f"bottleneck: {b} ({100 * a['busy'].get(b, 0):.0f}% busy)")
     starve = a["waits"].get(Stage.DRAFTER_QUEUE_WAIT, 0.0)
     back = a["waits"].get(Stage.TARGET_QUEUE_PUT, 0.0)
+    if starve > 0.05 and back > 0.05:
+        lines.append(
+            "both sides wait at times: a deeper hidden-state queue (pipeline.hs_queue_depth) would absorb "
+            "the jitter, up to the bound below"
+        )
     if starve > 0.05:
         lines.append(f"drafters are starved: {100 * starve:.0f}% of wall time waiting for hidden states")
     if back > 0.05:

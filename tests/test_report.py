@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from dflash.report import analyze
 from tests.conftest import ROOT
 
@@ -48,3 +50,16 @@ def test_report_cli_on_a_real_log(tmp_path):
     assert "drafter.forward" in a["stages"] and a["wall_s"] > 0
     bad = subprocess.run([str(ROOT / "bin" / "dflash"), "report"], input="not json\n", capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("dflash: error: <stdin>:1")
+
+
+def test_plot_writes_a_png(tmp_path):
+    """--plot draws stage times and queue depth into a PNG."""
+    pytest.importorskip("matplotlib")
+    from dflash.report import plot
+
+    recs = [_profile(i, i == 0, {"target.model_forward": 9.0, "drafter.forward": 2.0}) for i in range(3)]
+    for r in recs:
+        r["queues"] = {"hidden_states": {"mean_depth": 1.0, "max_depth": 2}}
+    out = tmp_path / "p.png"
+    plot(recs, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

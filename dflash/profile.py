@@ -142,6 +142,7 @@ class Profiler:
         self._host: dict[str, list[float]] = defaultdict(list)
         self._device: dict[str, list[float]] = defaultdict(list)
         self._counters: dict[str, float] = defaultdict(float)
+        self._workers: dict[str, float] = defaultdict(float)  # busy host seconds per worker
 
     def add_channel(self, ch: Channel[Any]) -> None:
         self._channels.append(ch)
@@ -155,6 +156,8 @@ class Profiler:
             return
         with self._lock:
             self._host[stage].append(host_s)
+            if stage not in Stage.WAITS:
+                self._workers[worker] += host_s
             if events is not None:
                 self._pending_events.append((stage, *events))
             if self.trace is not None:
@@ -185,7 +188,7 @@ class Profiler:
         now = self._clock()
         with self._lock:
             self._resolve_events()
-            host, device, counters = self._host, self._device, self._counters
+            host, device, counters, workers = self._host, self._device, self._counters, self._workers
             wall = now - self._win_start
             warmup = self._ready_at is None or self._ready_at > self._win_start
             window = self._window
@@ -234,6 +237,8 @@ class Profiler:
             },
             "samples_per_s": round(counters["samples"] / wall, 3) if wall > 0 else 0.0,
             "steps": int(counters["steps"]),
+            # busy fraction of each worker thread (a device's worker, the data / optimizer ones)
+            "workers": {w: round(v / wall, 4) if wall > 0 else 0.0 for w, v in sorted(workers.items())},
             "memory": {"host_rss_mb": round(_rss_mb(), 1)},
         }
         if self._cuda_devices:

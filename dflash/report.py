@@ -84,17 +84,31 @@ def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
             waits[name] = share
         else:
             groups[_group(name)] += share
-    bottleneck = max(groups, key=lambda g: groups[g]) if groups else None
+    workers: dict[str, float] = defaultdict(float)
+    for p in steady:
+        for w, frac in p.get("workers", {}).items():
+            workers[w] += frac * p["wall_s"]
+    per_worker = {w: round(v / wall, 4) for w, v in sorted(workers.items(), key=lambda kv: -kv[1])} if wall else {}
+    busiest = next(iter(per_worker), None)
+    if busiest is not None and busiest != "loop":
+        # The busiest worker names the bottleneck (several replicas of a role add up in
+        # `groups`, but each runs on its own device).
+        bottleneck: str | None = busiest.rstrip("0123456789") or busiest
+    else:
+        bottleneck = max(groups, key=lambda g: groups[g]) if groups else None
     whatif = _what_if(records, stages, groups)
     tok = [p["tokens_per_s"]["drafter"] for p in steady]
     measured = sum(tok) / len(tok) if tok else 0.0
-    busy = groups.get(bottleneck, 0.0) if bottleneck else 0.0
+    busy = max((v for w, v in per_worker.items() if w.rstrip("0123456789") == bottleneck), default=0.0)
+    if not busy:
+        busy = groups.get(bottleneck, 0.0) if bottleneck else 0.0
     return {
         "windows": len(steady),
         "warmup_windows_dropped": len(profiles) - len(steady),
         "wall_s": round(wall, 3),
         "stages": table,
         "busy": {g: round(v, 4) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "workers": per_worker,
         "waits": {k: round(v, 4) for k, v in waits.items()},
         "bottleneck": bottleneck,
         "tokens_per_s": round(measured, 2),
@@ -191,9 +205,12 @@ def format_report(a: dict[str, Any]) -> str:
         )
     lines.append("")
     busy = ", ".join(f"{g} {100 * v:.0f}%" for g, v in a["busy"].items())
-    lines.append(f"busy: {busy}")
+    lines.append(f"busy by role (summed over its workers): {busy}")
+    if a["workers"]:
+        lines.append("busy by worker: " + ", ".join(f"{w} {100 * v:.0f}%" for w, v in a["workers"].items()))
     b = a["bottleneck"]
-    lines.append(f"bottleneck: {b} ({100 * a['busy'].get(b, 0):.0f}% busy)")
+    frac = max((v for w, v in a["workers"].items() if w.rstrip("0123456789") == b), default=a["busy"].get(b, 0))
+    lines.append(f"bottleneck: {b} ({100 * frac:.0f}% busy)")
     starve = a["waits"].get(Stage.DRAFTER_QUEUE_WAIT, 0.0)
     back = a["waits"].get(Stage.TARGET_QUEUE_PUT, 0.0)
     if starve > 0.05 and back > 0.05:

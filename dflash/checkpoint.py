@@ -14,7 +14,6 @@ that. Nothing here unpickles anything: tensors are safetensors, the rest JSON / 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.config import Config, dump_toml
 from dflash.errors import CheckpointError
+from dflash.export import fsync_path
 
 __all__ = [
     "Checkpointer",
@@ -74,14 +74,6 @@ def snapshot(step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, 
     return Snapshot(step, weights, tensors, state, dump_toml(cfg))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(snap: Snapshot, root: Path, keep_last: int) -> Path:
     """Write atomically under `root`; returns the folder. Raises CheckpointError (disk full...)."""
     final = root / f"step_{snap.step:06d}"
@@ -97,11 +89,11 @@ def write_checkpoint(snap: Snapshot, root: Path, keep_last: int) -> Path:
         (tmp / "state.json").write_text(json.dumps(snap.state, indent=1) + "\n")
         (tmp / "config.toml").write_text(snap.config_toml)
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync_path(f)
         if final.exists():  # the same step written again (e.g. at the end): replace it
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync(root)
+        fsync_path(root)
     except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         why = getattr(err, "strerror", None) or " ".join(str(err).split())

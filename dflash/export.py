@@ -55,7 +55,8 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
     }
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -72,8 +73,7 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(drafter_config_json(model.spec), indent=2) + "\n")
         for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_path(f)
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -82,7 +82,7 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-        _fsync_dir(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

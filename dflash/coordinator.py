@@ -148,7 +148,8 @@ class Coordinator:
                 "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
             )
             raise ConfigError(msg)
-        if cfg.data.source == "files":  # before loading any model: a typo fails in a second
+        loaded = self._load_resume()  # before loading any model: a bad checkpoint fails in a second
+        if cfg.data.source == "files":  # likewise a missing data file
             for i, f in enumerate(cfg.data.files):
                 if not Path(f.path).expanduser().exists():
                     msg = f"data.files[{i}]: dataset not found: {f.path}"
@@ -199,7 +200,6 @@ class Coordinator:
                 f"drafter.mask_token_id {mask_id} occurs {uses} times in the training data; "
                 "an id the data never uses is better"
             )
-        loaded = self._load_resume()
         plan = BatchPlan.from_config(
             samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
         )

@@ -239,6 +239,11 @@ class TrainConfig(_Section):
 
 
 class PipelineConfig(_Section):
+    mode: Literal["pipeline", "serial"] = Field(
+        "pipeline",
+        description="serial: every stage's compute on one worker thread, one after another "
+        "(the serial loop of the usual trainers, for comparison)",
+    )
     target_devices: list[str] = Field(["cpu"], min_length=1, description="one target chain each")
     drafter_devices: list[str] = Field(["cpu"], min_length=1, description="one replica each")
     batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")

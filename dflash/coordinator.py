@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,8 +307,15 @@ class Coordinator:
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
         devices: list[Device] = []
 
+        # Serial mode: one worker thread for every stage, so no two computations overlap.
+        shared = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-serial")
+            if cfg.pipeline.mode == "serial"
+            else None
+        )
+
         def device(spec: str, name: str) -> Device:
-            d = Device(spec, name, profiler)
+            d = Device(spec, name, profiler, executor=shared)
             devices.append(d)
             return d
 

@@ -43,12 +43,19 @@ def check_device(spec: str, key: str) -> torch.device:
 
 
 class Device:
-    def __init__(self, spec: str, name: str, profiler: Profiler | None = None) -> None:
+    def __init__(
+        self,
+        spec: str,
+        name: str,
+        profiler: Profiler | None = None,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """`executor`: share one worker thread between devices (pipeline.mode = "serial")."""
         self.device = torch.device(spec)
         self.name = name
         self.profiler = profiler
         self.is_cuda = self.device.type == "cuda"
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
         self._streams: dict[str, Any] = {}
         if self.is_cuda and profiler is not None:
             profiler.add_cuda_device(self.device.index or 0)

@@ -178,9 +178,9 @@ def test_no_stray_stdout_from_library(tiny_config, capfd):
 def test_serial_mode_trains_exactly_like_the_pipeline(tiny_config, tmp_path):
     """pipeline.mode = "serial" (one worker thread for all stages) gives the same losses as the pipeline."""
     a = []
-    _run(tiny_config(**{"train.max_steps": 6, "eval.at_end": "false"}), a)
+    _run(tiny_config(**{"train.max_steps": 6, "train.epochs": 2, "eval.at_end": "false"}), a)
     b = []
-    other = tiny_config(**{"train.max_steps": 6, "eval.at_end": "false", "pipeline.mode": '"serial"',
+    other = tiny_config(**{"train.max_steps": 6, "train.epochs": 2, "eval.at_end": "false", "pipeline.mode": '"serial"',
                            "run.output_dir": f'"{tmp_path / "serial"}"'})  # fmt: skip
     _run(other, b)
     la = [r["loss"] for r in a if r["event"] == "train_step"]

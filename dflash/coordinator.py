@@ -31,10 +31,11 @@ import structlog
 import torch
 
 from dflash import faults
+from dflash import synthetic as synth
 from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.checkpoint import Checkpointer, Loaded, check_compatible, latest_checkpoint, load_checkpoint, restore
 from dflash.config import Config, dump_toml
-from dflash.data.batching import BatchPlan
+from dflash.data.batching import BatchPlan, Sample
 from dflash.data.synthetic import synthesize
 from dflash.devices import Device, check_device
 from dflash.errors import CheckpointError, ConfigError, DataError, StageError
@@ -48,6 +49,7 @@ from dflash.profile import Profiler, Trace
 from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
 from dflash.replica import DrafterReplica, build_replicas
 from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
+from dflash.synthetic import SyntheticSpec
 
 __all__ = ["Coordinator", "Record"]
 
@@ -75,10 +77,19 @@ def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
 class Coordinator:
     """Runs one training job. `await Coordinator(cfg).run()` inside any event loop."""
 
-    def __init__(self, config: Config, *, log: bool = True, resume: str | Path | None = None) -> None:
-        """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder."""
+    def __init__(
+        self,
+        config: Config,
+        *,
+        log: bool = True,
+        resume: str | Path | None = None,
+        synthetic: SyntheticSpec | None = None,
+    ) -> None:
+        """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder.
+        `synthetic`: replace the models' compute with work of known cost (orchestration benchmarks)."""
         self.config = config
         self.resume = resume
+        self.synthetic = synthetic
         self.run_dir = config.run_dir
         self._log = structlog.get_logger("dflash") if log else None
         self._subscribers: list[Callable[[Record], None]] = []
@@ -242,6 +253,24 @@ class Coordinator:
         record = evaluate(target, rep.model, rep.head, self._eval_prompts, cfg.eval.max_new_tokens, stops)
         return {"step": step, **record}
 
+    def _setup_synthetic(self) -> _Setup:
+        """Stand-ins for targets, data and replicas; the stages, channels and devices are real."""
+        cfg, spec = self.config, self.synthetic
+        assert spec is not None
+        targets = [synth.SyntheticTarget(spec.target) for _ in cfg.pipeline.target_devices]
+        replicas = [synth.SyntheticReplica(i, torch.device("cpu")) for i in range(len(cfg.pipeline.drafter_devices))]
+        samples = [
+            Sample(i, torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool)) for i in range(spec.batches)
+        ]
+        plan = BatchPlan(samples, 1, 1, cfg.run.seed, False)
+        dspec = DrafterSpec(
+            hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=1, vocab_size=1,
+            rms_norm_eps=1e-6, rope_theta=1.0, target_layer_ids=[0], num_target_layers=1,
+            block_size=spec.block_size, mask_token_id=0, layer_types=["full_attention"], sliding_window=1,
+        )  # fmt: skip
+        total = math.ceil(spec.batches / len(replicas))
+        return _Setup(targets, replicas, plan, dspec, total, 0.0)  # type: ignore[arg-type]
+
     def _load_resume(self) -> Loaded | None:
         if self.resume is None:
             return None
@@ -283,7 +312,7 @@ class Coordinator:
             torch=torch.__version__,
             config=cfg.model_dump(mode="json"),
         )
-        setup = await asyncio.to_thread(self._setup)
+        setup = self._setup_synthetic() if self.synthetic else await asyncio.to_thread(self._setup)
         for w in self._warnings:
             self.emit("warning", message=w)
         self.targets, self.replicas = setup.targets, setup.replicas
@@ -297,7 +326,7 @@ class Coordinator:
             total_steps=setup.total_steps,
             target=setup.targets[0].name,
             target_layers=setup.spec.target_layer_ids,
-            drafter_params=sum(p.numel() for p in setup.replicas[0].params),
+            drafter_params=sum(p.numel() for p in getattr(setup.replicas[0], "params", [])),
             mask_token_id=setup.spec.mask_token_id,
             setup_s=round(time.perf_counter() - t_start, 3),
             resumed_from=setup.start_step if self.resume is not None else None,
@@ -366,6 +395,7 @@ class Coordinator:
                         cfg.drafter, profiler, grad_accum=cfg.train.grad_accum,
                         seed=cfg.run.seed, loss_chunk=cfg.train.loss_chunk, use_flex=use_flex,
                         noise=noise, start_step=setup.start_step,
+                        **({"step_fn": synth.drafter_step(self.synthetic)} if self.synthetic else {}),
                     ),
                 )
             )  # fmt: skip
@@ -375,11 +405,12 @@ class Coordinator:
             setup.replicas, opt_device, grads, replies,
             profiler, self._emit_steps, stop, grad_clip=cfg.train.grad_clip,
             max_steps=cfg.train.max_steps, log_every=cfg.train.log_every,
-            eval_every=cfg.eval.every_steps, evaluate=self._evaluate,
-            checkpointer=checkpointer,
+            eval_every=0 if self.synthetic else cfg.eval.every_steps, evaluate=self._evaluate,
+            checkpointer=None if self.synthetic else checkpointer,
             checkpoint_every=cfg.checkpoint.every_steps, checkpoint_at_end=cfg.checkpoint.at_end,
             start_step=setup.start_step, max_bad_steps=cfg.train.max_bad_steps,
             emit_bad=lambda rec: self.emit("bad_step", **rec),
+            **({"apply_fn": synth.apply_step(self.synthetic)} if self.synthetic else {}),
             emit_eval=lambda rec: self.emit("eval", **rec),
         )  # fmt: skip
         stages.append(("optimizer", opt_task))
@@ -433,11 +464,11 @@ class Coordinator:
         if sys.stderr.isatty():
             print(file=sys.stderr)
         eval_record = None
-        if cfg.eval.at_end and self.steps > 0 and not stop.is_set():
+        if cfg.eval.at_end and self.steps > 0 and not stop.is_set() and not self.synthetic:
             eval_record = await asyncio.to_thread(self._evaluate, self.steps)
             self.emit("eval", **eval_record)
         export_dir = None
-        if cfg.checkpoint.export_final and self.steps > 0:
+        if cfg.checkpoint.export_final and self.steps > 0 and not self.synthetic:
             export_dir = self.run_dir / "final"
             await asyncio.to_thread(export_drafter, setup.replicas[0].model, export_dir)
         wall = time.perf_counter() - t_start

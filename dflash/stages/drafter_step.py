@@ -144,6 +144,7 @@ async def run(
     use_flex: bool,
     noise: Callable[[int], float] = lambda _step: 0.0,
     start_step: int = 0,
+    step_fn: Callable[..., LossParts] = micro_step,  # synthetic benchmarks swap the compute
 ) -> None:
     step = start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
@@ -151,7 +152,7 @@ async def run(
         while True:
             acc = _Accumulator()
             work = functools.partial(
-                micro_step, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk,
+                step_fn, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk,
                 use_flex=use_flex, reveal_prob=noise(step),
             )  # fmt: skip
             ready = None

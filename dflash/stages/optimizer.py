@@ -158,6 +158,7 @@ async def run(
     start_step: int = 0,
     max_bad_steps: int = 5,
     emit_bad: Callable[[dict[str, Any]], None] | None = None,
+    apply_fn: Callable[..., StepResult] = apply_step,  # synthetic benchmarks swap the compute
 ) -> int:
     """Returns the number of optimizer steps taken."""
     active = set(range(len(replicas)))
@@ -193,7 +194,7 @@ async def run(
             if contribs:
                 step += 1
                 result, ready = await device.run(
-                    None, apply_step, replicas, contribs, device, grad_clip, step,
+                    None, apply_fn, replicas, contribs, device, grad_clip, step,
                     wait_for=[c.ready for c in contribs],
                 )  # fmt: skip
                 pending.append(result)

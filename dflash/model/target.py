@@ -30,7 +30,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def build_tiny(cfg: TinyTargetConfig) -> nn.Module:
+def build_tiny(cfg: TinyTargetConfig, device: torch.device | None = None) -> nn.Module:
+    """A random Qwen3 from a config. On CUDA it is built on the device directly, so that a
+    real-size shape (e.g. Qwen3-8B for benchmarks: compute does not depend on the weights)
+    never passes through host memory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     hf_cfg = Qwen3Config(
@@ -46,9 +49,14 @@ def build_tiny(cfg: TinyTargetConfig) -> nn.Module:
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    with torch.random.fork_rng(devices=[]):
+    on_cuda = device is not None and device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if on_cuda else []):
         torch.manual_seed(cfg.seed)
-        model = Qwen3ForCausalLM(hf_cfg)
+        if on_cuda:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(hf_cfg).to(torch.bfloat16)
+        else:
+            model = Qwen3ForCausalLM(hf_cfg)
         # A random model with std-0.02 weights barely depends on its input; larger
         # embeddings make its greedy continuations varied, so there is something to learn.
         with torch.no_grad():
@@ -175,7 +183,7 @@ def load_target(cfg: TargetConfig, device: torch.device, num_draft_layers: int, 
 
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.kind == "tiny":
-        model = build_tiny(cfg.tiny)
+        model = build_tiny(cfg.tiny, device)
     else:
         path = model_folder(cfg, cache_dir)
         _quiet_transformers()

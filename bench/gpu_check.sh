@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On a CUDA machine: exercise every CUDA path (streams per stage, events, pinned D2H, flex
+# BlockMask with compiled flex_attention, bf16 autocast, CUDA memory in profiles) and measure
+# tokens/s with a Qwen3-8B-shaped random target and a 5-layer drafter, pipeline vs serial,
+# target and drafter on separate streams of one GPU. Prints the report of each run, then one
+# JSON line. Not yet run anywhere: no CUDA machine has been available to the project.
+#   bash bench/gpu_check.sh            (from the repository root, after make setup / pip install -e .)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-runs/gpu_check}"
+mkdir -p "$out"
+python - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device"
+print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+PY
+python -m pytest -q tests/test_mask_loss_reference.py tests/test_eval.py  # CPU references still hold
+for mode in pipeline serial; do
+  bin/dflash run configs/gpu_bench.toml --set "run.output_dir=\"$out/$mode\"" \
+    --set "pipeline.mode=\"$mode\"" --trace "$out/$mode.trace.json" > "$out/$mode.jsonl"
+  bin/dflash report "$out/$mode.jsonl" | tee "$out/$mode.report.txt"
+done
+python - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+res = {}
+for mode in ("pipeline", "serial"):
+    recs = [json.loads(l) for l in open(f"{out}/{mode}.jsonl")]
+    end = recs[-1]
+    prof = [r for r in recs if r["event"] == "profile" and not r["warmup"]]
+    res[mode] = {"tokens_per_s": end["tokens_per_s"], "steps": end["steps"],
+                 "device_ms": {k: v.get("device_mean_ms") for k, v in prof[-1]["stages"].items()} if prof else {},
+                 "cuda_memory": prof[-1]["memory"].get("cuda") if prof else None}
+res["ratio"] = res["pipeline"]["tokens_per_s"] / max(res["serial"]["tokens_per_s"], 1e-9)
+print(json.dumps({"bench": "gpu_check", **res}))
+PY

@@ -112,13 +112,6 @@ def run(
             f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
             f"{summary['tokens_per_s']:.0f} tok/s{tau}; run folder {summary['run_dir']}"
         )
-    except DFlashError as err:
-        _fail(err)
-    except KeyboardInterrupt:
-        click.echo("dflash: aborted", err=True)
-        sys.exit(130)
-    except Exception as err:  # not ours: still one line, the traceback on request
-        _unexpected(err)
     finally:
         if log_fh is not None:
             log_fh.close()
@@ -140,25 +133,20 @@ def eval_cmd(
 
     extra = [f"eval.num_prompts={prompts}"] if prompts else []
     extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
-    try:
-        cfg = load_config(config, [*overrides, *extra])
-        logs.configure(sys.stdout)
-        from dflash.eval import run_eval
+    cfg = load_config(config, [*overrides, *extra])
+    logs.configure(sys.stdout)
+    from dflash.eval import run_eval
 
-        record = run_eval(cfg, drafter_path)
-        import structlog
+    record = run_eval(cfg, drafter_path)
+    import structlog
 
-        structlog.get_logger("dflash").info("eval", **record)
-        logs.human(
-            f"dflash eval: tau {record['tau']:.3f} over {record['verify_steps']} verify steps, "
-            f"{record['tokens']} tokens from {record['prompts']} prompts; speculative "
-            f"{record['spec_s']:.2f}s vs plain {record['plain_s']:.2f}s ({record['speedup']}x); "
-            f"lossless: {record['lossless']}"
-        )
-    except DFlashError as err:
-        _fail(err)
-    except Exception as err:
-        _unexpected(err)
+    structlog.get_logger("dflash").info("eval", **record)
+    logs.human(
+        f"dflash eval: tau {record['tau']:.3f} over {record['verify_steps']} verify steps, "
+        f"{record['tokens']} tokens from {record['prompts']} prompts; speculative "
+        f"{record['spec_s']:.2f}s vs plain {record['plain_s']:.2f}s ({record['speedup']}x); "
+        f"lossless: {record['lossless']}"
+    )
 
 
 @main.command()
@@ -196,13 +184,9 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
             f"dflash regen: {stats['generated']} replies written ({stats['resumed_from']} already there), "
             f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
         )
-    except DFlashError as err:
-        _fail(err)
     except KeyboardInterrupt:
         click.echo("dflash: regen interrupted; run it again to resume", err=True)
         sys.exit(130)
-    except Exception as err:
-        _unexpected(err)
 
 
 @main.command()
@@ -213,17 +197,12 @@ def report(log: object, as_json: bool, plot_path: str | None) -> None:
     """Read a run's JSON log (file, or stdin) and name the bottleneck stage."""
     from dflash.report import analyze, format_report, plot, read_records
 
-    try:
-        name = getattr(log, "name", "-")
-        records = read_records(log, name)  # type: ignore[arg-type]
-        a = analyze(records)
-        click.echo(json.dumps(a) if as_json else format_report(a))
-        if plot_path:
-            plot(records, plot_path)
-    except DFlashError as err:
-        _fail(err)
-    except Exception as err:
-        _unexpected(err)
+    name = getattr(log, "name", "-")
+    records = read_records(log, name)  # type: ignore[arg-type]
+    a = analyze(records)
+    click.echo(json.dumps(a) if as_json else format_report(a))
+    if plot_path:
+        plot(records, plot_path)
 
 
 @main.group()
@@ -238,24 +217,27 @@ def config_show(config_file: Path, overrides: tuple[str, ...]) -> None:
     """Print CONFIG_FILE resolved (defaults filled in, overrides applied) as TOML."""
     from dflash.config import dump_toml, load_config
 
-    try:
-        click.echo(dump_toml(load_config(config_file, list(overrides))), nl=False)
-    except DFlashError as err:
-        _fail(err)
+    click.echo(dump_toml(load_config(config_file, list(overrides))), nl=False)
 
 
 def entry() -> None:
-    """Console entry point: click's own usage errors also come out as one line, exit 2."""
+    """Console entry point, and the one place errors become a single stderr line:
+    click's usage errors and ours (DFlashError) with their exit codes (2 for usage and
+    config), anything else as exit 1 (DFLASH_DEBUG=1 shows its traceback), Ctrl-C as 130."""
     try:
         main.main(prog_name="dflash", standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.Abort:
+    except click.Abort:  # click turns KeyboardInterrupt into Abort
         click.echo("dflash: aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
         click.echo(f"dflash: error: {' '.join(e.format_message().split())}", err=True)
         sys.exit(e.exit_code)
+    except DFlashError as err:
+        _fail(err)
+    except Exception as err:  # not ours: still one line, the traceback on request
+        _unexpected(err)
 
 
 if __name__ == "__main__":

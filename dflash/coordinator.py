@@ -105,7 +105,6 @@ class Coordinator:
         self.tokens = 0
         self._t_train = time.perf_counter()
         self._start_step = 0
-        self.feature_cache: FeatureCache | None = None
         self.last_step: Record | None = None
         self.summary: Record | None = None
 
@@ -300,6 +299,10 @@ class Coordinator:
         self._warnings: list[str] = []
         self._total_steps: int | str = "?"
         t_start = time.perf_counter()
+        trace_dir = Path(cfg.profile.trace).expanduser().parent if cfg.profile.trace else None
+        if trace_dir is not None and not trace_dir.is_dir():
+            msg = f"profile.trace: folder {trace_dir} does not exist"
+            raise ConfigError(msg)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
@@ -376,7 +379,6 @@ class Coordinator:
             ("prefetch", prefetch.run(setup.plan, device("cpu", "data"), batches, stop, any_cuda))
         ]
         fcache = FeatureCache(cfg.data.feature_cache_mb * 2**20) if cfg.data.feature_cache_mb else None
-        self.feature_cache = fcache
         for i, tgt in enumerate(setup.targets):
             dev = device(str(tgt.device), f"target{i}")
             feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)

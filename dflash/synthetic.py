@@ -44,10 +44,6 @@ class StageCost:
     host_ms: float
     device_ms: float
 
-    @property
-    def total_ms(self) -> float:
-        return self.host_ms + self.device_ms
-
 
 def work(cost: StageCost) -> None:
     x = 0

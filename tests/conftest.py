@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -44,3 +46,14 @@ def tiny_config(tmp_path: Path):
         return load_config(ROOT / "configs" / "tiny.toml", tiny_overrides(tmp_path, **extra))
 
     return make
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Parse every line as JSON; any non-JSON line fails the test."""
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"non-JSON line on stdout: {line!r}")
+    return records

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from dflash.config import load_config, parse_config
+from tests.conftest import json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "bin" / "dflash"
@@ -27,17 +28,6 @@ def dflash(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -
     full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"}
     full_env.update(env or {})
     return subprocess.run([str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    """Parse every line as JSON; any non-JSON line fails the test."""
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pytest.fail(f"non-JSON line on stdout: {line!r}")
-    return records
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from dflash.config import Config, load_config
 from dflash.data.regen import regenerate
+from tests.conftest import json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "bin" / "dflash"
@@ -204,16 +205,6 @@ class Cli:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pytest.fail(f"non-JSON line on stdout: {line!r}")
-    return records
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

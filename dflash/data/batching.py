@@ -443,11 +443,6 @@ class BatchPlan:
         """Batches over all epochs, exactly."""
         return sum(self.batches_in(e) for e in range(self.epochs))
 
-    def epoch_rows(self, epoch: int) -> list[list[list[int]]]:
-        """Epoch `epoch` as sample indices (into `samples`): batch → row → document."""
-        layout = self._layout(epoch)
-        return [layout.rows(b) for b in range(len(layout))]
-
     # -- iteration and resume -----------------------------------------------------------
     def _cursor(self, epoch: int, position: int) -> Cursor:
         index = sum(self.batches_in(e) for e in range(epoch)) + position

@@ -321,7 +321,3 @@ class FrozenHead:
 
     def mean_row_norm(self) -> float:
         return float(self.embed.float().norm(dim=-1).mean())
-
-
-def param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

@@ -80,8 +80,8 @@ def test_untrained_drafter_is_lossless_with_tau_near_one():
     assert sum(rec["accept_hist"]) == rec["verify_steps"]
 
 
-def test_speculative_equals_greedy_with_perfect_drafter_stand_in():
-    """Whatever a drafter proposes, accepted output equals plain greedy (stop ids honoured)."""
+def test_greedy_generation_stops_at_a_stop_id():
+    """Plain greedy decoding (the lossless reference) ends at, and includes, the first stop id."""
     cfg, t = _tiny_target()
     prompts = draw_prompts(cfg.data, t.vocab_size, 2, 7, t.vocab_size - 1)
     plain = greedy_generate(t, prompts[0], 20, set())

@@ -1,24 +1,39 @@
 """Orchestration efficiency: the real coordinator with synthetic stages of known cost.
 
-    .venv/bin/python bench/orchestration.py          # ~3 minutes on 2 CPU cores
+    .venv/bin/python bench/orchestration.py              # ~8 minutes on 2 CPU cores
+    .venv/bin/python bench/orchestration.py --quick      # the ≤ 10 % host-share points only
 
 Each stage does host_ms of GIL-holding Python work (a counted loop) and device_ms of
-GIL-free waiting (like a GPU kernel), in the seed's proportions scaled from seconds to
-10 ms units: target forward + pack 13.5 s → 135 ms per batch, drafter forward + backward
-4.8 s → 48 ms per micro-batch, grad-norm sync and step 1.3 s → 13 ms per optimizer step.
-Only the compute is replaced: channels, devices, stages, profiler and coordinator are the
-real ones. Steady state is the middle 60 % of the steps (fill and drain reported apart).
+GIL-free device work, in the seed's proportions scaled from seconds to 10 ms units:
+target forward + pack 13.5 s → 135 ms per batch, drafter forward + backward 4.8 s → 48 ms
+per micro-batch, grad-norm sync and step 1.3 s → 13 ms per optimizer step. Only the
+compute is replaced: channels, devices, stages, profiler and coordinator are the real
+ones. Two device models (`dflash/synthetic.py`): "sync" (the thread waits out device_ms:
+host and device never overlap; the issue's definition) and "async" (CUDA semantics:
+device work is launched on a simulated in-order queue and waited for only where the real
+code synchronizes). Steady state is the middle 60 % of the steps; fill and drain apart.
 
-Bounds (batches/s): device = min(n_t / t_target, n_d / t_drafter, n_d / t_opt);
-GIL = 1 / Σ host time per batch (one process, one interpreter lock); serial loop =
-1 / (t_target + t_drafter + t_opt / n_d). Efficiency = steady throughput / min(device, GIL).
-Prints a table, then one JSON line.
+Bounds in batches/s, per model (h = host share, T, D, O = stage times above):
+- target role: n_t / T (sync) or n_t / max(h·T, (1-h)·T) (async: launch overlaps device);
+- drafter role: n_d / (D + O) — a replica waits for the step's update before its next
+  forward, so its forward/backward and the optimizer step never overlap;
+- GIL: 1 / (h · (T + D + O / n_d)) — one process, one interpreter lock;
+- bound = the lowest of them; efficiency = steady throughput / bound;
+- serial loop: 1 / (T + D + O / n_d) (sync: every stage one after another).
+GIL load = steady throughput × Σ host time per batch: the share of wall time some stage
+holds the interpreter lock (the orchestration's own share comes on top). Also measures
+the orchestration's own CPU cost per batch (zero-cost stages). Medians of `--repeat` runs
+(3) at host shares ≤ 10 %; the load average at the start is recorded, since other work
+on a 2-core machine moves these figures. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,22 +48,40 @@ from dflash.synthetic import StageCost, SyntheticSpec, calibrate  # noqa: E402
 T_MS, D_MS, O_MS = 135.0, 48.0, 13.0
 
 
-def measure(n_t: int, n_d: int, host: float, batches: int, out: Path, extra: list[str] | None = None) -> dict:
-    cfg = load_config(
+def _config(n_t: int, n_d: int, out: Path, extra: list[str]):  # type: ignore[no-untyped-def]
+    return load_config(
         ROOT / "configs" / "tiny.toml",
         [
             f'run.output_dir="{out}"', "train.log_every=1", "profile.interval_s=1",
             f"pipeline.target_devices={json.dumps(['cpu'] * n_t)}",
             f"pipeline.drafter_devices={json.dumps(['cpu'] * n_d)}",
-            "pipeline.hs_queue_depth=16", "pipeline.batch_queue_depth=8", *(extra or []),
+            "pipeline.hs_queue_depth=16", "pipeline.batch_queue_depth=8", *extra,
         ],
     )  # fmt: skip
+
+
+def bounds(n_t: int, n_d: int, host: float, model: str, scale: float = 1.0) -> dict[str, float]:
+    T, D, Opt = T_MS * scale, D_MS * scale, O_MS * scale
+    t_cycle = T if model == "sync" else max(host, 1 - host) * T
+    per_batch = T + D + Opt / n_d
+    return {
+        "target": n_t / (t_cycle / 1000),
+        "drafter": n_d / ((D + Opt) / 1000),
+        "gil": 1 / (host * per_batch / 1000) if host > 0 else float("inf"),
+        "serial": 1 / (per_batch / 1000),
+    }
+
+
+def measure(
+    n_t: int, n_d: int, host: float, batches: int, out: Path, extra: list[str], model: str, scale: float = 1.0
+) -> dict:
+    T, D, Opt = T_MS * scale, D_MS * scale, O_MS * scale
     spec = SyntheticSpec(
-        StageCost(T_MS * host, T_MS * (1 - host)), StageCost(D_MS * host, D_MS * (1 - host)),
-        StageCost(O_MS * host, O_MS * (1 - host)), batches=batches,
+        StageCost(T * host, T * (1 - host)), StageCost(D * host, D * (1 - host)),
+        StageCost(Opt * host, Opt * (1 - host)), batches=batches, device_model=model,  # type: ignore[arg-type]
     )  # fmt: skip
     times: list[float] = []
-    coord = Coordinator(cfg, log=False, synthetic=spec)
+    coord = Coordinator(_config(n_t, n_d, out, extra), log=False, synthetic=spec)
     coord.subscribe(lambda r: times.append(time.perf_counter()) if r["event"] == "train_step" else None)
     t0 = time.perf_counter()
     asyncio.run(coord.run())
@@ -56,35 +89,86 @@ def measure(n_t: int, n_d: int, host: float, batches: int, out: Path, extra: lis
     n = len(times)
     a, b = int(n * 0.2), int(n * 0.8)
     steady = (b - a) * n_d / (times[b] - times[a])
-    device = min(n_t / (T_MS / 1000), n_d / (D_MS / 1000), n_d / (O_MS / 1000))
-    gil = 1 / (host * (T_MS + D_MS + O_MS / n_d) / 1000)
-    serial = 1 / ((T_MS + D_MS + O_MS / n_d) / 1000)
-    bound = min(device, gil)
+    bd = bounds(n_t, n_d, host, model, scale)
+    bound = min(bd["target"], bd["drafter"], bd["gil"])
     return {
-        "topology": f"{n_t}+{n_d}", "host_share": host, "steady_batches_s": round(steady, 2),
-        "device_bound": round(device, 2), "gil_bound": round(gil, 2), "efficiency": round(steady / bound, 3),
-        "vs_serial": round(steady / serial, 2), "fill_s": round(times[0] - t0, 2),
-        "drain_s": round(t_end - times[-1], 2),
-        "extra": extra or [],
+        "steady_batches_s": steady, "efficiency": steady / bound, "vs_serial": steady / bd["serial"],
+        "fill_s": times[0] - t0, "drain_s": t_end - times[-1], "bound": bound,
+        "limit": min(("target", "drafter", "gil"), key=lambda k: bd[k]), **{f"{k}_bound": v for k, v in bd.items()},
+    }  # fmt: skip
+
+
+def point(n_t: int, n_d: int, host: float, model: str, repeat: int, tmp: Path, extra: list[str] | None = None) -> dict:
+    batches = 300 if n_t > 1 else 100
+    runs = [measure(n_t, n_d, host, batches, tmp / f"r{i}", extra or [], model) for i in range(repeat)]
+    eff = [r["efficiency"] for r in runs]
+    med = sorted(runs, key=lambda r: r["efficiency"])[len(runs) // 2]
+    return {
+        "topology": f"{n_t}+{n_d}", "model": model, "host_share": host, "extra": extra or [],
+        "efficiency": round(statistics.median(eff), 3), "efficiency_runs": [round(e, 3) for e in eff],
+        "steady_batches_s": round(med["steady_batches_s"], 2), "bound": round(med["bound"], 2),
+        "limit": med["limit"], "target_bound": round(med["target_bound"], 2),
+        "drafter_bound": round(med["drafter_bound"], 2), "gil_bound": round(med["gil_bound"], 2),
+        "vs_serial": round(med["vs_serial"], 2), "fill_s": round(med["fill_s"], 2), "drain_s": round(med["drain_s"], 2),
+        "gil_load": round(med["steady_batches_s"] / med["gil_bound"], 3),
+    }  # fmt: skip
+
+
+def overhead(n_t: int, n_d: int, tmp: Path, batches: int = 600) -> dict:
+    """CPU seconds the process spends per batch when every stage costs nothing: the
+    coordinator's, channels' and profiler's own share of the GIL."""
+    spec = SyntheticSpec(StageCost(0, 0), StageCost(0, 0), StageCost(0, 0), batches=batches)
+    coord = Coordinator(_config(n_t, n_d, tmp, []), log=False, synthetic=spec)
+    c0, w0 = time.process_time(), time.perf_counter()
+    asyncio.run(coord.run())
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    return {
+        "topology": f"{n_t}+{n_d}", "cpu_us_per_batch": round(cpu / batches * 1e6), "batches_s": round(batches / wall),
     }  # fmt: skip
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per point (the median is reported)")
+    ap.add_argument("--quick", action="store_true", help="only the ≤ 10 %% host-share points, sync model")
+    args = ap.parse_args()
     calibrate()
-    rows = []
+    load0 = os.getloadavg()[0]
+    if load0 > 0.5:
+        print(f"note: load average {load0:.2f} before the start; other work moves these figures", file=sys.stderr)
+    shares = (0.02, 0.05, 0.10) if args.quick else (0.02, 0.05, 0.10, 0.30, 0.50)
+    models = ("sync",) if args.quick else ("sync", "async")
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
-        for n_t, n_d, batches in ((5, 3, 300), (1, 1, 100)):
-            for host in (0.02, 0.05, 0.10, 0.30, 0.50):
-                rows.append(measure(n_t, n_d, host, batches, Path(d) / f"{n_t}{n_d}{host}"))
-        for extra in (["pipeline.hs_queue_depth=2"], ["pipeline.hs_queue_depth=16", "pipeline.hs_min_ready=10"]):
-            rows.append(measure(5, 3, 0.05, 300, Path(d) / "sweep", extra))
-    print(f"{'topo':5} {'host':>5} {'steady b/s':>10} {'device':>7} {'GIL':>7} {'eff':>6} {'xserial':>7} "
-          f"{'fill s':>6} {'drain s':>7}  extra")  # fmt: skip
+        tmp = Path(d)
+        over = [overhead(5, 3, tmp / "o53"), overhead(1, 1, tmp / "o11")]
+        for model in models:
+            for n_t, n_d in ((5, 3), (1, 1)):
+                for host in shares:
+                    rep = args.repeat if host <= 0.10 else 1
+                    rows.append(point(n_t, n_d, host, model, rep, tmp / f"{model}{n_t}{n_d}{host}"))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if not args.quick:
+            for extra in (
+                ["pipeline.hs_queue_depth=1"],
+                ["pipeline.hs_queue_depth=2"],
+                ["pipeline.hs_queue_depth=64"],
+                ["pipeline.hs_min_ready=10"],
+                ["pipeline.batch_queue_depth=1"],
+            ):
+                rows.append(point(5, 3, 0.05, "sync", 1, tmp / "sweep", extra))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(f"{'topo':5} {'model':5} {'host':>5} {'steady b/s':>10} {'bound':>7} {'limit':>7} {'GIL':>7} "
+          f"{'eff':>6} {'runs':>19} {'xserial':>7} {'fill s':>6} {'GIL load':>8}  extra")  # fmt: skip
     for r in rows:
-        print(f"{r['topology']:5} {r['host_share']:>5.2f} {r['steady_batches_s']:>10.2f} {r['device_bound']:>7.2f} "
-              f"{r['gil_bound']:>7.2f} {r['efficiency']:>6.3f} {r['vs_serial']:>7.2f} {r['fill_s']:>6.2f} "
-              f"{r['drain_s']:>7.2f}  {' '.join(r['extra'])}")  # fmt: skip
-    print(json.dumps({"bench": "orchestration", "rows": rows}))
+        runs = "/".join(f"{e:.3f}" for e in r["efficiency_runs"])
+        print(f"{r['topology']:5} {r['model']:5} {r['host_share']:>5.2f} {r['steady_batches_s']:>10.2f} "
+              f"{r['bound']:>7.2f} {r['limit']:>7} {r['gil_bound']:>7.2f} {r['efficiency']:>6.3f} {runs:>19} "
+              f"{r['vs_serial']:>7.2f} {r['fill_s']:>6.2f} {r['gil_load']:>8.2f}  {' '.join(r['extra'])}")  # fmt: skip
+    for o in over:
+        print(f"orchestration cost, {o['topology']}: {o['cpu_us_per_batch']} µs CPU per batch "
+              f"(zero-cost stages: {o['batches_s']} batches/s)")  # fmt: skip
+    print(json.dumps({"bench": "orchestration", "rows": rows, "overhead": over, "load_avg_start": load0}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The asynchronous pipeline against a serial loop over the same stages, on this machine.
 
-    .venv/bin/python bench/pipeline_vs_serial.py              # tiny config, ~3 minutes
-    .venv/bin/python bench/pipeline_vs_serial.py --runs 3 --config configs/tiny.toml
+    .venv/bin/python bench/pipeline_vs_serial.py              # tiny config, ~4 minutes
+    .venv/bin/python bench/pipeline_vs_serial.py --config configs/demo.toml \
+        --set train.epochs=1 --depth-epochs 2                   # demo (after its regen), ~15 minutes
 
 `pipeline.mode = "serial"` runs every stage's compute on one worker thread, one after
 another — the loop of the usual trainers (target forward, then drafter forward/backward,
@@ -41,28 +42,42 @@ def run(config: str, out: Path, extra: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="runs per mode (0: only the queue-depth sweep)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (repeatable)",
+    )
+    ap.add_argument("--depth-epochs", type=int, default=8, help="epochs of each hs_queue_depth run")
     args = ap.parse_args()
     res: dict[str, list[dict]] = {"pipeline": [], "serial": []}
     depth: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.runs):
             for mode in ("pipeline", "serial"):
-                res[mode].append(run(args.config, Path(d) / f"{mode}{i}", [f'pipeline.mode="{mode}"']))
+                res[mode].append(run(args.config, Path(d) / f"{mode}{i}", [*args.overrides, f'pipeline.mode="{mode}"']))
         for q in (1, 8, 64):
-            depth[q] = run(args.config, Path(d) / f"q{q}", [f"pipeline.hs_queue_depth={q}", "train.epochs=8"])
-    med = {m: statistics.median(r["tok_s"] for r in rs) for m, rs in res.items()}
+            extra = [*args.overrides, f"pipeline.hs_queue_depth={q}", f"train.epochs={args.depth_epochs}"]
+            depth[q] = run(args.config, Path(d) / f"q{q}", extra)
+    med = {m: statistics.median(r["tok_s"] for r in rs) for m, rs in res.items() if rs}
+    ratio = round(med["pipeline"] / med["serial"], 4) if med else None
     print(f"{'mode':10} {'median tok/s':>13} {'runs':>30} {'final loss':>11} {'max RSS MB':>11}")
     for m, rs in res.items():
         runs = " / ".join(f"{r['tok_s']:.0f}" for r in rs)
-        print(f"{m:10} {med[m]:>13.0f} {runs:>30} {rs[0]['loss']:>11} {max(r['rss_max'] for r in rs):>11.0f}")
-    print(f"pipeline / serial: {med['pipeline'] / med['serial']:.3f}")
+        if rs:
+            print(f"{m:10} {med[m]:>13.0f} {runs:>30} {rs[0]['loss']:>11} {max(r['rss_max'] for r in rs):>11.0f}")
+    if ratio is not None:
+        print(f"pipeline / serial: {ratio:.3f}")
     print(f"{'hs_queue_depth':>15} {'RSS first MB':>13} {'RSS max MB':>11} {'RSS last MB':>12}")
     for q, r in depth.items():
         print(f"{q:>15} {r['rss_first']:>13.0f} {r['rss_max']:>11.0f} {r['rss_last']:>12.0f}")
-    print(json.dumps({"bench": "pipeline_vs_serial", "config": args.config, "tok_s": {m: [r["tok_s"] for r in rs]
-                      for m, rs in res.items()}, "ratio": round(med["pipeline"] / med["serial"], 4),
-                      "same_loss": len({r["loss"] for rs in res.values() for r in rs}) == 1,
+    print(json.dumps({"bench": "pipeline_vs_serial", "config": args.config, "overrides": args.overrides,
+                      "tok_s": {m: [r["tok_s"] for r in rs]
+                      for m, rs in res.items()}, "ratio": ratio,
+                      "same_loss": len({r["loss"] for rs in res.values() for r in rs}) == 1 if med else None,
                       "rss_by_queue_depth": depth}))  # fmt: skip
 
 

@@ -178,7 +178,7 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
         target = load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
         torch.manual_seed(cfg.regen.seed)
-        stats = regenerate(cfg, target, tokenizer, progress=sys.stderr.isatty(), prompts=prompts)
+        stats = regenerate(cfg, target, tokenizer, prompts=prompts)
         structlog.get_logger("dflash").info("regen", **stats)
         logs.human(
             f"dflash regen: {stats['generated']} replies written ({stats['resumed_from']} already there), "

@@ -63,14 +63,17 @@ class DataFile(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "files"] = Field(
+    source: Literal["synthetic", "random", "files"] = Field(
         "synthetic",
-        description="synthetic: random prompts continued by the target; files: chat datasets",
+        description=(
+            "synthetic: random prompts continued by the target; random: random ids, no target "
+            "generation (throughput benchmarks only: there is nothing to learn); files: chat datasets"
+        ),
     )
     files: list[DataFile] = Field([], description="source = 'files': the datasets to mix")
-    num_samples: int = Field(256, ge=1, le=10_000_000, description="synthetic: how many samples")
-    prompt_len: int = Field(16, ge=2, le=65_536, description="synthetic: max prompt tokens (min is half)")
-    gen_len: int = Field(48, ge=2, le=65_536, description="synthetic: tokens the target writes per sample")
+    num_samples: int = Field(256, ge=1, le=10_000_000, description="synthetic/random: how many samples")
+    prompt_len: int = Field(16, ge=2, le=65_536, description="synthetic/random: max prompt tokens (min is half)")
+    gen_len: int = Field(48, ge=2, le=65_536, description="synthetic/random: tokens with loss per sample")
     max_seq_len: int = Field(2048, ge=8, le=1_048_576, description="longest sequence, in tokens")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="what to do with longer ones")
     skip_invalid: bool = Field(False, description="skip (and count) malformed records instead of failing")
@@ -91,7 +94,7 @@ class DataConfig(_Section):
         if self.source == "files" and not self.files:
             msg = "source = 'files' needs at least one [[data.files]] entry with a path"
             raise ValueError(msg)
-        if self.source == "synthetic" and self.prompt_len + self.gen_len > self.max_seq_len:
+        if self.source != "files" and self.prompt_len + self.gen_len > self.max_seq_len:
             msg = f"prompt_len + gen_len ({self.prompt_len + self.gen_len}) exceeds max_seq_len ({self.max_seq_len})"
             raise ValueError(msg)
         return self

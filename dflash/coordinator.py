@@ -36,7 +36,7 @@ from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.checkpoint import Checkpointer, Loaded, check_compatible, latest_checkpoint, load_checkpoint, restore
 from dflash.config import Config, dump_toml
 from dflash.data.batching import BatchPlan, Sample
-from dflash.data.synthetic import synthesize
+from dflash.data.synthetic import random_samples, synthesize
 from dflash.devices import Device, check_device
 from dflash.errors import CheckpointError, ConfigError, DataError, StageError
 from dflash.eval import eval_prompts, evaluate, stop_ids
@@ -190,6 +190,9 @@ class Coordinator:
             )
         if cfg.data.source == "synthetic":
             samples = synthesize(cfg.data, t0, cfg.run.seed, exclude_token=mask_id)
+            self._data_stats = {"samples": len(samples)}
+        elif cfg.data.source == "random":
+            samples = random_samples(cfg.data, t0.vocab_size, cfg.run.seed, exclude_token=mask_id)
             self._data_stats = {"samples": len(samples)}
         else:
             if self.tokenizer is None:
@@ -348,6 +351,8 @@ class Coordinator:
 
         def device(spec: str, name: str) -> Device:
             d = Device(spec, name, profiler, executor=shared)
+            if self.synthetic is not None and self.synthetic.device_model == "async":
+                d.sim = synth.Timeline()
             devices.append(d)
             return d
 

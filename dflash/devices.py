@@ -7,6 +7,10 @@ It returns `(result, ready)`, where `ready` is the CUDA event that marks the end
 work (None on CPU): a consumer on another stream passes it as `wait_for` so that its
 stream waits on the device, not the host. `await device.synchronize(ready)` waits for it
 from a helper thread (needed before the host reads a pinned buffer).
+
+The orchestration benchmarks give a Device a simulated device queue (`sim`, a
+`synthetic.Timeline`): its events then travel the same `ready` / `wait_for` /
+`synchronize` paths as CUDA events, so the CUDA orchestration runs on a CPU machine.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Device:
         self.is_cuda = self.device.type == "cuda"
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
         self._streams: dict[str, Any] = {}
+        self.sim: Any = None  # a synthetic.Timeline: simulated CUDA-like device (benchmarks)
         if self.is_cuda and profiler is not None:
             profiler.add_cuda_device(self.device.index or 0)
 
@@ -98,6 +103,10 @@ class Device:
         args: tuple[Any, ...],
         wait_for: Sequence[Any],
     ) -> tuple[R, Any]:
+        if self.sim is not None:  # orchestration benchmarks: async device work, simulated
+            with self.sim.launching(wait_for), self.span(stage):
+                out = fn(*args)
+            return out, self.sim.event()
         if not self.is_cuda:
             with self.span(stage):
                 out = fn(*args)

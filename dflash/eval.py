@@ -222,12 +222,12 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
 
 
 def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list[torch.Tensor]:
-    """Held-out prompts as token ids: random ones for synthetic data, else the chat prompts
+    """Held-out prompts as token ids: random ones for synthetic or random data, else the chat prompts
     of `eval.prompts` (default: the held-out file regen wrote), through the chat template."""
     from dflash.data.synthetic import draw_prompts
 
     n = cfg.eval.num_prompts
-    if cfg.data.source == "synthetic" and not cfg.eval.prompts:
+    if cfg.data.source != "files" and not cfg.eval.prompts:
         return draw_prompts(cfg.data, target.vocab_size, n, cfg.run.seed + 104_729, mask_id)
     from dflash.data.regen import jsonl_prompts
     from dflash.errors import DataError
@@ -263,7 +263,7 @@ def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     drafter = load_drafter(drafter_path, d_dev)
-    if (cfg.data.source != "synthetic" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
+    if (cfg.data.source == "files" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
         from dflash.errors import DataError
 
         msg = f"eval prompts not found: {cfg.heldout_prompts} (run `dflash regen` first, or set eval.prompts)"

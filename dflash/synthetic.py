@@ -3,22 +3,35 @@ replaced by work of known cost — for measuring the orchestration itself.
 
 Each stage does `host_ms` of Python work that holds the GIL (a counted loop, calibrated
 once: a spin on the clock would finish on time even while another thread holds the lock,
-and hide the GIL limit) and then `device_ms` of waiting without the GIL (`time.sleep`,
-like a thread waiting on a GPU). Used by `bench/orchestration.py` and its test.
+and hide the GIL limit) and then `device_ms` of device work, in one of two models:
+
+- "sync": the worker thread waits `device_ms` without the GIL (`time.sleep`), as if every
+  stage synchronized its device — the pessimistic model: host and device never overlap.
+- "async": CUDA semantics. Each Device gets a `Timeline`, a simulated in-order device
+  queue. The host part runs on the worker thread; the device part is *launched*: it starts
+  when the queue and the events it waits for (`wait_for`) are done, and the worker thread
+  goes on at once, as after a kernel launch. The stage returns a `SimEvent` as its `ready`
+  event; hosts wait only where the real code synchronizes (the D2H copy before the host
+  reads, the optimizer's grad-norm sync), so host work overlaps device work as on a GPU.
+
+Used by `bench/orchestration.py` and its test.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from dflash.model.loss import LossParts
 from dflash.profile import Stage
 
-__all__ = ["StageCost", "SyntheticSpec", "calibrate", "work"]
+__all__ = ["SimEvent", "StageCost", "SyntheticSpec", "Timeline", "calibrate", "work"]
 
 _ITERS_PER_MS: float | None = None
 
@@ -45,12 +58,71 @@ class StageCost:
     device_ms: float
 
 
-def work(cost: StageCost) -> None:
+class SimEvent:
+    """Marks the end of simulated device work; quacks like `torch.cuda.Event` where the
+    coordinator uses one (`query`, `synchronize`)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float) -> None:
+        self.t = t  # perf_counter time at which the device work is done
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.t
+
+    def synchronize(self) -> None:
+        wait = self.t - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)  # releases the GIL, like cudaEventSynchronize
+
+
+_local = threading.local()
+
+
+class Timeline:
+    """One simulated device's in-order work queue (used by one worker thread at a time)."""
+
+    def __init__(self) -> None:
+        self.busy_until = 0.0
+        self._after = 0.0
+
+    @contextlib.contextmanager
+    def launching(self, wait_for: Sequence[Any]) -> Iterator[None]:
+        """Work launched inside starts after these events (like `stream.wait_event`)."""
+        self._after = max((e.t for e in wait_for if isinstance(e, SimEvent)), default=0.0)
+        _local.timeline = self
+        try:
+            yield
+        finally:
+            _local.timeline = None
+
+    def launch(self, device_ms: float) -> None:
+        start = max(time.perf_counter(), self.busy_until, self._after)
+        self.busy_until = start + device_ms / 1000
+
+    def event(self) -> SimEvent:
+        return SimEvent(self.busy_until)
+
+
+def _host(ms: float) -> None:
     x = 0
-    for i in range(int(cost.host_ms * calibrate())):  # holds the GIL: counted, not timed
+    for i in range(int(ms * calibrate())):  # holds the GIL: counted, not timed
         x += i
-    if cost.device_ms > 0:
-        time.sleep(cost.device_ms / 1000)  # releases the GIL, like waiting on a device
+
+
+def work(cost: StageCost, *, sync: bool = False) -> None:
+    """`host_ms` of GIL-holding work, then `device_ms` on the device: waited for here
+    (sync model), or launched on the current Timeline (async model; `sync=True` waits for
+    it too, like a host sync on the result)."""
+    _host(cost.host_ms)
+    timeline: Timeline | None = getattr(_local, "timeline", None)
+    if timeline is None:
+        if cost.device_ms > 0:
+            time.sleep(cost.device_ms / 1000)  # releases the GIL, like waiting on a device
+        return
+    timeline.launch(cost.device_ms)
+    if sync:
+        timeline.event().synchronize()
 
 
 @dataclass(frozen=True)
@@ -60,6 +132,7 @@ class SyntheticSpec:
     optimizer: StageCost  # per optimizer step (reduce, grad norm, step)
     batches: int = 200
     block_size: int = 4
+    device_model: Literal["sync", "async"] = "sync"
 
 
 class SyntheticTarget:
@@ -100,7 +173,7 @@ def apply_step(spec: SyntheticSpec) -> Any:
 
     def apply(replicas: Any, contribs: Any, device: Any, grad_clip: float, step: int) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
-            work(spec.optimizer)
+            work(spec.optimizer, sync=True)  # the real step's grad-norm sync waits for the device
         B = spec.block_size
         return StepResult(
             step=step, loss=torch.zeros(()), grad_norm=torch.zeros(()), lr=0.0, correct=torch.zeros(B),

@@ -22,6 +22,7 @@ import torch
 
 from dflash.config import Config, load_config
 from dflash.data.regen import regenerate
+from dflash.errors import DataError
 from tests.conftest import json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -416,6 +417,22 @@ def test_resume_after_a_torn_first_line(env: Env, loaded: tuple[Any, Any]) -> No
     out.write_bytes(out.read_bytes()[:15])
     regen_in_process(env, loaded, "torn_first", "regen.max_prompts=3")
     assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2]
+
+
+def test_a_second_regen_on_the_same_output_is_refused(env: Env, loaded: tuple[Any, Any]) -> None:
+    """Two regens appending to one file would answer prompts twice: the second one stops at
+    once with a one-line error, and the file is left as the first one writes it."""
+    import fcntl
+
+    out = env.cfg("locked").regen_output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.with_name(out.name + ".lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # stands in for a regen still running
+        with pytest.raises(DataError, match="another `dflash regen` is writing it"):
+            regen_in_process(env, loaded, "locked", "regen.max_prompts=2")
+    assert not out.exists()
+    regen_in_process(env, loaded, "locked", "regen.max_prompts=2")  # free again once it ends
+    assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1]
 
 
 def test_regen_leaves_eval_prompts_file_alone(env: Env, loaded: tuple[Any, Any]) -> None:

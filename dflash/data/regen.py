@@ -11,6 +11,7 @@ batch and flushed: an interrupted regen resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -142,6 +143,25 @@ def _done_prompts(path: Path) -> set[str]:
     return done
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """One regen per output file: two appending at once would answer prompts twice."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    with lock.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            msg = f"{path}: another `dflash regen` is writing it; wait for it to end (or use a new regen.output)"
+            raise DataError(msg) from None
+        yield
+
+
 def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tuple[int, list[int]]]]:
     for s in range(0, len(items), size):
         yield items[s : s + size]
@@ -156,7 +176,20 @@ def regenerate(
     progress: bool = True,
     prompts: tuple[list[Messages], list[Messages]] | None = None,
 ) -> dict[str, Any]:
-    """Generate replies for every training prompt not yet in the output; returns stats."""
+    """Generate replies for every training prompt not yet in the output; returns stats.
+
+    `progress`: a live line on a terminal; otherwise one line every 30 s on stderr."""
+    with _exclusive(cfg.regen_output):
+        return _regenerate(cfg, target, tokenizer, progress, prompts)
+
+
+def _regenerate(
+    cfg: Config,
+    target: Any,
+    tokenizer: Any,
+    progress: bool,
+    prompts: tuple[list[Messages], list[Messages]] | None,
+) -> dict[str, Any]:
     out_path = cfg.regen_output
     train, held = prompts if prompts is not None else load_prompts(cfg)
     _drop_torn_tail(out_path)
@@ -181,7 +214,8 @@ def regenerate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     gen = torch.Generator(device=dev).manual_seed(cfg.regen.seed)
-    t0 = time.perf_counter()
+    t0 = last_line = time.perf_counter()
+    tty = progress and sys.stderr.isatty()
     new_tokens = 0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
@@ -209,14 +243,14 @@ def regenerate(
                 msgs = [*train[i], {"role": "assistant", "content": text}]
                 out.write(json.dumps({"id": i, "messages": msgs}, ensure_ascii=False) + "\n")
             out.flush()
-            if progress:
+            now = time.perf_counter()
+            if progress and (tty or now - last_line >= 30 or b == 0):
+                last_line = now
                 done_n = already + min(len(todo), (b + 1) * cfg.regen.batch_size)
-                el = time.perf_counter() - t0
-                print(
-                    f"\rregen {done_n}/{len(train)} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s",
-                    end="", file=sys.stderr, flush=True,
-                )  # fmt: skip
-    if progress and todo:
+                el = now - t0
+                line = f"regen {done_n}/{len(train)} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
+                print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    if tty and todo:
         print(file=sys.stderr)
     el = time.perf_counter() - t0
     return {

@@ -15,7 +15,7 @@ from dflash.data.batching import Sample
 from dflash.model.hf_compat import cache_kwarg, output_cache
 from dflash.model.target import Target
 
-__all__ = ["draw_prompts", "synthesize"]
+__all__ = ["draw_prompts", "random_samples", "synthesize"]
 
 
 @torch.no_grad()
@@ -61,3 +61,18 @@ def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | 
                 mask = torch.cat([torch.zeros(length, dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)])
                 samples[i] = Sample(sample_id=i, input_ids=ids, loss_mask=mask)
     return [s for s in samples if s is not None]
+
+
+def random_samples(cfg: DataConfig, vocab: int, seed: int, exclude_token: int | None) -> list[Sample]:
+    """`cfg.num_samples` samples of random ids: a prompt (loss mask 0), then `gen_len`
+    random tokens (loss mask 1). No target runs: for throughput benchmarks of real-size
+    targets, where generating the data would take longer than the measurement."""
+    prompts = draw_prompts(cfg, vocab, cfg.num_samples, seed + 7919, exclude_token)
+    g = torch.Generator().manual_seed(seed + 15_485_863)
+    high = vocab - 1 if exclude_token == vocab - 1 else vocab
+    out = []
+    for i, p in enumerate(prompts):
+        gen = torch.randint(0, high, (cfg.gen_len,), generator=g)
+        mask = torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)])
+        out.append(Sample(sample_id=i, input_ids=torch.cat([p, gen]), loss_mask=mask))
+    return out

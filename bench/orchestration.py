@@ -98,8 +98,10 @@ def measure(
     }  # fmt: skip
 
 
-def point(n_t: int, n_d: int, host: float, model: str, repeat: int, tmp: Path, extra: list[str] | None = None) -> dict:
-    batches = 300 if n_t > 1 else 100
+def point(
+    n_t: int, n_d: int, host: float, model: str, repeat: int, tmp: Path, extra: list[str] | None = None, **kw: int
+) -> dict:
+    batches = kw.get("batches") or (300 if n_t > 1 else 100)
     runs = [measure(n_t, n_d, host, batches, tmp / f"r{i}", extra or [], model) for i in range(repeat)]
     eff = [r["efficiency"] for r in runs]
     med = sorted(runs, key=lambda r: r["efficiency"])[len(runs) // 2]

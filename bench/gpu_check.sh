@@ -21,7 +21,9 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
          --set drafter.sliding_window=32 --set train.max_steps=6 --set train.log_every=2
          --set profile.interval_s=1.0)
 else
-  "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
+  "$PY" -c 'import sys, torch
+if not torch.cuda.is_available(): sys.exit("gpu_check: no CUDA device here (DRY_RUN=1 checks the script on CPU)")
+print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
   "$PY" -m pytest -q tests/test_mask_loss_reference.py tests/test_eval.py  # CPU references still hold
 fi
 for mode in pipeline serial; do

@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per point (the median is reported)")
     ap.add_argument("--quick", action="store_true", help="only the ≤ 10 %% host-share points, sync model")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     calibrate()
     load0 = os.getloadavg()[0]
     if load0 > 0.5:

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,7 +32,10 @@ def run(config: str, out: Path, extra: list[str]) -> dict:
     ]  # fmt: skip
     for e in extra:
         cmd += ["--set", e]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:  # dflash's own one-line error says what was wrong
+        last = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        sys.exit(f"pipeline_vs_serial: {last[0]}")
     recs = [json.loads(line) for line in proc.stdout.splitlines()]
     rss = [r["memory"]["host_rss_mb"] for r in recs if r["event"] == "profile"]
     end = recs[-1]

@@ -188,11 +188,12 @@ class Coordinator:
                 f"drafter.mask_token_id {mask_id}: its embedding row is near zero "
                 f"(norm {row:.3g} vs mean {mean:.3g}); the drafter cannot tell mask slots apart"
             )
-        if cfg.data.source == "synthetic":
-            samples = synthesize(cfg.data, t0, cfg.run.seed, exclude_token=mask_id)
-            self._data_stats = {"samples": len(samples)}
-        elif cfg.data.source == "random":
-            samples = random_samples(cfg.data, t0.vocab_size, cfg.run.seed, exclude_token=mask_id)
+        if cfg.data.source != "files":
+            samples = (
+                synthesize(cfg.data, t0, cfg.run.seed, exclude_token=mask_id)
+                if cfg.data.source == "synthetic"
+                else random_samples(cfg.data, t0.vocab_size, cfg.run.seed, exclude_token=mask_id)
+            )
             self._data_stats = {"samples": len(samples)}
         else:
             if self.tokenizer is None:

@@ -222,8 +222,8 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
 
 
 def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list[torch.Tensor]:
-    """Held-out prompts as token ids: random ones for synthetic or random data, else the chat prompts
-    of `eval.prompts` (default: the held-out file regen wrote), through the chat template."""
+    """Held-out prompts as token ids: random ones for synthetic or random data, else the chat
+    prompts of `eval.prompts` (default: the held-out file regen wrote), through the chat template."""
     from dflash.data.synthetic import draw_prompts
 
     n = cfg.eval.num_prompts

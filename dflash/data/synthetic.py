@@ -32,14 +32,25 @@ def _greedy(target: Target, prompts: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack(gen, dim=1)
 
 
+def _id_limit(vocab: int, exclude_token: int | None) -> int:
+    """Random ids are drawn below this: the tiny target's mask token (the vocabulary's last
+    id) never appears in the data."""
+    return vocab - 1 if exclude_token == vocab - 1 else vocab
+
+
+def _prompt_then_reply(sample_id: int, prompt: torch.Tensor, reply: torch.Tensor) -> Sample:
+    """One sample: the prompt carries no loss, the reply does."""
+    mask = torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(reply.numel(), dtype=torch.bool)])
+    return Sample(sample_id=sample_id, input_ids=torch.cat([prompt, reply]), loss_mask=mask)
+
+
 def draw_prompts(cfg: DataConfig, vocab: int, n: int, seed: int, exclude_token: int | None) -> list[torch.Tensor]:
     """`n` random prompts of prompt_len/2..prompt_len tokens, never containing `exclude_token`
     when it is the last id of the vocabulary (the tiny target's mask token)."""
     g = torch.Generator().manual_seed(seed)
     lo = max(1, cfg.prompt_len // 2)
     lengths = torch.randint(lo, cfg.prompt_len + 1, (n,), generator=g)
-    high = vocab - 1 if exclude_token == vocab - 1 else vocab
-    return [torch.randint(0, high, (int(k),), generator=g) for k in lengths]
+    return [torch.randint(0, _id_limit(vocab, exclude_token), (int(k),), generator=g) for k in lengths]
 
 
 def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | None) -> list[Sample]:
@@ -57,9 +68,7 @@ def synthesize(cfg: DataConfig, target: Target, seed: int, exclude_token: int | 
             p = torch.stack([prompts[i] for i in part]).to(dev)
             cont = _greedy(target, p, cfg.gen_len).cpu()
             for row, i in enumerate(part):
-                ids = torch.cat([prompts[i], cont[row]])
-                mask = torch.cat([torch.zeros(length, dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)])
-                samples[i] = Sample(sample_id=i, input_ids=ids, loss_mask=mask)
+                samples[i] = _prompt_then_reply(i, prompts[i], cont[row])
     return [s for s in samples if s is not None]
 
 
@@ -69,10 +78,7 @@ def random_samples(cfg: DataConfig, vocab: int, seed: int, exclude_token: int | 
     targets, where generating the data would take longer than the measurement."""
     prompts = draw_prompts(cfg, vocab, cfg.num_samples, seed + 7919, exclude_token)
     g = torch.Generator().manual_seed(seed + 15_485_863)
-    high = vocab - 1 if exclude_token == vocab - 1 else vocab
-    out = []
-    for i, p in enumerate(prompts):
-        gen = torch.randint(0, high, (cfg.gen_len,), generator=g)
-        mask = torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(cfg.gen_len, dtype=torch.bool)])
-        out.append(Sample(sample_id=i, input_ids=torch.cat([p, gen]), loss_mask=mask))
-    return out
+    high = _id_limit(vocab, exclude_token)
+    return [
+        _prompt_then_reply(i, p, torch.randint(0, high, (cfg.gen_len,), generator=g)) for i, p in enumerate(prompts)
+    ]

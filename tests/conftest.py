@@ -48,6 +48,19 @@ def tiny_config(tmp_path: Path):
     return make
 
 
+def run_records(cfg: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run a Coordinator on `cfg` to its end; every record it emitted, in order."""
+    import asyncio
+
+    from dflash import Coordinator
+
+    records: list[dict[str, Any]] = []
+    coord = Coordinator(cfg, log=False, **kwargs)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    return records
+
+
 def json_lines(text: str) -> list[dict[str, Any]]:
     """Parse every line as JSON; any non-JSON line fails the test."""
     records = []

@@ -19,17 +19,13 @@ from safetensors.torch import load_file
 from dflash import CheckpointError, Coordinator, load_drafter
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.export import export_drafter
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_records
 
 COMMON = {"data.num_samples": 48, "train.epochs": 2, "eval.at_end": "false", "checkpoint.keep_last": 20}
 
 
 def _run(cfg, resume=None) -> list[dict]:
-    records: list[dict] = []
-    coord = Coordinator(cfg, log=False, resume=resume)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
-    return records
+    return run_records(cfg, resume=resume)
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
-from dflash import Coordinator
 from dflash.config import load_config
 from dflash.data.synthetic import draw_prompts
 from dflash.eval import evaluate, greedy_generate, inference_masks
@@ -14,7 +11,7 @@ from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, Froze
 from dflash.model.masks import BlockLayout
 from dflash.model.target import load_target
 from dflash.stages.drafter_step import build_masks
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_records
 
 
 def _spec(**kw: object) -> DrafterSpec:
@@ -93,14 +90,11 @@ def test_greedy_generation_stops_at_a_stop_id():
 def test_training_raises_tau_and_eval_is_lossless(tiny_config):
     """Training on the tiny config raises tau_sim over step 1, and the trained drafter's
     speculative decoding is lossless with τ above the untrained ~1."""
-    records: list[dict] = []
     cfg = tiny_config(
         **{"data.num_samples": 256, "train.epochs": 4, "train.lr": 2e-2, "eval.num_prompts": 3,
            "eval.max_new_tokens": 32, "eval.at_end": "true"}
     )  # fmt: skip
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(cfg)
     steps = [r for r in records if r["event"] == "train_step"]
     early = sum(s["tau_sim"] for s in steps[:5]) / 5
     late = sum(s["tau_sim"] for s in steps[-5:]) / 5
@@ -112,14 +106,11 @@ def test_training_raises_tau_and_eval_is_lossless(tiny_config):
 
 def test_periodic_eval_during_training(tiny_config):
     """eval.every_steps = 2 emits an eval record after steps 2 and 4, between steps."""
-    records: list[dict] = []
     cfg = tiny_config(
         **{"train.max_steps": 4, "eval.every_steps": 2, "eval.at_end": "false", "eval.num_prompts": 1,
            "eval.max_new_tokens": 8}
     )  # fmt: skip
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(cfg)
     evals = [r for r in records if r["event"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4]
     assert all(e["lossless"] for e in evals)

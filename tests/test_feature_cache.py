@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
-from dflash import Coordinator
 from dflash.data.batching import Sample, collate
 from dflash.feature_cache import FeatureCache
+from tests.conftest import run_records
 
 
 def _samples() -> list[Sample]:
@@ -42,11 +40,8 @@ def test_budget_bounds_memory():
 
 def test_later_epochs_hit_the_cache(tiny_config):
     """With data.feature_cache_mb, epochs after the first skip the target for cached samples."""
-    records: list[dict] = []
     cfg = tiny_config(**{"train.epochs": 3, "data.feature_cache_mb": 16, "eval.at_end": "false"})
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(cfg)
     stats = records[-1]["feature_cache"]
     assert stats["samples"] == 32 and stats["hits"] >= 4
     assert any("target.feature_cache_hit" in r["stages"] for r in records if r["event"] == "profile")

@@ -9,6 +9,7 @@ import pytest
 
 from dflash import Coordinator
 from dflash.profile import Profiler, _percentile
+from tests.conftest import run_records
 
 
 class FakeClock:
@@ -91,9 +92,6 @@ def test_trace_is_valid_chrome_json_with_tracks(tiny_config, tmp_path):
 
 def test_profiling_off_emits_no_profile_records(tiny_config):
     """profile.enabled = false: the run trains and emits no profile records."""
-    records: list[dict] = []
-    coord = Coordinator(tiny_config(**{"profile.enabled": "false", "eval.at_end": "false"}), log=False)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(tiny_config(**{"profile.enabled": "false", "eval.at_end": "false"}))
     assert not [r for r in records if r["event"] == "profile"]
     assert records[-1]["event"] == "run_end" and records[-1]["steps"] > 0

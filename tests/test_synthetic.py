@@ -9,6 +9,7 @@ import torch
 
 from dflash import Coordinator
 from dflash.synthetic import SimEvent, StageCost, SyntheticSpec, Timeline, calibrate, work
+from tests.conftest import run_records
 
 
 def test_counted_work_takes_about_the_asked_time():
@@ -28,10 +29,7 @@ def test_synthetic_5_plus_3_topology_runs_every_batch(tiny_config):
         }
     )
     spec = SyntheticSpec(StageCost(0.2, 2), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=30)
-    records: list[dict] = []
-    coord = Coordinator(cfg, log=False, synthetic=spec)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(cfg, synthetic=spec)
     steps = [r for r in records if r["event"] == "train_step"]
     assert len(steps) == 10 and sum(s["samples"] for s in steps) == 30
     assert records[-1]["event"] == "run_end" and records[-1]["export_dir"] is None
@@ -79,8 +77,5 @@ def test_random_data_source_trains_without_generating(tiny_config):
         n = s.input_ids.numel()
         assert int(s.loss_mask.sum()) == cfg.data.gen_len and bool(s.loss_mask[-cfg.data.gen_len :].all())
         assert n - cfg.data.gen_len >= cfg.data.prompt_len // 2 and int(s.input_ids.max()) < 99
-    records: list[dict] = []
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(cfg)
     assert records[-1]["event"] == "run_end" and records[-1]["steps"] == 3

@@ -11,6 +11,7 @@ from dflash import ConfigError, Coordinator
 from dflash.config import TinyTargetConfig
 from dflash.model.drafter import default_target_layers
 from dflash.model.target import Target, build_tiny
+from tests.conftest import run_records
 
 
 def test_default_target_layers_follow_dflash_rule():
@@ -79,14 +80,11 @@ def test_near_zero_mask_row_warns(tiny_config, tmp_path):
     with torch.no_grad():
         model.get_input_embeddings().weight[7].zero_()
     model.save_pretrained(folder)
-    records: list[dict] = []
     cfg = tiny_config(
         **{"target.kind": '"hf"', "target.path": f'"{folder}"', "drafter.mask_token_id": 7,
            "train.max_steps": 1, "eval.at_end": "false"}
     )  # fmt: skip
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    records = run_records(cfg)
     warnings = [r["message"] for r in records if r["event"] == "warning"]
     assert any("near zero" in w for w in warnings), warnings
 

@@ -1,7 +1,8 @@
 """Batching: which samples train together, in which order, and how they become tensors.
 
-`BatchPlan` decides the run's sequence of batches; `collate` turns one batch into padded
-`(R, T)` tensors. The plan exists so that the expensive part of a step (the target and
+`BatchPlan` decides the run's sequence of batches; `collate` (`samples.py`) turns one
+batch into padded `(R, T)` tensors; `packing.py` forms each epoch's rows and batches for
+the plan. The plan exists so that the expensive part of a step (the target and
 drafter forwards over `R × T` slots) is spent on real tokens, and so that a run is exactly
 reproducible and resumable:
 
@@ -28,15 +29,14 @@ import hashlib
 import json
 import math
 from array import array
-from bisect import bisect_right
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash.data.packing import EpochLayout, epoch_seed, group_rows, layout_epoch, length_buckets, pack_rows
+from dflash.data.samples import Rows, Sample, batch_padding_fraction, collate
 from dflash.errors import CheckpointError, DataError
-from dflash.records import Batch
 
 if TYPE_CHECKING:
     from dflash.config import DataConfig
@@ -54,135 +54,6 @@ __all__ = [
 # A resume point: {"epoch": e, "position": batches of epoch e already served,
 # "index": global index of the next batch, "plan": fingerprint of the plan's inputs}.
 Cursor = dict[str, Any]
-
-# Open rows that first-fit packing may still add to. A wider window packs tighter at
-# O(window) per document: measured on 50K documents into 2048-token rows, 32 leaves 5.6%
-# of slots empty for lengths uniform over 8..2048 (8: 9.7%, 64: 4.2%) and 0.6% for
-# log-normal, chat-like lengths, at ~0.15 s per epoch; rows stay close to the shuffled order.
-_PACK_WINDOW = 32
-
-
-@dataclass(frozen=True)
-class Sample:
-    sample_id: int  # global, unique in the data set: it becomes the token's doc id
-    input_ids: torch.Tensor  # (L,) int64
-    loss_mask: torch.Tensor  # (L,) bool
-
-    @property
-    def length(self) -> int:
-        return int(self.input_ids.numel())
-
-
-# What a plan yields per batch and `collate` takes: rows, each a list of whole documents.
-Rows = list[list[Sample]]
-
-
-def collate(rows: Sequence[Sample] | Sequence[Sequence[Sample]], index: int, epoch: int) -> Batch:
-    """Pad `rows` into one Batch of shape (R, T), T = the longest row.
-
-    `rows` is either a list of rows, each a list of documents packed back to back, or (the
-    older form) a list of samples, one per row. Per token, `doc_ids` is the document's
-    `sample_id` (-1 for padding), `positions` count from 0 at each document's first token,
-    and `loss_mask` is the document's own mask (False on padding). Vectorized: no Python
-    loop per token, only per document.
-    """
-    nested: list[list[Sample]] = [[r] if isinstance(r, Sample) else list(r) for r in rows]
-    if not nested or any(not row for row in nested):
-        msg = "collate: every batch needs at least one row and every row at least one document"
-        raise ValueError(msg)
-    docs = [s for row in nested for s in row]
-    R = len(nested)
-    lengths = torch.tensor([s.input_ids.numel() for s in docs], dtype=torch.long)  # (D,)
-    row_of_doc = torch.tensor([r for r, row in enumerate(nested) for _ in row], dtype=torch.long)  # (D,)
-    sample_ids = torch.tensor([s.sample_id for s in docs], dtype=torch.long)  # (D,)
-    fills = torch.zeros(R, dtype=torch.long).index_add_(0, row_of_doc, lengths)  # (R,) tokens per row
-    T = int(fills.max())
-    N = int(lengths.sum())
-
-    # Documents are concatenated row by row, so a token's flat index minus the flat start
-    # of its document (row) is its position in the document (column in the row).
-    flat = torch.arange(N)  # (N,)
-    doc_start = torch.cumsum(lengths, 0) - lengths  # (D,)
-    row_start = torch.cumsum(fills, 0) - fills  # (R,)
-    tok_row = torch.repeat_interleave(row_of_doc, lengths)  # (N,)
-    tok_pos = flat - torch.repeat_interleave(doc_start, lengths)  # (N,)
-    tok_col = flat - row_start[tok_row]  # (N,)
-    dest = tok_row * T + tok_col  # (N,) index into the flattened (R, T) grid
-
-    input_ids = torch.zeros(R * T, dtype=torch.long)
-    loss_mask = torch.zeros(R * T, dtype=torch.bool)
-    doc_ids = torch.full((R * T,), -1, dtype=torch.long)
-    positions = torch.zeros(R * T, dtype=torch.long)
-    input_ids[dest] = torch.cat([s.input_ids.reshape(-1) for s in docs]).long()
-    loss_mask[dest] = torch.cat([s.loss_mask.reshape(-1) for s in docs]).bool()
-    doc_ids[dest] = torch.repeat_interleave(sample_ids, lengths)
-    positions[dest] = tok_pos
-    return Batch(
-        index=index,
-        epoch=epoch,
-        input_ids=input_ids.view(R, T),
-        loss_mask=loss_mask.view(R, T),
-        doc_ids=doc_ids.view(R, T),
-        positions=positions.view(R, T),
-        num_tokens=N,
-        num_samples=len(docs),
-    )
-
-
-def batch_padding_fraction(batch: Batch) -> float:
-    """Share of a batch's R × T slots that are padding."""
-    slots = batch.input_ids.numel()
-    return 1.0 - batch.num_tokens / slots if slots else 0.0
-
-
-def length_buckets(lengths: Sequence[int], num_buckets: int) -> list[list[int]]:
-    """Split sample indices into up to `num_buckets` length buckets at the length quantiles.
-
-    Bucket k holds lengths in [edge_{k-1}, edge_k); the edges are the lengths at ranks
-    k·N/num_buckets, so buckets hold about equal counts, and equal lengths always share a
-    bucket (hence fewer buckets when many lengths tie). Members keep sample order.
-    """
-    n = len(lengths)
-    ranked = sorted(lengths)
-    edges = sorted({ranked[(k * n) // num_buckets] for k in range(1, num_buckets)} - {ranked[0]})
-    buckets: list[list[int]] = [[] for _ in range(len(edges) + 1)]
-    for i, length in enumerate(lengths):
-        buckets[bisect_right(edges, length)].append(i)
-    return [b for b in buckets if b]
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    """A 63-bit generator seed from (seed, epoch) only: no collisions between nearby pairs."""
-    digest = hashlib.blake2b(f"dflash.batching:{seed}:{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-@dataclass(frozen=True)
-class _EpochLayout:
-    """One epoch's batches, flat (8 bytes per sample, not a Python list per row).
-
-    Batches are stored in the order they were formed (bucket after bucket) and served in
-    `order`, so that shuffling batches across buckets never moves the sample indices.
-    """
-
-    docs: torch.Tensor  # (D,) int64 sample indices, row after row, in formation order
-    row_ends: torch.Tensor | None  # (rows,) int64 end offset into `docs`; None: one document per row
-    batch_ends: torch.Tensor  # (batches,) int64 end offset into the rows of each formed batch
-    order: torch.Tensor  # (batches,) int64 formed-batch id of each served batch
-
-    def __len__(self) -> int:
-        return int(self.order.numel())
-
-    def rows(self, b: int) -> list[list[int]]:
-        """Served batch `b` as rows of sample indices."""
-        k = int(self.order[b])
-        r0, r1 = (int(self.batch_ends[k - 1]) if k else 0), int(self.batch_ends[k])
-        if self.row_ends is None:
-            return [[i] for i in self.docs[r0:r1].tolist()]
-        ends = self.row_ends[r0:r1].tolist()
-        starts = [int(self.row_ends[r0 - 1]) if r0 else 0, *ends[:-1]]
-        docs = self.docs[starts[0] : ends[-1]].tolist()
-        return [docs[a - starts[0] : e - starts[0]] for a, e in zip(starts, ends, strict=True)]
 
 
 class BatchPlan:
@@ -263,7 +134,7 @@ class BatchPlan:
         # Every epoch laid out stays cached (~8 bytes per sample): `len()` lays out the
         # order-dependent kinds in the caller's (set-up) thread, so that iterating on the
         # event loop only slices. The default kind is vectorized and cheap to lay out late.
-        self._layouts: dict[int, _EpochLayout] = {}
+        self._layouts: dict[int, EpochLayout] = {}
         self._counts: dict[int, int] = {}
         self.start: Cursor = self._resolve(start) if start is not None else self._cursor(0, 0)
 
@@ -325,102 +196,23 @@ class BatchPlan:
         return h.hexdigest()
 
     # -- one epoch ----------------------------------------------------------------------
-    def _layout(self, epoch: int) -> _EpochLayout:
+    def _layout(self, epoch: int) -> EpochLayout:
         layout = self._layouts.get(epoch)
         if layout is None:
-            layout = self._layouts[epoch] = self._build(epoch)
+            # One generator per epoch: the layout depends on (inputs, seed, epoch) only,
+            # never on what ran before.
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch)) if self.shuffle else None
+            simple = not self.pack and not self.token_budget
+            layout = layout_epoch(self._bucket_members, g, self.batch_size, None if simple else self._form)
+            self._layouts[epoch] = layout
             self._counts[epoch] = len(layout)
         return layout
 
-    def _build(self, epoch: int) -> _EpochLayout:
-        # One generator per epoch, drawn from in a fixed order (buckets, then batches):
-        # the layout depends on (inputs, seed, epoch) only, never on what ran before.
-        g = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch)) if self.shuffle else None
-        simple = not self.pack and not self.token_budget
-        docs: list[torch.Tensor] = []  # per bucket (n_b,) sample indices
-        row_ends: list[int] = []
-        batch_ends: list[torch.Tensor] = []  # per bucket (batches_b,) row offsets
-        rows_so_far = 0
-        for members in self._bucket_members:
-            if g is not None:
-                members = members[torch.randperm(members.numel(), generator=g)]
-            if simple:  # one sample per row, batch_size per batch: vectorized (this runs on the loop thread)
-                n = members.numel()
-                ends = (torch.arange(1, -(-n // self.batch_size) + 1) * self.batch_size).clamp_(max=n)
-                docs.append(members)
-                batch_ends.append(ends + rows_so_far)
-                rows_so_far += n
-                continue
-            formed = self._pack(members.tolist()) if self.pack else self._group(members.tolist())
-            ends_b = []
-            flat: list[int] = []
-            for batch in formed:
-                for row in batch:
-                    flat += row
-                    row_ends.append((row_ends[-1] if row_ends else 0) + len(row))
-                ends_b.append(len(row_ends))
-            docs.append(torch.tensor(flat, dtype=torch.long))
-            batch_ends.append(torch.tensor(ends_b, dtype=torch.long))
-        all_ends = torch.cat(batch_ends)
-        n_batches = all_ends.numel()
-        # Interleave the buckets: no stretch of only-long or only-short batches.
-        order = torch.randperm(n_batches, generator=g) if g is not None else torch.arange(n_batches)
-        return _EpochLayout(
-            docs=torch.cat(docs),
-            row_ends=None if simple else torch.tensor(row_ends, dtype=torch.long),
-            batch_ends=all_ends,
-            order=order,
-        )
-
-    def _group(self, members: list[int]) -> list[list[list[int]]]:
-        """One document per row; close a batch when one more sample would exceed
-        batch_size rows or the token budget (padded to the longest sample so far)."""
-        batches: list[list[list[int]]] = []
-        cur: list[list[int]] = []
-        longest = 0
-        for i in members:
-            n = self.lengths[i]
-            grown = max(longest, n)
-            full = len(cur) >= self.batch_size or (self.token_budget and (len(cur) + 1) * grown > self.token_budget)
-            if cur and full:
-                batches.append(cur)
-                cur, grown = [], n
-            cur.append([i])
-            longest = grown
-        if cur:
-            batches.append(cur)
-        return batches
-
-    def _pack(self, members: list[int]) -> list[list[list[int]]]:
-        """First-fit packing of whole documents into rows of `row_capacity` tokens, over a
-        window of the last `_PACK_WINDOW` open rows (in the given, shuffled order), then
-        `rows_per_batch` rows per batch in the order rows were closed."""
-        cap = self.row_capacity
-        rows: list[list[int]] = []
-        open_rows: list[list[int]] = []
-        fills: list[int] = []
-        for i in members:
-            n = self.lengths[i]
-            if n >= cap:  # longer only when cap = token_budget < max_seq_len: alone (rows_per_batch is 1)
-                rows.append([i])
-                continue
-            for k, f in enumerate(fills):
-                if f + n <= cap:
-                    open_rows[k].append(i)
-                    fills[k] += n
-                    if fills[k] == cap:  # nothing more fits: close it at once
-                        rows.append(open_rows.pop(k))
-                        fills.pop(k)
-                    break
-            else:
-                if len(open_rows) == _PACK_WINDOW:
-                    rows.append(open_rows.pop(0))
-                    fills.pop(0)
-                open_rows.append([i])
-                fills.append(n)
-        rows += open_rows
-        k = self.rows_per_batch
-        return [rows[s : s + k] for s in range(0, len(rows), k)]
+    def _form(self, members: list[int]) -> list[list[list[int]]]:
+        """One bucket's shuffled members as batches of rows (packed, or one per row)."""
+        if self.pack:
+            return pack_rows(members, self.lengths, self.row_capacity, self.rows_per_batch)
+        return group_rows(members, self.lengths, self.batch_size, self.token_budget)
 
     def batches_in(self, epoch: int) -> int:
         """How many batches epoch `epoch` has."""

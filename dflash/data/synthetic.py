@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dflash.config import DataConfig
-from dflash.data.batching import Sample
+from dflash.data.samples import Sample
 from dflash.model.hf_compat import cache_kwarg, output_cache
 from dflash.model.target import Target
 

@@ -1,0 +1,44 @@
+"""The typed, strict config schema: TOML in, validated tree out, `--set` overrides.
+
+Every section forbids unknown keys; every error names the key path and what is allowed.
+The resolved config (defaults filled in) is what `config show` prints and what each run
+writes to its output folder. The tree is `schema.py`; reading, overriding and writing it
+is `load.py`.
+"""
+
+from dflash.config.load import apply_overrides, dump_toml, load_config, parse_config
+from dflash.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DataFile,
+    DrafterConfig,
+    EvalConfig,
+    PipelineConfig,
+    ProfileConfig,
+    RegenConfig,
+    RunConfig,
+    TargetConfig,
+    TinyTargetConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "DataFile",
+    "DrafterConfig",
+    "EvalConfig",
+    "PipelineConfig",
+    "ProfileConfig",
+    "RegenConfig",
+    "RunConfig",
+    "TargetConfig",
+    "TinyTargetConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "dump_toml",
+    "load_config",
+    "parse_config",
+]

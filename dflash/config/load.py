@@ -1,0 +1,149 @@
+"""Reading and writing the config: TOML in, `--set` overrides, validation errors that name
+the key path and the allowed values, and the resolved tree back out as TOML."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from dflash.config.schema import Config
+from dflash.errors import ConfigError
+
+__all__ = ["apply_overrides", "dump_toml", "load_config", "parse_config"]
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<config>"
+
+
+def _section_type(ann: Any) -> type[BaseModel] | None:
+    """The section model behind an annotation: `Model` or `list[Model]`."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    args = get_args(ann) if get_origin(ann) is list else ()
+    if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    for part in loc:
+        if isinstance(part, int):  # an index into a list of sections
+            continue
+        field = model.model_fields.get(part)
+        sub = _section_type(field.annotation) if field else None
+        if sub is None:
+            break
+        model = sub
+    return sorted(model.model_fields)
+
+
+def _format_validation(err: ValidationError, source: str) -> ConfigError:
+    parts = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(Config, loc[:-1]))
+            parts.append(f"{_loc(loc)}: unknown key (allowed: {allowed})")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] not in ("model_type", "missing") and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        parts.append(f"{_loc(loc)}: {msg}")
+    return ConfigError(f"{source}: " + "; ".join(parts))
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> Config:
+    """Validate a plain dict (as read from TOML) into a Config, or raise ConfigError."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise _format_validation(err, source) from None
+
+
+def _parse_value(raw: str) -> Any:
+    """A `--set` value is a TOML value (2, 1e-3, true, ["cpu"], "x"); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=v` overrides to a raw config dict; reject paths the schema does not have."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            msg = f"--set {item!r}: expected KEY=VALUE, e.g. drafter.num_layers=2"
+            raise ConfigError(msg)
+        parts = key.split(".")
+        model: type[BaseModel] = Config
+        node = data
+        for i, part in enumerate(parts):
+            field = model.model_fields.get(part)
+            if field is None:
+                allowed = ", ".join(sorted(model.model_fields))
+                where = ".".join(parts[:i]) or "top level"
+                msg = f"--set {key}: unknown key {part!r} in {where} (allowed: {allowed})"
+                raise ConfigError(msg)
+            ann = field.annotation
+            is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+            if i == len(parts) - 1:
+                if is_section:
+                    msg = f"--set {key}: is a section; set one of its keys, e.g. {key}.{next(iter(ann.model_fields))}"
+                    raise ConfigError(msg)
+                node[part] = _parse_value(raw.strip())
+            else:
+                if not is_section:
+                    msg = f"--set {key}: {'.'.join(parts[: i + 1])} is not a section"
+                    raise ConfigError(msg)
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):
+                    msg = f"--set {key}: {'.'.join(parts[: i + 1])} is not a table in the file"
+                    raise ConfigError(msg)
+                node, model = child, ann
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or start from defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            with p.open("rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            msg = f"config file not found: {p}"
+            raise ConfigError(msg) from None
+        except IsADirectoryError:
+            msg = f"config path is a folder, not a TOML file: {p}"
+            raise ConfigError(msg) from None
+        except tomllib.TOMLDecodeError as err:
+            msg = f"{p}: not valid TOML: {err}"
+            raise ConfigError(msg) from None
+        except UnicodeDecodeError:
+            msg = f"{p}: not a text (UTF-8) TOML file"
+            raise ConfigError(msg) from None
+        except OSError as err:
+            msg = f"cannot read config file {p}: {err.strerror or err}"
+            raise ConfigError(msg) from None
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " with --set"
+    return parse_config(data, source)
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (keys left unset, i.e. None, are omitted)."""
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))

@@ -6,6 +6,10 @@ keys/values are `concat(proj(context), proj(block))` with the same projections (
 injection). Parameter names match the reference export (`fc.weight`, `layers.0.self_attn.
 q_proj.weight`, ...). The embedding and LM head are the target's, frozen, held outside
 this module (`FrozenHead`) and never saved with it.
+
+Kept whole (a little over 300 lines), like a modeling file: the training path (`forward`)
+and the cached inference path (`forward_block`, `Attention.forward_cached`) must stay the
+same computation, so they are read side by side.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 Every section forbids unknown keys; every error names the key path and what is allowed.
 The resolved config (defaults filled in) is what `config show` prints and what each run
-writes to its output folder. The tree is `schema.py`; reading, overriding and writing it
-is `load.py`.
+writes to its output folder. The tree is `_schema.py`; reading, overriding and writing it
+is `_load.py`; the names below are the public ones.
 """
 
-from dflash.config.load import apply_overrides, dump_toml, load_config, parse_config
-from dflash.config.schema import (
+from dflash.config._load import apply_overrides, dump_toml, load_config, parse_config
+from dflash.config._schema import (
     CheckpointConfig,
     Config,
     DataConfig,

@@ -1,5 +1,6 @@
 """Reading and writing the config: TOML in, `--set` overrides, validation errors that name
-the key path and the allowed values, and the resolved tree back out as TOML."""
+the key path and the allowed values, and the resolved tree back out as TOML. Imported
+through `dflash.config`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ from typing import Any, get_args, get_origin
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from dflash.config.schema import Config
+from dflash.config._schema import Config
 from dflash.errors import ConfigError
-
-__all__ = ["apply_overrides", "dump_toml", "load_config", "parse_config"]
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -1,9 +1,10 @@
 """The config schema: one typed, strict tree of sections with `Config` at its root.
 
 Every section forbids unknown keys and converts no types silently (`_Section`); reading,
-overriding and writing the tree is `load.py`. Kept whole (about 340 lines) because the
-schema is one source of truth, read top to bottom one short section after another: split
-across files, the tree that `config show` prints would no longer be in one place.
+overriding and writing the tree is `_load.py`; `dflash.config` is the public face. Kept
+whole (about 340 lines) because the schema is one source of truth, read top to bottom one
+short section after another: split across files, the tree that `config show` prints would
+no longer be in one place.
 """
 
 from __future__ import annotations
@@ -13,22 +14,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-__all__ = [
-    "CheckpointConfig",
-    "Config",
-    "DataConfig",
-    "DataFile",
-    "DrafterConfig",
-    "EvalConfig",
-    "PipelineConfig",
-    "ProfileConfig",
-    "RegenConfig",
-    "RunConfig",
-    "TargetConfig",
-    "TinyTargetConfig",
-    "TrainConfig",
-]
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 LayerType = Literal["full_attention", "sliding_attention"]

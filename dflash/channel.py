@@ -116,15 +116,10 @@ class Channel(Generic[T]):
         depth = len(self._items)
         area = self._depth_area + depth * (now - self._last_change)
         span = now - self._win_start
+        mean_depth = area / span if span > 0 else float(depth)
+        # In ChannelStats' field order: depth now / mean / max, capacity, then waits and counts.
         stats = ChannelStats(
-            depth=depth,
-            mean_depth=area / span if span > 0 else float(depth),
-            max_depth=self._max_depth,
-            capacity=self.maxsize,
-            put_wait_s=self._put_wait,
-            get_wait_s=self._get_wait,
-            puts=self._puts,
-            gets=self._gets,
+            depth, mean_depth, self._max_depth, self.maxsize, self._put_wait, self._get_wait, self._puts, self._gets
         )
         if reset:
             self._reset_window(now)

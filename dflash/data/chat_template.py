@@ -1,0 +1,116 @@
+"""One conversation → token ids and an assistant-only loss mask, by the tokenizer's chat template.
+
+The drafter must learn to predict the target's answers, not the user's questions or the
+template's scaffolding, so only what the assistant says is supervised.
+
+**Loss mask by incremental rendering.** Templates such as ChatML (SmolLM2, Qwen) carry no
+``{% generation %}`` markers, so the mask is computed from prefixes: for each assistant
+message i, the tokens between ``render(messages[:i], add_generation_prompt=True)`` and
+``render(messages[:i+1])`` are supervised — the assistant's content and the template's
+end-of-turn text (ChatML: ``<|im_end|>`` and the newline after it), but not the
+``<|im_start|>assistant\\n`` header. This is only correct if each shorter rendering's token
+ids are a prefix of the longer one's; that is checked for every record, and a template that
+rewrites earlier turns (e.g. strips past reasoning) is reported as a DataError rather than
+trained on with a shifted mask. An assistant turn that opens a conversation has no prompt
+to render, so it is context, not supervised. Cost: O(turns²) tokens per record, fine for
+chat data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dflash.data.conversation import Message
+from dflash.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["tokenize_conversation", "tokenize_many"]
+
+
+class _Invalid(Exception):
+    """A record-level problem found while tokenizing; the message is the reason."""
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], gen: bool) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    except Exception as err:  # jinja's raise_exception (roles must alternate, ...) and the like
+        detail = " ".join(str(err).split()) or type(err).__name__
+        msg = f"chat template refused the conversation: {detail}"
+        raise _Invalid(msg) from None
+    assert isinstance(text, str)
+    return text
+
+
+def _plan(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[tuple[int, str, str]]:
+    """Per supervised assistant message i: (i, prompt text up to its header, text through it)."""
+    return [
+        (i, _render(tokenizer, messages[:i], gen=True), _render(tokenizer, messages[: i + 1], gen=False))
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and i > 0  # an opening assistant turn has no prompt to render
+    ]
+
+
+def _mask(full: list[int], spans: list[tuple[int, list[int], list[int]]]) -> list[bool]:
+    mask = [False] * len(full)
+    for i, before, through in spans:
+        # The prefix property: without it the span below would not line up with `full`.
+        if through[: len(before)] != before or full[: len(through)] != through:
+            msg = (
+                f"the chat template is not prefix-stable at message {i}: rendering the conversation "
+                "up to an assistant turn does not give a prefix (in token ids) of the longer rendering, "
+                "so an assistant-only loss mask cannot be computed by incremental rendering"
+            )
+            raise _Invalid(msg)
+        mask[len(before) : len(through)] = [True] * (len(through) - len(before))
+    if not any(mask):
+        msg = "no assistant token to supervise (an assistant turn that opens a conversation is context)"
+        raise _Invalid(msg)
+    return mask
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> dict[str, list[int]]:
+    # add_special_tokens=False: the template already wrote every special token it wants
+    # (this is what apply_chat_template(tokenize=True) does too).
+    unique = list(dict.fromkeys(texts))
+    ids = tokenizer(unique, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return dict(zip(unique, ids, strict=True))
+
+
+def tokenize_many(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[list[Message]]
+) -> list[tuple[list[int], list[bool]] | str]:
+    """(ids, loss mask) per conversation, or the reason it cannot be used; one batched
+    encode for all of them."""
+    plans: list[tuple[str, list[tuple[int, str, str]]] | str] = []
+    for messages in conversations:
+        try:
+            plans.append((_render(tokenizer, messages, gen=False), _plan(tokenizer, messages)))
+        except _Invalid as err:
+            plans.append(str(err))
+    texts = [t for p in plans if not isinstance(p, str) for t in (p[0], *(x for s in p[1] for x in s[1:]))]
+    enc = _encode(tokenizer, texts) if texts else {}
+    out: list[tuple[list[int], list[bool]] | str] = []
+    for p in plans:
+        if isinstance(p, str):
+            out.append(p)
+            continue
+        full = enc[p[0]]
+        try:
+            out.append((full, _mask(full, [(i, enc[a], enc[b]) for i, a, b in p[1]])))
+        except _Invalid as err:
+            out.append(str(err))
+    return out
+
+
+def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[list[int], list[bool]]:
+    """Token ids of one conversation rendered with the tokenizer's chat template, and its
+    loss mask (True on assistant content and end-of-turn tokens only). Raises DataError
+    with the reason if it cannot be done. No length limit is applied."""
+    (got,) = tokenize_many(tokenizer, [messages])
+    if isinstance(got, str):
+        raise DataError(got)
+    return got

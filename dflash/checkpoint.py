@@ -13,10 +13,10 @@ that. Nothing here unpickles anything: tensors are safetensors, the rest JSON / 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +26,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash.atomic import atomic_path
 from dflash.config import Config, dump_toml
 from dflash.errors import CheckpointError
-from dflash.export import fsync_path
 
 __all__ = [
     "Checkpointer",
     "Snapshot",
-    "check_compatible",
+    "check_resume_config",
     "latest_checkpoint",
     "load_checkpoint",
     "restore",
@@ -77,31 +77,23 @@ def snapshot(step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, 
 def write_checkpoint(snap: Snapshot, root: Path, keep_last: int) -> Path:
     """Write atomically under `root`; returns the folder. Raises CheckpointError (disk full...)."""
     final = root / f"step_{snap.step:06d}"
+    files = contextlib.ExitStack()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{snap.step:06d}-", dir=root))
+        tmp = files.enter_context(atomic_path(final, folder=True))
     except OSError as err:
         msg = f"cannot write checkpoints under {root}: {err.strerror or err}"
         raise CheckpointError(msg) from None
     try:
-        save_file(snap.weights, str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
-        save_file(snap.optimizer, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
-        (tmp / "state.json").write_text(json.dumps(snap.state, indent=1) + "\n")
-        (tmp / "config.toml").write_text(snap.config_toml)
-        for f in tmp.iterdir():
-            fsync_path(f)
-        if final.exists():  # the same step written again (e.g. at the end): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_path(root)
+        with files:  # on leaving: fsync, rename onto `final` (the same step written again replaces it)
+            save_file(snap.weights, str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
+            save_file(snap.optimizer, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+            (tmp / "state.json").write_text(json.dumps(snap.state, indent=1) + "\n")
+            (tmp / "config.toml").write_text(snap.config_toml)
     except (OSError, SafetensorError) as err:
-        shutil.rmtree(tmp, ignore_errors=True)
         why = getattr(err, "strerror", None) or " ".join(str(err).split())
         msg = f"checkpoint at step {snap.step} not written under {root} ({why}); earlier checkpoints are intact"
         raise CheckpointError(msg) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in _complete(root)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -174,7 +166,7 @@ _MUST_MATCH = [
 ]  # fmt: skip
 
 
-def check_compatible(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path) -> None:
     now = cfg.model_dump(mode="json", exclude_none=True)
     diffs = []
     for section, key in _MUST_MATCH:
@@ -187,38 +179,49 @@ def check_compatible(saved: dict[str, Any], cfg: Config, path: Path) -> None:
 
 
 class Checkpointer:
-    """Takes snapshots between optimizer steps and writes them off the hot path.
+    """A step hook: snapshots between optimizer steps, written off the hot path.
 
-    `save(step, last_batch)` runs in the optimizer's worker thread (host copies only, a few
-    ms for a drafter); the write then runs in a helper thread while the pipeline goes on.
-    One write at a time: the next save (and `finish`) waits for the previous write first.
+    After every `checkpoint.every_steps` steps (`after_step`) and at the end of training
+    with `checkpoint.at_end` (`at_end`), it takes a snapshot in the optimizer's worker
+    thread (host copies only, a few ms for a drafter); a helper thread then writes it while
+    the pipeline goes on. One write at a time: the next snapshot (and `finish`) waits for
+    the previous write first. After a crash, `emergency(progress)` writes the last
+    consistent state.
     """
 
-    def __init__(self, cfg: Config, replica: Any, plan: Any, emit: Any) -> None:
+    def __init__(self, cfg: Config, replica: Any, plan: Any, emit: Any, start_step: int = 0) -> None:
         self.cfg = cfg
         self.replica = replica
         self.plan = plan
         self.emit = emit
+        self.start_step = start_step
         self.root = cfg.run_dir / "checkpoints"
         self._pending: Any = None
         self.last_step = -1  # last step written
-        self.done_step = -1  # last step fully applied, and the batch it consumed up to
-        self.done_batch = -1
 
-    def mark(self, step: int, last_batch: int) -> None:
-        """The optimizer finished step `step`: weights, optimizer and cursor agree again."""
-        self.done_step, self.done_batch = step, last_batch
+    async def after_step(self, ctx: Any) -> None:
+        every = self.cfg.checkpoint.every_steps
+        if every and ctx.step % every == 0:
+            await self._save(ctx)
 
-    def emergency(self) -> Path | None:
-        """After a crash: write the last consistent state, if it is one and not yet written.
+    async def at_end(self, ctx: Any) -> None:
+        if self.cfg.checkpoint.at_end and ctx.step > self.start_step and self.last_step != ctx.step:
+            await self._save(ctx)
+        await self.finish()
 
-        Called once every worker has stopped. The schedule's step count tells whether an
-        update was half applied when the run failed (then nothing is written).
-        """
-        r = self.replica
-        if self.done_step <= self.last_step or r.scheduler.last_epoch != self.done_step:
+    async def _save(self, ctx: Any) -> None:
+        from dflash.profile import Stage
+
+        snap, _ = await ctx.device.run(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch, wait_for=[ctx.ready])
+        await self.write(snap)
+
+    def emergency(self, progress: Any) -> Path | None:
+        """After a crash, once every worker has stopped: write the state after the last
+        finished step (applied or skipped), unless an update was in progress (weights and
+        optimizer state may disagree then: nothing is written) or it is written already."""
+        if progress.updating or progress.step <= max(self.last_step, self.start_step):
             return None
-        snap = self.take(self.done_step, self.done_batch)
+        snap = self.take(progress.step, progress.last_batch)
         path = write_checkpoint(snap, self.root, self.cfg.checkpoint.keep_last)
         self.last_step = snap.step
         return path

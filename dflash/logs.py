@@ -2,17 +2,23 @@
 
 Configured once, by the entry point (`configure`). A program that embeds the Coordinator
 may configure structlog its own way, or subscribe to records with `Coordinator.subscribe`.
+Two subscribers every run has: `RunLog` (the run folder's own `records.jsonl`, whatever
+structlog does) and `ProgressLine` (one updating line on stderr when it is a terminal).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import IO, Any
 
 import structlog
 
-__all__ = ["configure", "human"]
+__all__ = ["ProgressLine", "RunLog", "configure", "human"]
 
 
 class _JSONLines:
@@ -53,3 +59,57 @@ def configure(stream: IO[str] | None = None, log_file: IO[str] | None = None, le
 def human(message: str, **_: Any) -> None:
     """A line for people, on stderr (never on stdout, which stays pure JSON)."""
     print(message, file=sys.stderr, flush=True)
+
+
+class RunLog:
+    """Appends every record to a JSON-lines file (a resumed run continues the same file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is None:
+            return
+        now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+        self._f.write(json.dumps({**record, "level": "info", "timestamp": now}, default=str) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class ProgressLine:
+    """`step 40/605 loss 2.1 tau_sim 1.3 812 tok/s ETA 3.1 min` on stderr, for people; only
+    when stderr is a terminal (stdout stays pure JSON, and logs stay free of `\\r`)."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, stream: IO[str] | None = None) -> None:
+        self.total = total_steps
+        self.start_step = start_step
+        self.stream = stream if stream is not None else sys.stderr
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record.get("event") != "train_step" or not self.stream.isatty():
+            return
+        self.tokens += record["tokens"]
+        elapsed = time.perf_counter() - self.t0
+        done = record["step"] - self.start_step
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        left = (self.total - record["step"]) * elapsed / done if done > 0 else 0.0
+        loss = f"{record['loss']:.4f}" if record["loss"] is not None else "nan"
+        self.stream.write(
+            f"\rstep {record['step']}/{self.total} loss {loss} tau_sim {record['tau_sim']:.2f} "
+            f"{rate:.0f} tok/s ETA {left / 60:.1f} min   "
+        )
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -31,7 +31,7 @@ import torch
 from dflash.model.loss import LossParts
 from dflash.profile import Stage
 
-__all__ = ["SimEvent", "StageCost", "SyntheticSpec", "Timeline", "calibrate", "work"]
+__all__ = ["SimEvent", "StageCost", "SyntheticSpec", "Timeline", "calibrate", "prepare", "work"]
 
 _ITERS_PER_MS: float | None = None
 
@@ -158,7 +158,7 @@ class SyntheticReplica:
     device: torch.device
 
 
-def drafter_step(spec: SyntheticSpec) -> Any:
+def _micro_step(spec: SyntheticSpec) -> Any:
     def step(rep: Any, device: Any, feats: Any, **_: Any) -> LossParts:
         with device.span(Stage.DRAFTER_FORWARD):
             work(spec.drafter)
@@ -168,10 +168,10 @@ def drafter_step(spec: SyntheticSpec) -> Any:
     return step
 
 
-def apply_step(spec: SyntheticSpec) -> Any:
-    from dflash.stages.optimizer import StepResult
+def _apply_step(spec: SyntheticSpec) -> Any:
+    from dflash.steps import StepResult
 
-    def apply(replicas: Any, contribs: Any, device: Any, grad_clip: float, step: int) -> StepResult:
+    def apply(replicas: Any, contribs: Any, device: Any, step: int) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
             work(spec.optimizer, sync=True)  # the real step's grad-norm sync waits for the device
         B = spec.block_size
@@ -182,3 +182,40 @@ def apply_step(spec: SyntheticSpec) -> Any:
         )  # fmt: skip
 
     return apply
+
+
+def prepare(cfg: Any, spec: SyntheticSpec) -> Any:
+    """A `Training` of stand-ins for targets, data and replicas; the stages, channels and
+    devices that run them are the real ones."""
+    from dflash.data.batching import BatchPlan, Sample
+    from dflash.model.drafter import DrafterSpec
+    from dflash.setup import Training
+    from dflash.stages.drafter_step import MicroStep
+
+    targets = [SyntheticTarget(spec.target) for _ in cfg.pipeline.target_devices]
+    replicas = [SyntheticReplica(i, torch.device("cpu")) for i in range(len(cfg.pipeline.drafter_devices))]
+    ids, mask = torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool)
+    samples = [Sample(i, ids, mask) for i in range(spec.batches)]
+    dspec = DrafterSpec(
+        hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=1, vocab_size=1,
+        rms_norm_eps=1e-6, rope_theta=1.0, target_layer_ids=[0], num_target_layers=1,
+        block_size=spec.block_size, mask_token_id=0, layer_types=["full_attention"], sliding_window=1,
+    )  # fmt: skip
+    micro = MicroStep(cfg.drafter, cfg.run.seed, 1, False, fn=_micro_step(spec))
+
+    def simulated(device: Any) -> None:
+        device.sim = Timeline()
+
+    return Training(
+        targets=targets,  # type: ignore[arg-type]
+        replicas=replicas,  # type: ignore[arg-type]
+        plan=BatchPlan(samples, 1, 1, cfg.run.seed, False),
+        spec=dspec,
+        micro=micro,
+        apply=_apply_step(spec),
+        grad_accum=cfg.train.grad_accum,
+        max_steps=cfg.train.max_steps,
+        total_steps=-(-spec.batches // len(replicas)),
+        padding_fraction=0.0,
+        on_device=simulated if spec.device_model == "async" else None,
+    )

@@ -5,39 +5,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash import Coordinator, StageError
 from dflash.profile import Stage
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_records
 
 
-def _run(cfg, records: list | None = None) -> Coordinator:
+def _run(cfg) -> Coordinator:
+    """Run to the end; the coordinator (for its replicas)."""
     coord = Coordinator(cfg, log=False)
-    if records is not None:
-        coord.subscribe(records.append)
     asyncio.run(coord.run())
     return coord
 
 
 def test_loss_goes_down_and_records_are_complete(tiny_config):
     """A short tiny run lowers the loss, and emits run_start, train_step, profile, run_end."""
-    records: list[dict] = []
     cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "train.lr": 2e-2})
-    coord = _run(cfg, records)
+    records = run_records(cfg)
     events = [r["event"] for r in records]
     assert events[0] == "run_start" and events[-1] == "run_end"
     assert "profile" in events
     steps = [r for r in records if r["event"] == "train_step"]
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
-    assert len(steps) == coord.steps == 32
+    assert len(steps) == records[-1]["steps"] == 32
     first = sum(s["loss"] for s in steps[:4]) / 4
     last = sum(s["loss"] for s in steps[-4:]) / 4
     assert last < first - 0.05, (first, last)
@@ -71,70 +67,59 @@ def test_two_replicas_stay_bit_identical(tiny_config):
 
 def test_max_steps_stops_cleanly(tiny_config):
     """train.max_steps ends the run after that many steps, with reason max_steps."""
-    records: list[dict] = []
-    coord = _run(tiny_config(**{"train.max_steps": 3, "data.num_samples": 64}), records)
-    assert coord.steps == 3
+    records = run_records(tiny_config(**{"train.max_steps": 3, "data.num_samples": 64}))
+    assert records[-1]["steps"] == 3
     assert records[-1]["event"] == "run_end" and records[-1]["reason"] == "max_steps"
 
 
 @pytest.mark.parametrize(
-    ("stage", "task"),
+    "stage",
     [
-        (Stage.PREFETCH, "prefetch"),
-        (Stage.TARGET_FORWARD, "target_forward[0]"),
-        (Stage.TARGET_PACK, "pack[0]"),
-        (Stage.TARGET_D2H, "transfer[0]"),
-        (Stage.DRAFTER_FORWARD, "drafter_step[0]"),
-        (Stage.OPTIMIZER_STEP, "optimizer"),
+        Stage.PREFETCH,
+        Stage.TARGET_FORWARD,
+        Stage.TARGET_PACK,
+        Stage.TARGET_D2H,
+        Stage.DRAFTER_FORWARD,
+        Stage.OPTIMIZER_STEP,
     ],
 )
-def test_failing_stage_ends_run_without_hanging(tiny_config, monkeypatch, stage, task):
-    """An exception in any stage ends the run within seconds as a StageError naming it."""
+def test_failing_stage_ends_run_without_hanging(tiny_config, monkeypatch, stage):
+    """An exception in any stage ends the run (no hang: the outer timeout is a guard, not a
+    speed limit) as a StageError named like the profiler's stage, with the chain index."""
     monkeypatch.setenv("DFLASH_INJECT_FAULT", f"{stage}@2")
     records: list[dict] = []
-    t0 = time.perf_counter()
+    coord = Coordinator(tiny_config(), log=False)
+    coord.subscribe(records.append)
     with pytest.raises(StageError) as info:
-        asyncio.run(asyncio.wait_for(_coordinator(tiny_config(), records).run(), timeout=60))
+        asyncio.run(asyncio.wait_for(coord.run(), timeout=300))
+    task = stage if stage in (Stage.PREFETCH, Stage.OPTIMIZER_STEP) else f"{stage}[0]"
     assert info.value.stage == task
     assert "injected fault" in str(info.value)
-    assert time.perf_counter() - t0 < 30
     assert records[-1]["event"] == "run_failed" and records[-1]["stage"] == task
 
 
-def _coordinator(cfg, records: list) -> Coordinator:
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
-    return coord
-
-
-def test_embedded_in_callers_loop(tiny_config):
-    """Inside a caller's loop the coordinator never blocks it, and stop() ends it cleanly."""
+def test_embedded_coordinator_never_stalls_its_loop(tiny_config, caplog):
+    """Inside a caller's loop (asyncio debug mode) no callback of the run holds the loop
+    over 50 ms — set-up, batch planning, collation, writes and joins run in threads — and
+    stop() ends the run cleanly."""
     records: list[dict] = []
 
-    async def main() -> tuple[dict, list[float]]:
-        coord = _coordinator(tiny_config(**{"train.epochs": 50}), records)
-        ticks: list[float] = []
-
-        async def ticker() -> None:
-            while True:
-                ticks.append(time.perf_counter())
-                await asyncio.sleep(0.01)
-
-        t = asyncio.create_task(ticker())
+    async def main() -> dict:
+        loop = asyncio.get_running_loop()
+        loop.slow_callback_duration = 0.05
+        coord = Coordinator(tiny_config(**{"train.epochs": 50, "checkpoint.every_steps": 2}), log=False)
+        coord.subscribe(records.append)
         run = asyncio.create_task(coord.run())
-        while not any(r["event"] == "train_step" and r["step"] >= 3 for r in records):
+        while not any(r["event"] == "train_step" and r["step"] >= 4 for r in records):
             await asyncio.sleep(0.01)
         coord.stop()
-        summary = await asyncio.wait_for(run, timeout=30)
-        t.cancel()
-        return summary, ticks
+        return await asyncio.wait_for(run, timeout=300)
 
-    summary, ticks = asyncio.run(main())
+    with caplog.at_level("WARNING", logger="asyncio"):
+        summary = asyncio.run(main(), debug=True)
     assert summary["reason"] == "stopped"
-    gaps = [b - a for a, b in itertools.pairwise(ticks)]
-    # Loading models happens in a thread too; the loop keeps ticking throughout.
-    assert max(gaps) < 0.5, max(gaps)
-    assert len(ticks) > 50
+    slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert not slow, slow
 
 
 def test_sigterm_on_real_subprocess(tmp_path):
@@ -148,14 +133,12 @@ def test_sigterm_on_real_subprocess(tmp_path):
     lines = []
     try:
         assert proc.stdout is not None
-        deadline = time.time() + 60
         for line in proc.stdout:
             lines.append(line)
             if '"train_step"' in line:
                 break
-            assert time.time() < deadline
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -166,23 +149,44 @@ def test_sigterm_on_real_subprocess(tmp_path):
     assert "stopping" in err
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="relies on os.fork-free subprocess + /proc")
 def test_no_stray_stdout_from_library(tiny_config, capfd):
-    """With log=False the coordinator writes nothing to stdout (embedding programs own it)."""
-    _run(tiny_config(**{"train.max_steps": 1}))
+    """With log=False the coordinator writes nothing to stdout (embedding programs own it);
+    its records still land in the run folder's records.jsonl."""
+    cfg = tiny_config(**{"train.max_steps": 1})
+    _run(cfg)
     out, _ = capfd.readouterr()
     assert out == ""
-    assert os.environ.get("DFLASH_INJECT_FAULT") is None
+    saved = [json.loads(line) for line in (cfg.run_dir / "records.jsonl").read_text().splitlines()]
+    assert saved[0]["event"] == "run_start" and saved[-1]["event"] == "run_end"
 
 
-def test_serial_mode_trains_exactly_like_the_pipeline(tiny_config, tmp_path):
-    """pipeline.mode = "serial" (one worker thread for all stages) gives the same losses as the pipeline."""
-    a = []
-    _run(tiny_config(**{"train.max_steps": 6, "train.epochs": 2, "eval.at_end": "false"}), a)
-    b = []
-    other = tiny_config(**{"train.max_steps": 6, "train.epochs": 2, "eval.at_end": "false", "pipeline.mode": '"serial"',
-                           "run.output_dir": f'"{tmp_path / "serial"}"'})  # fmt: skip
-    _run(other, b)
-    la = [r["loss"] for r in a if r["event"] == "train_step"]
-    lb = [r["loss"] for r in b if r["event"] == "train_step"]
+def _spans(trace_path) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every compute span of a Chrome trace (waits left out)."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e["ph"] == "X" and e["name"] not in Stage.WAITS]
+
+
+def _overlaps(spans: list[tuple[float, float, str]]) -> list[tuple[str, str]]:
+    spans = sorted(spans)
+    return [(a[2], b[2]) for a, b in itertools.pairwise(spans) if b[0] < a[1] - 1.0]  # 1 µs: rounding
+
+
+def test_serial_mode_is_serial_and_trains_exactly_like_the_pipeline(tiny_config, tmp_path):
+    """pipeline.mode = "serial" runs one computation at a time (no two spans of its trace
+    overlap, while the pipeline's do) and gives the pipeline's losses and weights exactly."""
+    runs = {}
+    for mode in ("pipeline", "serial"):
+        cfg = tiny_config(**{
+            "train.max_steps": 6, "train.epochs": 2, "eval.at_end": "false", "checkpoint.at_end": "true",
+            "pipeline.mode": f'"{mode}"', "run.output_dir": f'"{tmp_path / mode}"',
+            "profile.trace": f'"{tmp_path / mode}.trace.json"',
+        })  # fmt: skip
+        records = run_records(cfg)
+        losses = [r["loss"] for r in records if r["event"] == "train_step"]
+        weights = load_file(cfg.run_dir / "checkpoints" / "step_000006" / "drafter.safetensors")
+        runs[mode] = (losses, weights, _spans(tmp_path / f"{mode}.trace.json"))
+    (la, wa, sa), (lb, wb, sb) = runs["pipeline"], runs["serial"]
     assert la == lb and len(la) == 6
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert len(sb) > 6 * 5 and _overlaps(sb) == []
+    assert _overlaps(sa), "the pipeline's stages should overlap (else this check proves nothing)"

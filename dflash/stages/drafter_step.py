@@ -11,8 +11,8 @@ ends (it then sends a last StepGrads with 0 micro-batches).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,11 +26,11 @@ from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.loss import LossParts, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, dense_mask, flex_block_mask, make_mask_mod
 from dflash.profile import Profiler, Stage
-from dflash.records import HostFeatures, StepGrads, StepReply
+from dflash.records import Batch, HostFeatures, StepGrads, StepReply
 from dflash.replica import DrafterReplica
 from dflash.stages._link import linked
 
-__all__ = ["build_masks", "micro_step", "run"]
+__all__ = ["Accumulator", "MicroStep", "build_masks", "micro_step", "run"]
 
 
 def build_masks(layout: BlockLayout, cfg: DrafterConfig, layer_types: list[str], use_flex: bool) -> dict[str, Any]:
@@ -99,7 +99,26 @@ def micro_step(
     return parts
 
 
-class _Accumulator:
+@dataclass(frozen=True)
+class MicroStep:
+    """How a replica turns one batch into gradients: `micro_step` with its settings bound.
+    `fn` is the compute (the orchestration benchmarks put work of known cost there)."""
+
+    cfg: DrafterConfig
+    seed: int
+    loss_chunk: int
+    use_flex: bool
+    noise: Callable[[int], float] = lambda _step: 0.0  # reveal probability at a step
+    fn: Callable[..., LossParts] = micro_step
+
+    def __call__(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> LossParts:
+        return self.fn(
+            rep, device, feats, cfg=self.cfg, seed=self.seed, loss_chunk=self.loss_chunk,
+            use_flex=self.use_flex, reveal_prob=self.noise(step),
+        )  # fmt: skip
+
+
+class Accumulator:
     """One replica's sums over the micro-batches of a step (updated in its worker thread)."""
 
     def __init__(self) -> None:
@@ -110,17 +129,20 @@ class _Accumulator:
         self.correct: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
 
-    def add(self, work: Callable[[HostFeatures], LossParts], feats: HostFeatures) -> None:
-        parts = work(feats)
+    def add(self, parts: LossParts, batch: Batch) -> None:
         self.n += 1
-        self.last_batch = max(self.last_batch, feats.batch.index)
-        self.tokens += feats.batch.num_tokens
-        self.samples += feats.batch.num_samples
+        self.last_batch = max(self.last_batch, batch.index)
+        self.tokens += batch.num_tokens
+        self.samples += batch.num_samples
         self.weight_sum += parts.weight_sum
         first = self.loss_sum is None
         self.loss_sum = parts.loss_sum if first else self.loss_sum + parts.loss_sum
         self.correct = parts.correct_per_slot if first else self.correct + parts.correct_per_slot
         self.count = parts.count_per_slot if first else self.count + parts.count_per_slot
+
+    def step(self, micro: MicroStep, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> None:
+        """Forward + backward of one batch, added to the sums (in the replica's worker thread)."""
+        self.add(micro(rep, device, feats, step), feats.batch)
 
     def grads(self, replica: int, step: int, ready: Any) -> StepGrads:
         return StepGrads(
@@ -131,30 +153,20 @@ class _Accumulator:
 
 async def run(
     rep: DrafterReplica,
+    micro: MicroStep,
+    grad_accum: int,
     device: Device,
     inbox: Channel[HostFeatures],
     outbox: Channel[StepGrads],
     replies: Channel[StepReply],
-    cfg: DrafterConfig,
     profiler: Profiler,
-    *,
-    grad_accum: int,
-    seed: int,
-    loss_chunk: int,
-    use_flex: bool,
-    noise: Callable[[int], float] = lambda _step: 0.0,
     start_step: int = 0,
-    step_fn: Callable[..., LossParts] = micro_step,  # synthetic benchmarks swap the compute
 ) -> None:
     step = start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
     with linked([inbox, replies], [outbox]):
         while True:
-            acc = _Accumulator()
-            work = functools.partial(
-                step_fn, rep, device, cfg=cfg, seed=seed, loss_chunk=loss_chunk,
-                use_flex=use_flex, reveal_prob=noise(step),
-            )  # fmt: skip
+            acc = Accumulator()
             ready = None
             for _ in range(grad_accum):
                 try:
@@ -162,7 +174,7 @@ async def run(
                 except EndOfStream:
                     break
                 profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-                _, ready = await device.run(None, acc.add, work, feats, wait_for=wait_for)
+                _, ready = await device.run(None, acc.step, micro, rep, device, feats, step, wait_for=wait_for)
                 profiler.count("drafter_tokens", feats.batch.num_tokens)
             await outbox.put(acc.grads(rep.index, step, ready))
             if acc.n == 0:
@@ -175,4 +187,4 @@ async def run(
             if reply.stop:
                 return
             wait_for = [reply.ready]
-            step += 1
+            step = reply.step

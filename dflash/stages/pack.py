@@ -14,17 +14,18 @@ from dflash.profile import Stage
 from dflash.records import PackedFeatures, TargetFeatures
 from dflash.stages._link import relay
 
-__all__ = ["run"]
+__all__ = ["pack", "run"]
 
 
-def _pack(layers: list[torch.Tensor]) -> torch.Tensor:
+def pack(layers: list[torch.Tensor]) -> torch.Tensor:
     faults.check(Stage.TARGET_PACK)
     return torch.cat(layers, dim=-1).contiguous()  # (R, T, k·H)
 
 
-async def run(device: Device, inbox: Channel[TargetFeatures], outbox: Channel[PackedFeatures]) -> None:
-    async def step(f: TargetFeatures) -> PackedFeatures:
-        hidden, ready = await device.run(Stage.TARGET_PACK, _pack, f.layers, wait_for=[f.ready])
-        return PackedFeatures(f.batch, hidden, ready)
+async def packed(device: Device, f: TargetFeatures) -> PackedFeatures:
+    hidden, ready = await device.run(Stage.TARGET_PACK, pack, f.layers, wait_for=[f.ready])
+    return PackedFeatures(f.batch, hidden, ready)
 
-    await relay(inbox, outbox, step)
+
+async def run(device: Device, inbox: Channel[TargetFeatures], outbox: Channel[PackedFeatures]) -> None:
+    await relay(inbox, outbox, lambda f: packed(device, f))

@@ -1,13 +1,16 @@
-"""prefetch: collates the next batches ahead of the target.
+"""prefetch: lays out and collates the next batches ahead of the target.
 
 Waits for: room in the batch channel. Unblocks: the target forward stages.
-Stops taking new data as soon as the run is asked to stop (intake first).
+Stops taking new data as soon as the run is asked to stop (intake first). Everything it
+does — walking the batch plan (which lays out an epoch when one begins) and collating —
+runs in the data worker, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
 
 from dflash import faults
 from dflash.channel import Channel
@@ -17,12 +20,17 @@ from dflash.profile import Stage
 from dflash.records import Batch
 from dflash.stages._link import linked
 
-__all__ = ["run"]
+__all__ = ["next_batch", "run"]
 
 
-def _collate(samples: list, index: int, epoch: int, pin: bool) -> Batch:
+def next_batch(plan: Iterator[tuple[int, int, list]], pin: bool) -> Batch | None:
+    """The plan's next batch, collated; None when the plan is done."""
+    item = next(plan, None)
+    if item is None:
+        return None
     faults.check(Stage.PREFETCH)
-    batch = collate(samples, index, epoch)
+    index, epoch, rows = item
+    batch = collate(rows, index, epoch)
     if pin:  # pinned host memory makes the target's H2D copy asynchronous
         batch = dataclasses.replace(
             batch, input_ids=batch.input_ids.pin_memory(), positions=batch.positions.pin_memory()
@@ -31,9 +39,10 @@ def _collate(samples: list, index: int, epoch: int, pin: bool) -> Batch:
 
 
 async def run(plan: BatchPlan, device: Device, outbox: Channel[Batch], stop: asyncio.Event, pin: bool) -> None:
+    batches = iter(plan)
     with linked([], [outbox]):
-        for index, epoch, samples in plan:
-            if stop.is_set():
+        while not stop.is_set():
+            batch, _ = await device.run(Stage.PREFETCH, next_batch, batches, pin)
+            if batch is None:
                 break
-            batch, _ = await device.run(Stage.PREFETCH, _collate, samples, index, epoch, pin)
             await outbox.put(batch)

@@ -7,6 +7,8 @@ Waits for: a batch. Unblocks: pack. One such stage per target device.
 
 from __future__ import annotations
 
+import torch
+
 from dflash import faults
 from dflash.channel import Channel
 from dflash.devices import Device
@@ -16,7 +18,31 @@ from dflash.profile import Profiler, Stage
 from dflash.records import Batch, TargetFeatures
 from dflash.stages._link import relay
 
-__all__ = ["run"]
+__all__ = ["forward", "run"]
+
+
+def forward(target: Target, batch: Batch) -> list[torch.Tensor]:
+    """The target up to its last chosen layer (in the target's worker thread)."""
+    faults.check(Stage.TARGET_FORWARD)
+    dev = target.device
+    ids = batch.input_ids.to(dev, non_blocking=True)  # (R, T)
+    docs = batch.doc_ids.to(dev, non_blocking=True)
+    pos = batch.positions.to(dev, non_blocking=True)
+    return target.capture(ids, docs, pos)  # k × (R, T, H)
+
+
+async def features(
+    target: Target, device: Device, batch: Batch, profiler: Profiler, cache: FeatureCache | None
+) -> TargetFeatures:
+    """A batch's features: from the cache when every document is there, else the target's."""
+    if cache is not None:
+        # A hit skips the target: one host tensor with the layers already concatenated.
+        hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype)
+        if hit is not None:
+            return TargetFeatures(batch, [hit], None)
+    layers, ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch)
+    profiler.count("target_tokens", batch.num_tokens)
+    return TargetFeatures(batch, layers, ready)
 
 
 async def run(
@@ -27,24 +53,4 @@ async def run(
     profiler: Profiler,
     cache: FeatureCache | None = None,
 ) -> None:
-    dev = device.device
-    dtype = target.embed_weight.dtype
-
-    def forward(batch: Batch) -> list:
-        faults.check(Stage.TARGET_FORWARD)
-        ids = batch.input_ids.to(dev, non_blocking=True)  # (R, T)
-        docs = batch.doc_ids.to(dev, non_blocking=True)
-        pos = batch.positions.to(dev, non_blocking=True)
-        return target.capture(ids, docs, pos)  # k × (R, T, H)
-
-    async def step(batch: Batch) -> TargetFeatures:
-        if cache is not None:
-            # A hit skips the target: one host tensor with the layers already concatenated.
-            hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, dtype)
-            if hit is not None:
-                return TargetFeatures(batch, [hit], None)
-        layers, ready = await device.run(Stage.TARGET_FORWARD, forward, batch)
-        profiler.count("target_tokens", batch.num_tokens)
-        return TargetFeatures(batch, layers, ready)
-
-    await relay(inbox, outbox, step)
+    await relay(inbox, outbox, lambda batch: features(target, device, batch, profiler, cache))

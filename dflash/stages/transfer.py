@@ -18,10 +18,10 @@ from dflash.profile import Profiler, Stage
 from dflash.records import HostFeatures, PackedFeatures
 from dflash.stages._link import linked
 
-__all__ = ["run"]
+__all__ = ["host_features", "run", "to_host"]
 
 
-def _to_host(hidden: torch.Tensor) -> torch.Tensor:
+def to_host(hidden: torch.Tensor) -> torch.Tensor:
     faults.check(Stage.TARGET_D2H)
     if hidden.device.type == "cpu":
         return hidden
@@ -29,6 +29,16 @@ def _to_host(hidden: torch.Tensor) -> torch.Tensor:
     host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
     host.copy_(hidden, non_blocking=True)
     return host
+
+
+async def host_features(device: Device, f: PackedFeatures, source: int, cache: FeatureCache | None) -> HostFeatures:
+    """The copy, waited for off the loop (the host must not read before it lands), and
+    stored in the feature cache."""
+    host, ready = await device.run(Stage.TARGET_D2H, to_host, f.hidden, wait_for=[f.ready])
+    await device.synchronize(ready)
+    if cache is not None:
+        await device.run(None, cache.put, f.batch, host)
+    return HostFeatures(f.batch, host, source)
 
 
 async def run(
@@ -41,9 +51,5 @@ async def run(
 ) -> None:
     with linked([inbox], [outbox]):
         async for f in inbox:
-            host, ready = await device.run(Stage.TARGET_D2H, _to_host, f.hidden, wait_for=[f.ready])
-            await device.synchronize(ready)  # the host must not read before the copy lands
-            if cache is not None:
-                await device.run(None, cache.put, f.batch, host)
-            waited = await outbox.put(HostFeatures(f.batch, host, source))
+            waited = await outbox.put(await host_features(device, f, source, cache))
             profiler.record(Stage.TARGET_QUEUE_PUT, waited, worker=device.name)

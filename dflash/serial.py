@@ -1,0 +1,66 @@
+"""The serial loop: the readable specification of one training run (`pipeline.mode = "serial"`).
+
+Every stage function the pipeline runs, called one after another, top to bottom: the
+pipeline (dflash/topology.py) computes exactly this — the same losses and the same
+weights for one target and one replica — only with the stages overlapped. Each call still
+goes through its stage's `Device` (so it runs off the event loop, is timed under the same
+stage names, and on CUDA on the same streams, each waiting on the `ready` event of the
+work it consumes), but nothing overlaps: the loop awaits each call before the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from dflash.devices import Device
+from dflash.feature_cache import FeatureCache
+from dflash.profile import Profiler, Stage
+from dflash.records import StepGrads
+from dflash.setup import Training
+from dflash.stages import pack, prefetch, target_forward, transfer
+from dflash.stages.drafter_step import Accumulator
+from dflash.steps import StepBook
+
+__all__ = ["train"]
+
+
+async def train(
+    t: Training,
+    data: Device,
+    target: Device,
+    drafters: Sequence[Device],
+    optimizer: Device,
+    book: StepBook,
+    stop: asyncio.Event,
+    profiler: Profiler,
+    cache: FeatureCache | None = None,
+) -> int:
+    """Train until the data, `train.max_steps` or a stop request ends it; the last step."""
+    plan = iter(t.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
+    updated = None  # the last update's ready event: the next forward reads those weights
+    while not stop.is_set() and (t.max_steps is None or book.progress.step < t.max_steps):
+        step = book.progress.step
+        contribs: list[StepGrads] = []
+        for rep, dev in zip(t.replicas, drafters, strict=True):
+            acc, ready = Accumulator(), None
+            for _ in range(t.grad_accum):
+                batch, _ = await data.run(Stage.PREFETCH, prefetch.next_batch, plan, t.pin)
+                if batch is None:  # the data is done
+                    break
+                feats = await target_forward.features(t.targets[0], target, batch, profiler, cache)
+                packed = await pack.packed(target, feats)
+                host = await transfer.host_features(target, packed, 0, cache)
+                _, ready = await dev.run(None, acc.step, t.micro, rep, dev, host, step, wait_for=[updated])
+                profiler.count("drafter_tokens", batch.num_tokens)
+            if acc.n:
+                contribs.append(acc.grads(rep.index, step, ready))
+        if not contribs:
+            break
+        new_step = book.begin()
+        result, updated = await optimizer.run(
+            None, t.apply, t.replicas, contribs, optimizer, new_step, wait_for=[c.ready for c in contribs]
+        )
+        await book.end(result, max(c.last_batch for c in contribs), updated)
+    await book.close()
+    return book.progress.step

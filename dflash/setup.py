@@ -1,0 +1,232 @@
+"""Set-up: a config becomes everything a run trains with (`Training`), before the first step.
+
+Runs in a worker thread (loading models must not block the event loop). In order: devices,
+the resume checkpoint (a bad one fails in a second, before any model loads), data files,
+tokenizer and targets, the mask token, the samples and their `BatchPlan`, the drafter
+spec and replicas (restored when resuming), and what the end of the run will need (the
+eval prompts) — so that a run never trains for an hour to fail at its end. Warnings found
+on the way are kept and emitted as records by the coordinator.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
+from dflash.config import Config
+from dflash.data.batching import BatchPlan, Sample
+from dflash.devices import Device, check_device
+from dflash.errors import CheckpointError, ConfigError, DataError
+from dflash.model.drafter import DrafterSpec, FrozenHead
+from dflash.model.loading import load_tokenizer
+from dflash.model.target import Target, load_target
+from dflash.replica import DrafterReplica, build_replicas
+from dflash.stages.drafter_step import MicroStep
+from dflash.stages.optimizer import apply_step
+from dflash.steps import StepResult
+
+__all__ = ["Training", "prepare"]
+
+
+@dataclass
+class Training:
+    """What a run trains with: models, data, and the two compute functions of a step."""
+
+    targets: list[Target]
+    replicas: list[DrafterReplica]
+    plan: BatchPlan
+    spec: DrafterSpec
+    micro: MicroStep  # one replica, one batch: forward + backward
+    apply: Callable[..., StepResult]  # apply(replicas, contribs, device, step): the update
+    grad_accum: int
+    max_steps: int | None
+    total_steps: int
+    padding_fraction: float  # epoch 0's padded share of the R × T slots
+    start_step: int = 0  # > 0 when resumed
+    tokenizer: Any = None
+    data_stats: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
+    on_device: Callable[[Device], None] | None = None  # benchmarks: a simulated device queue
+
+    @property
+    def pin(self) -> bool:
+        """Pin collated batches: only worth it when some model lives on a GPU."""
+        return any(m.device.type == "cuda" for m in [*self.targets, *self.replicas])
+
+
+def _resume(cfg: Config, resume: str | Path | None) -> Loaded | None:
+    if resume is None:
+        return None
+    if str(resume) == "auto":
+        path = latest_checkpoint(cfg.run_dir)
+        if path is None:
+            msg = f"--resume auto: no complete checkpoint in {cfg.run_dir / 'checkpoints'}"
+            raise CheckpointError(msg)
+    else:
+        path = Path(resume).expanduser()
+    loaded = load_checkpoint(path)
+    check_resume_config(loaded.config, cfg, path)
+    return loaded
+
+
+def _mask_id(cfg: Config, target: Target, head: FrozenHead, warn: Callable[[str], None]) -> int:
+    mask_id = cfg.drafter.mask_token_id
+    if mask_id is None:
+        if cfg.target.kind != "tiny":
+            msg = "drafter.mask_token_id: required for a real target (an existing, unused token id)"
+            raise ConfigError(msg)
+        mask_id = target.vocab_size - 1
+    if mask_id >= target.vocab_size:
+        msg = (
+            f"drafter.mask_token_id: {mask_id} is outside the target's embedding "
+            f"(vocab size {target.vocab_size}; ids 0..{target.vocab_size - 1})"
+        )
+        raise ConfigError(msg)
+    row, mean = head.norm_of_row(mask_id), head.mean_row_norm()
+    if row < 0.1 * mean:
+        warn(
+            f"drafter.mask_token_id {mask_id}: its embedding row is near zero "
+            f"(norm {row:.3g} vs mean {mean:.3g}); the drafter cannot tell mask slots apart"
+        )
+    return mask_id
+
+
+def _samples(
+    cfg: Config, target: Target, tokenizer: Any, mask_id: int, warn: Callable[[str], None]
+) -> tuple[list[Sample], dict[str, Any]]:
+    if cfg.data.source != "files":
+        from dflash.data.synthetic import random_samples, synthesize
+
+        samples = (
+            synthesize(cfg.data, target, cfg.run.seed, exclude_token=mask_id)
+            if cfg.data.source == "synthetic"
+            else random_samples(cfg.data, target.vocab_size, cfg.run.seed, exclude_token=mask_id)
+        )
+        stats: dict[str, Any] = {"samples": len(samples)}
+    else:
+        if tokenizer is None:
+            msg = "data.source = 'files' needs a target with a tokenizer (target.kind = 'hf' or 'gguf')"
+            raise ConfigError(msg)
+        from dflash.data.tokenize import load_samples
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            samples, stats = load_samples(cfg.data, tokenizer, progress=sys.stderr.isatty())
+        for w in caught:  # skipped records, an unwritable cache: warning records, not stderr noise
+            warn(str(w.message))
+    if not samples:
+        msg = "data: no samples to train on"
+        raise DataError(msg)
+    uses = sum(int((s.input_ids == mask_id).sum()) for s in samples)
+    if uses:
+        warn(
+            f"drafter.mask_token_id {mask_id} occurs {uses} times in the training data; "
+            "an id the data never uses is better"
+        )
+    return samples, stats
+
+
+def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
+    return DrafterSpec(
+        hidden_size=t0.hidden_size,
+        num_layers=cfg.drafter.num_layers,
+        num_heads=t0.num_heads,
+        num_kv_heads=t0.num_kv_heads,
+        head_dim=t0.head_dim,
+        intermediate_size=cfg.drafter.intermediate_size or t0.intermediate_size,
+        vocab_size=t0.vocab_size,
+        rms_norm_eps=t0.rms_norm_eps,
+        rope_theta=t0.rope_theta,
+        target_layer_ids=t0.layer_ids,
+        num_target_layers=t0.num_layers,
+        block_size=cfg.drafter.block_size,
+        mask_token_id=mask_id,
+        layer_types=cfg.drafter.resolved_layer_types,
+        sliding_window=cfg.drafter.sliding_window,
+        sliding_causal_block=cfg.drafter.sliding_causal_block,
+    )
+
+
+def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: Any) -> Callable[[int], dict[str, Any]]:
+    """Speculative decoding with replica 0 against target 0 on the held-out prompts, which
+    are loaded now: missing prompts fail the run before its first step, not after its last."""
+    from dflash.eval import eval_prompts, evaluate, stop_ids
+
+    prompts = eval_prompts(cfg, target, tokenizer, replica.model.spec.mask_token_id)
+    stops = stop_ids(target, tokenizer)
+
+    def run(step: int) -> dict[str, Any]:
+        rec = evaluate(target, replica.model, replica.head, prompts, cfg.eval.max_new_tokens, stops)
+        return {"step": step, **rec}
+
+    return run
+
+
+def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
+    """Build a run's `Training` from its config (in a worker thread)."""
+    torch.manual_seed(cfg.run.seed)
+    t_devs = [check_device(d, f"pipeline.target_devices[{i}]") for i, d in enumerate(cfg.pipeline.target_devices)]
+    d_devs = [check_device(d, f"pipeline.drafter_devices[{i}]") for i, d in enumerate(cfg.pipeline.drafter_devices)]
+    if cfg.drafter.attention == "flex" and any(d.type == "cpu" for d in d_devs):
+        msg = (
+            "drafter.attention = 'flex': flex attention has no backward on CPU in this torch; "
+            "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
+        )
+        raise ConfigError(msg)
+    loaded = _resume(cfg, resume)  # before loading any model: a bad checkpoint fails in a second
+    if cfg.data.source == "files":  # likewise a missing data file
+        for i, f in enumerate(cfg.data.files):
+            if not Path(f.path).expanduser().exists():
+                msg = f"data.files[{i}]: dataset not found: {f.path}"
+                raise DataError(msg)
+    found: list[str] = []
+    tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
+    targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]
+    t0 = targets[0]
+    head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
+    mask_id = _mask_id(cfg, t0, head, found.append)
+    samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
+    plan = BatchPlan.from_config(
+        samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
+    )
+    total = cfg.train.max_steps or max(1, math.ceil(len(plan) / (cfg.train.grad_accum * len(d_devs))))
+    spec = drafter_spec(cfg, t0, mask_id)
+    init_from = t0.model if cfg.drafter.init_from_target else None
+    replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from)
+    if loaded is not None:
+        restore(loaded, replicas)
+    t = cfg.train
+
+    def noise(step: int) -> float:  # reveal probability: linear from start to end over the run
+        frac = min(1.0, step / max(1, total - 1))
+        return t.noise_reveal_start + (t.noise_reveal_end - t.noise_reveal_start) * frac
+
+    use_flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
+    wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
+    return Training(
+        targets=targets,
+        replicas=replicas,
+        plan=plan,
+        spec=spec,
+        micro=MicroStep(cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise),
+        apply=functools.partial(apply_step, grad_clip=t.grad_clip),
+        grad_accum=t.grad_accum,
+        max_steps=t.max_steps,
+        total_steps=total,
+        padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
+        start_step=loaded.step if loaded else 0,
+        tokenizer=tokenizer,
+        data_stats=stats,
+        warnings=found,
+        evaluate=_evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval else None,
+    )

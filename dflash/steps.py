@@ -1,0 +1,192 @@
+"""What happens around each optimizer step, the same in the pipeline and in the serial loop.
+
+`StepBook` is the one place that keeps where training stands (`Progress`: the last step
+applied, the data cursor, and whether an update is in progress), counts non-finite steps,
+turns step results into `train_step` records (one host sync per `log_every` steps,
+`metrics.sync`), and calls the step hooks between steps — eval and checkpoints are hooks,
+not arguments of the optimizer stage. Hooks run while every replica waits for the step's
+reply, so they read settled weights; their device work goes through the optimizer's
+`Device` and waits on the step's `ready` event.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from dflash.devices import Device
+from dflash.profile import Profiler, Stage
+
+__all__ = ["EvalHook", "Progress", "StepBook", "StepContext", "StepHook", "StepResult", "to_records"]
+
+Record = dict[str, Any]
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: torch.Tensor  # () device
+    grad_norm: torch.Tensor  # () device
+    lr: float
+    correct: torch.Tensor  # (B,) device
+    count: torch.Tensor  # (B,) host
+    tokens: int
+    samples: int
+    weight_sum: float
+    skipped: bool = False  # non-finite loss or gradient: nothing was updated
+
+
+@dataclass
+class Progress:
+    """Where training stands. After a crash the emergency checkpoint trusts it only when no
+    update was in progress (a half-applied update leaves weights and optimizer apart)."""
+
+    step: int  # last optimizer step finished (applied, or skipped as non-finite)
+    last_batch: int = -1  # highest batch index consumed by steps up to `step`
+    updating: bool = False  # an update is being applied right now
+
+
+@dataclass(frozen=True)
+class StepContext:
+    step: int
+    last_batch: int
+    ready: Any  # CUDA event: the step's update is done (None on CPU)
+    device: Device  # the optimizer's device: hooks run their work through it
+
+
+class StepHook(Protocol):
+    async def after_step(self, ctx: StepContext) -> None: ...
+
+    async def at_end(self, ctx: StepContext) -> None: ...
+
+
+def to_records(results: list[StepResult]) -> list[Record]:
+    """One host sync for a batch of steps: every metric comes over together. Non-finite
+    values become null (JSON has no NaN; `jq` must always parse the log)."""
+    if not results:
+        return []
+    packed = torch.stack(
+        [torch.cat([r.loss.float()[None], r.grad_norm.float()[None], r.correct.float()]) for r in results]
+    ).cpu()  # sync point: once per log interval
+    out = []
+    for r, row in zip(results, packed.tolist(), strict=True):
+        loss, gnorm, correct = row[0], row[1], row[2:]
+        count = r.count.tolist()
+        acc = [c / n if n else 0.0 for c, n in zip(correct[1:], count[1:], strict=True)]
+        tau, run = 1.0, 1.0
+        for a in acc:
+            run *= a
+            tau += run
+        out.append(
+            {
+                "step": r.step,
+                "loss": round(loss, 6) if math.isfinite(loss) else None,
+                "lr": r.lr,
+                "grad_norm": round(gnorm, 6) if math.isfinite(gnorm) else None,
+                "skipped": r.skipped,
+                "tokens": r.tokens,
+                "samples": r.samples,
+                "acc": [round(a, 4) for a in acc],
+                "tau_sim": round(tau, 4),
+            }
+        )
+    return out
+
+
+class StepBook:
+    """Bookkeeping between optimizer steps: `begin()` before an update, `end()` after it,
+    `close()` once at the end of training (last metrics, hooks' `at_end`)."""
+
+    def __init__(
+        self,
+        device: Device,
+        profiler: Profiler,
+        emit: Callable[..., None],
+        *,
+        start_step: int,
+        log_every: int,
+        max_bad_steps: int,
+        hooks: Sequence[StepHook] = (),
+    ) -> None:
+        self.device = device
+        self.profiler = profiler
+        self.emit = emit
+        self.start_step = start_step
+        self.log_every = log_every
+        self.max_bad_steps = max_bad_steps
+        self.hooks = list(hooks)
+        self.progress = Progress(start_step)
+        self.tokens = 0  # tokens of the steps reported so far
+        self.last: Record | None = None  # the last train_step record
+        self._pending: list[StepResult] = []
+        self._ready: Any = None
+        self._bad = 0  # consecutive skipped steps
+
+    def begin(self) -> int:
+        """An update starts; returns its step number."""
+        self.progress.updating = True
+        return self.progress.step + 1
+
+    async def end(self, result: StepResult, last_batch: int, ready: Any) -> None:
+        """The update of `result.step` is done (or skipped): record it, run the hooks."""
+        p = self.progress
+        p.step, p.last_batch, p.updating = result.step, max(p.last_batch, last_batch), False
+        self._ready = ready
+        self._pending.append(result)
+        if result.skipped:
+            self._bad += 1
+            self.emit("bad_step", step=result.step, consecutive=self._bad)
+            if self._bad >= self.max_bad_steps:
+                msg = (
+                    f"{self._bad} optimizer steps in a row had a non-finite loss or gradient "
+                    f"(train.max_bad_steps = {self.max_bad_steps}); lower train.lr or check the data"
+                )
+                raise FloatingPointError(msg)
+        else:
+            self._bad = 0
+        self.profiler.count("steps", 1)
+        self.profiler.count("samples", result.samples)
+        if result.step == 2:
+            self.profiler.mark_warm()
+        if len(self._pending) >= self.log_every:
+            await self._flush()
+        for hook in self.hooks:
+            await hook.after_step(self._context())
+
+    async def close(self) -> None:
+        if self._pending:
+            await self._flush()
+        for hook in self.hooks:
+            await hook.at_end(self._context())
+
+    def _context(self) -> StepContext:
+        return StepContext(self.progress.step, self.progress.last_batch, self._ready, self.device)
+
+    async def _flush(self) -> None:
+        records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, list(self._pending), wait_for=[self._ready])
+        self._pending.clear()
+        for r in records:
+            self.tokens += r["tokens"]
+            self.last = r
+            self.emit("train_step", **r)
+
+
+class EvalHook:
+    """Speculative-decoding eval every `every` steps (`eval.every_steps`), between steps."""
+
+    def __init__(self, every: int, evaluate: Callable[[int], Record], emit: Callable[..., None]) -> None:
+        self.every = every
+        self.evaluate = evaluate
+        self.emit = emit
+
+    async def after_step(self, ctx: StepContext) -> None:
+        if self.every and ctx.step % self.every == 0:
+            record, _ = await ctx.device.run(Stage.EVAL, self.evaluate, ctx.step, wait_for=[ctx.ready])
+            self.emit("eval", **record)
+
+    async def at_end(self, ctx: StepContext) -> None:
+        return None

@@ -1,0 +1,104 @@
+"""Topology: the channels, devices and stage tasks of a run — the one place that knows
+every stage.
+
+    prefetch ─► [batches] ─┬─► target_forward₀ ─► pack₀ ─► transfer₀ ─┐
+                           └─► target_forward₁ ─► pack₁ ─► transfer₁ ─┴─► [hidden_states]
+    [hidden_states] ─┬─► drafter_step₀ ─┐
+                     └─► drafter_step₁ ─┴─► [grads] ─► optimizer ─► [replies₀], [replies₁]
+
+One target chain per `pipeline.target_devices` entry, one drafter replica per
+`pipeline.drafter_devices` entry. Task names are the stage names of the profiler and of
+fault injection (`Stage`), with the chain or replica index: `target.model_forward[0]`.
+`pipeline.mode = "serial"` builds one task instead, the serial loop (dflash/serial.py),
+over the same devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dflash import serial
+from dflash.channel import Channel
+from dflash.config import Config
+from dflash.devices import Device
+from dflash.feature_cache import FeatureCache
+from dflash.profile import Profiler, Stage
+from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
+from dflash.setup import Training
+from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
+from dflash.steps import StepBook, StepHook
+
+__all__ = ["Topology", "build"]
+
+
+@dataclass
+class Topology:
+    tasks: list[tuple[str, Coroutine[Any, Any, Any]]]  # (name, coroutine) per stage task
+    devices: list[Device]  # closed in this order at the end
+    optimizer: Device  # after a failure, its op in flight is waited for (no half update)
+    book: StepBook
+    cache: FeatureCache | None
+
+
+def build(
+    cfg: Config,
+    t: Training,
+    profiler: Profiler,
+    emit: Any,
+    stop: asyncio.Event,
+    hooks: Sequence[StepHook],
+) -> Topology:
+    devices: list[Device] = []
+
+    def device(spec: str, name: str) -> Device:
+        d = Device(spec, name, profiler)
+        if t.on_device is not None:
+            t.on_device(d)
+        devices.append(d)
+        return d
+
+    data = device("cpu", "data")
+    targets = [device(str(tgt.device), f"target{i}") for i, tgt in enumerate(t.targets)]
+    drafters = [device(str(rep.device), f"drafter{r}") for r, rep in enumerate(t.replicas)]
+    opt = device(str(t.replicas[0].device), "optimizer")
+    book = StepBook(
+        opt, profiler, emit, start_step=t.start_step, log_every=cfg.train.log_every,
+        max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
+    )  # fmt: skip
+    cache = FeatureCache(cfg.data.feature_cache_mb * 2**20) if cfg.data.feature_cache_mb else None
+    if cfg.pipeline.mode == "serial":
+        loop = serial.train(t, data, targets[0], drafters, opt, book, stop, profiler, cache)
+        return Topology([("serial", loop)], devices, opt, book, cache)
+
+    p = cfg.pipeline
+    n_t, n_d = len(t.targets), len(t.replicas)
+    batches: Channel[Batch] = Channel("batches", p.batch_queue_depth, consumers=n_t)
+    hs: Channel[HostFeatures] = Channel(
+        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready
+    )
+    grads: Channel[StepGrads] = Channel("grads", n_d, producers=n_d)
+    replies: list[Channel[StepReply]] = [Channel(f"replies{r}", 1) for r in range(n_d)]
+    profiler.add_channel(batches)
+    profiler.add_channel(hs)
+
+    tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
+        (Stage.PREFETCH, prefetch.run(t.plan, data, batches, stop, t.pin))
+    ]
+    for i, (tgt, dev) in enumerate(zip(t.targets, targets, strict=True)):
+        feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
+        packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
+        tasks += [
+            (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
+            (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),
+            (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache)),
+        ]
+    for r, (rep, dev) in enumerate(zip(t.replicas, drafters, strict=True)):
+        run = drafter_step.run(rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step)
+        tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
+    tasks.append(
+        (Stage.OPTIMIZER_STEP, optimizer.run(t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps))
+    )
+    return Topology(tasks, devices, opt, book, cache)

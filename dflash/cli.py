@@ -98,7 +98,7 @@ def run(
                 msg = f"--log-file {log_file}: {err.strerror}"
                 raise ConfigError(msg) from None
         logs.configure(sys.stdout, log_fh)
-        from dflash.coordinator import run as run_training
+        from dflash.runner import run as run_training
 
         summary = run_training(cfg, resume=resume)
         tau = (

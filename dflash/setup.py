@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dflash import faults
 from dflash.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
 from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
@@ -29,6 +30,7 @@ from dflash.errors import CheckpointError, ConfigError, DataError
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target
+from dflash.profile import Stage
 from dflash.replica import DrafterReplica, build_replicas
 from dflash.stages.drafter_step import MicroStep
 from dflash.stages.optimizer import apply_step
@@ -166,6 +168,7 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
     stops = stop_ids(target, tokenizer)
 
     def run(step: int) -> dict[str, Any]:
+        faults.check(Stage.EVAL)
         rec = evaluate(target, replica.model, replica.head, prompts, cfg.eval.max_new_tokens, stops)
         return {"step": step, **rec}
 

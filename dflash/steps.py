@@ -115,7 +115,6 @@ class StepBook:
         self.device = device
         self.profiler = profiler
         self.emit = emit
-        self.start_step = start_step
         self.log_every = log_every
         self.max_bad_steps = max_bad_steps
         self.hooks = list(hooks)

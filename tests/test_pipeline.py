@@ -190,3 +190,27 @@ def test_serial_mode_is_serial_and_trains_exactly_like_the_pipeline(tiny_config,
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert len(sb) > 6 * 5 and _overlaps(sb) == []
     assert _overlaps(sa), "the pipeline's stages should overlap (else this check proves nothing)"
+
+
+def test_failing_end_of_run_eval_is_a_warning_not_a_lost_run(tiny_config, monkeypatch):
+    """The drafter is exported before the end-of-run eval; when that eval fails the run still
+    ends with run_end (and a warning record), not with an error."""
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", f"{Stage.EVAL}@0")
+    cfg = tiny_config(**{"train.max_steps": 2, "eval.at_end": "true"})
+    records = run_records(cfg)
+    warnings = [r["message"] for r in records if r["event"] == "warning"]
+    assert any("end-of-run eval failed" in w for w in warnings), warnings
+    assert records[-1]["event"] == "run_end" and records[-1]["eval_tau"] is None
+    assert (cfg.run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_what_the_end_needs_is_checked_before_the_first_step(tiny_config, tmp_path):
+    """Eval prompts that cannot be read fail the run at set-up, before any training step."""
+    from dflash import DataError
+
+    records: list[dict] = []
+    coord = Coordinator(tiny_config(**{"eval.prompts": f'"{tmp_path / "missing.jsonl"}"'}), log=False)
+    coord.subscribe(records.append)
+    with pytest.raises(DataError):
+        asyncio.run(coord.run())
+    assert not any(r["event"] == "train_step" for r in records)

@@ -23,7 +23,7 @@ import torch
 from dflash.config import Config, load_config
 from dflash.data.regen import regenerate
 from dflash.errors import DataError
-from tests.conftest import json_lines
+from tests.conftest import json_lines, run_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "bin" / "dflash"
@@ -238,8 +238,9 @@ def misuse_cases(env: Env) -> dict[str, tuple[list[str], int, str]]:
             1, f"dataset not found: {missing_data}",
         ),
         "no_heldout": (  # needs a trained drafter: started once training is done
-            ["eval", cfg, "--set", 'run.name="no_heldout"', "--drafter", str(env.run_dir("main") / "final")],
-            1, f"eval prompts not found: {env.run_dir('no_heldout') / 'regen.heldout.jsonl'}",
+            ["eval", cfg, "--set", 'run.name="no_heldout"', "--set", f'eval.prompts="{missing_prompts}"',
+             "--drafter", str(env.run_dir("main") / "final")],
+            1, f"eval prompts not found: {missing_prompts}",
         ),
     }  # fmt: skip
 
@@ -395,6 +396,19 @@ def test_run_trains_on_regen_output_and_evaluates(env: Env, trained_run: subproc
 
     assert any((env.cache / "tokenized").glob("*.safetensors"))
     assert not (env.home / ".cache" / "dflash").exists()
+
+
+def test_a_run_named_apart_from_its_regen_run_evaluates_on_its_heldout_prompts(
+    env: Env, regen_run: subprocess.CompletedProcess[str]
+) -> None:
+    """A new user's path: a run with another name than the regen run, trained on that run's
+    regen.jsonl, finds the held-out prompts beside its data file, exports and evaluates."""
+    assert regen_run.returncode == 0, regen_run.stderr
+    records = run_records(env.cfg("renamed", "train.max_steps=1"))
+    (ev,) = [r for r in records if r["event"] == "eval"]
+    assert ev["prompts"] == 2 and ev["lossless"] is True
+    assert records[-1]["event"] == "run_end" and records[-1]["export_dir"] == str(env.run_dir("renamed") / "final")
+    assert (env.run_dir("renamed") / "records.jsonl").is_file()
 
 
 # -- regressions of fixed regen bugs (torn lines, eval.prompts overwritten). In-process,

@@ -317,5 +317,12 @@ class Config(_Section):
 
     @property
     def heldout_prompts(self) -> Path:
-        """The prompts eval reads: eval.prompts when set, else regen's held-out file."""
-        return Path(self.eval.prompts).expanduser() if self.eval.prompts else self.regen_heldout
+        """The prompts eval reads: eval.prompts when set, else regen's held-out file — this
+        run's, or the one beside a data file (a run trained on another run's regen output)."""
+        if self.eval.prompts:
+            return Path(self.eval.prompts).expanduser()
+        beside = [Path(f.path).expanduser() for f in self.data.files] if self.data.source == "files" else []
+        for p in [self.regen_heldout, *(f.with_name(f.stem + ".heldout.jsonl") for f in beside)]:
+            if p.is_file():
+                return p
+        return self.regen_heldout

@@ -1,14 +1,11 @@
 """Export a drafter in the format the reference DFlash code and vLLM / SGLang load:
 a folder with a Qwen3-style `config.json` and `model.safetensors` (no embedding, no LM
-head), written atomically (temporary folder, fsync, rename). `load_drafter` reads it back.
+head), written atomically (`dflash.atomic.atomic_path`). `load_drafter` reads it back.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash.atomic import atomic_path
 from dflash.errors import CheckpointError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 
@@ -55,37 +53,13 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
     }
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's fsync makes a rename in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    with atomic_path(out, folder=True) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(drafter_config_json(model.spec), indent=2) + "\n")
-        for f in tmp.iterdir():
-            fsync_path(f)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-        fsync_path(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from dflash.atomic import atomic_path
 from dflash.channel import Channel
 
 __all__ = ["Profiler", "Stage", "Trace"]
@@ -99,7 +100,6 @@ class Trace:
 
     def write(self) -> None:
         import json
-        import os
 
         meta = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "dflash"}}]
         meta += [
@@ -108,10 +108,8 @@ class Trace:
         ]
         doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
                "otherData": {"dropped_events": self.dropped, "max_events": self.max_events}}  # fmt: skip
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_path(self.path, durable=False) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f)
-        os.replace(tmp, self.path)
 
 
 class Profiler:

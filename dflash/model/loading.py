@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash.atomic import atomic_path
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError
 
@@ -65,16 +64,9 @@ def _convert_gguf(file: Path, out: Path) -> None:
     clean_cfg = AutoConfig.for_model(**cfg)
     clean = AutoModelForCausalLM.from_config(clean_cfg, dtype=torch.float32)
     clean.load_state_dict(model.state_dict())
-    tmp = Path(tempfile.mkdtemp(prefix=".convert.", dir=out.parent))
-    try:
+    with atomic_path(out, folder=True) as tmp:
         clean.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def model_folder(cfg: TargetConfig, cache_dir: str = "") -> Path:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from dflash.model.drafter import DFlashDrafter, DrafterCache, FrozenHead
 from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
-from dflash.model.masks import BlockLayout, dense_mask, make_mask_mod
+from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import Target
 
 __all__ = ["SpecOutput", "evaluate", "greedy_generate", "inference_masks", "speculative_generate"]
@@ -41,24 +41,17 @@ def inference_masks(drafter: DFlashDrafter, ctx_len: int, block: int, device: to
     One block anchored right after the context: a layout with one extra (dummy) context
     slot at the anchor position, which `c < anchor` excludes, then dropped.
     """
-    spec = drafter.spec
     layout = BlockLayout(
         anchors=torch.tensor([[ctx_len]], device=device),
         valid=torch.ones(1, 1, dtype=torch.bool, device=device),
         doc_ids=torch.zeros(1, ctx_len + 1, dtype=torch.long, device=device),
         block_size=block,
     )
-    masks = {}
-    for lt in set(spec.layer_types):
-        sliding = lt == "sliding_attention"
-        mod = make_mask_mod(
-            layout,
-            window=spec.sliding_window if sliding else None,
-            causal_in_block=spec.sliding_causal_block if sliding else False,
-        )
-        m = dense_mask(mod, layout)  # (1, 1, block, ctx_len + 1 + block)
-        masks[lt] = torch.cat([m[..., :ctx_len], m[..., ctx_len + 1 :]], dim=-1)
-    return masks
+    # Each mask is (1, 1, block, ctx_len + 1 + block): drop the dummy slot.
+    return {
+        lt: torch.cat([m[..., :ctx_len], m[..., ctx_len + 1 :]], dim=-1)
+        for lt, m in layer_masks(layout, drafter.spec, use_flex=False).items()
+    }
 
 
 def _features(target: Target, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:

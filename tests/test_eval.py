@@ -8,9 +8,8 @@ from dflash.config import load_config
 from dflash.data.synthetic import draw_prompts
 from dflash.eval import evaluate, greedy_generate, inference_masks
 from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, FrozenHead
-from dflash.model.masks import BlockLayout
+from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import load_target
-from dflash.stages.drafter_step import build_masks
 from tests.conftest import ROOT, run_records
 
 
@@ -39,10 +38,7 @@ def test_cached_block_forward_equals_training_forward():
     layout = BlockLayout(
         torch.tensor([[S]]), torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, S + 1, dtype=torch.long), B
     )
-    from dflash.config import DrafterConfig
-
-    dcfg = DrafterConfig(num_layers=2, block_size=B, layer_types=spec.layer_types, sliding_window=spec.sliding_window)
-    masks = build_masks(layout, dcfg, spec.layer_types, use_flex=False)
+    masks = layer_masks(layout, spec, use_flex=False)
     q_pos = torch.arange(S, S + B)[None]
     want = d(emb, ctx, q_pos, torch.arange(S + 1)[None], masks)
     cache = DrafterCache(spec.num_layers)

@@ -14,12 +14,10 @@ import warnings
 import pytest
 import torch
 
-from dflash.config import DrafterConfig
 from dflash.model.anchors import sample_anchors
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, attend
 from dflash.model.loss import block_loss, block_targets
-from dflash.model.masks import BlockLayout, dense_mask, flex_block_mask, make_mask_mod
-from dflash.stages.drafter_step import build_masks
+from dflash.model.masks import BlockLayout, dense_mask, flex_block_mask, layer_masks, make_mask_mod
 
 # --------------------------------------------------------------------------------------
 # Loop references (from the reference doc, not from the package)
@@ -461,14 +459,7 @@ def _drafter(layer_types: list[str], causal: bool = True, seed: int = 0):
     model = DFlashDrafter(spec)
     model.init_weights(torch.Generator().manual_seed(seed), std=0.2)
     model.eval()
-    cfg = DrafterConfig(
-        num_layers=len(layer_types),
-        block_size=_B,
-        layer_types=layer_types,
-        sliding_window=_W,
-        sliding_causal_block=causal,
-    )
-    return model, cfg
+    return model
 
 
 def _inputs(anchors=_ANCHORS, valid=_VALID, doc=_DOC, seed: int = 1):
@@ -483,8 +474,8 @@ def _inputs(anchors=_ANCHORS, valid=_VALID, doc=_DOC, seed: int = 1):
     return emb, ctx, q_pos, ctx_pos, layout
 
 
-def _run(model, cfg, emb, ctx, q_pos, ctx_pos, layout):
-    masks = build_masks(layout, cfg, list(model.spec.layer_types), use_flex=False)
+def _run(model, emb, ctx, q_pos, ctx_pos, layout):
+    masks = layer_masks(layout, model.spec, use_flex=False)
     with torch.no_grad():
         return model(emb, ctx, q_pos, ctx_pos, masks)
 
@@ -495,9 +486,9 @@ def _run(model, cfg, emb, ctx, q_pos, ctx_pos, layout):
 )
 def test_single_layer_output_moves_iff_key_visible(layer_type, causal):
     """One draft layer: perturbing key p moves query q's output iff the loop-reference mask says q sees p."""
-    model, cfg = _drafter([layer_type], causal)
+    model = _drafter([layer_type], causal)
     emb, ctx, q_pos, ctx_pos, layout = _inputs()
-    base = _run(model, cfg, emb, ctx, q_pos, ctx_pos, layout)
+    base = _run(model, emb, ctx, q_pos, ctx_pos, layout)
     window = _W if layer_type == "sliding_attention" else None
     ref = ref_mask(_ANCHORS, _VALID, _DOC, _T, _B, window, causal and window is not None)
     Q = ref.shape[1]
@@ -509,7 +500,7 @@ def test_single_layer_output_moves_iff_key_visible(layer_type, causal):
                 c2[r, p] += 3 * torch.randn(64, generator=g)
             else:
                 e2[r, p - _T] += 3 * torch.randn(32, generator=g)
-            out = _run(model, cfg, e2, c2, q_pos, ctx_pos, layout)
+            out = _run(model, e2, c2, q_pos, ctx_pos, layout)
             moved = (out - base).abs().amax(-1)  # (R, Q)
             other = 1 - r
             assert moved[other].max() <= 1e-6, "another row moved"
@@ -523,9 +514,9 @@ def test_single_layer_output_moves_iff_key_visible(layer_type, causal):
 
 def test_mixed_layers_hidden_positions_do_not_leak():
     """2 layers (full + sliding): a block ignores its anchor, later positions, other docs, other blocks."""
-    model, cfg = _drafter(["full_attention", "sliding_attention"], causal=True)
+    model = _drafter(["full_attention", "sliding_attention"], causal=True)
     emb, ctx, q_pos, ctx_pos, layout = _inputs()
-    base = _run(model, cfg, emb, ctx, q_pos, ctx_pos, layout)
+    base = _run(model, emb, ctx, q_pos, ctx_pos, layout)
     g = torch.Generator().manual_seed(4)
 
     def moved_block(r, j, ctx_at=None, blk_at=None):
@@ -534,7 +525,7 @@ def test_mixed_layers_hidden_positions_do_not_leak():
             c2[r, ctx_at] += 3 * torch.randn(64, generator=g)
         if blk_at is not None:
             e2[r, blk_at] += 3 * torch.randn(32, generator=g)
-        out = _run(model, cfg, e2, c2, q_pos, ctx_pos, layout)
+        out = _run(model, e2, c2, q_pos, ctx_pos, layout)
         return float((out - base)[r, j * _B : (j + 1) * _B].abs().max())
 
     # row 0, block 1: anchor 7 in doc 9 (positions 5..9); sees context 5, 6 only.
@@ -554,7 +545,7 @@ def test_mixed_layers_hidden_positions_do_not_leak():
 
 def test_disabled_blocks_are_finite_forward_and_backward():
     """Fully masked query rows (disabled blocks, a row with none valid) give finite outputs and grads."""
-    model, cfg = _drafter(["full_attention", "sliding_attention"], causal=True)
+    model = _drafter(["full_attention", "sliding_attention"], causal=True)
     model.train()
     anchors = torch.tensor([[3, 7, 0], [0, 0, 0]])
     valid = torch.tensor([[True, False, False], [False, False, False]])
@@ -566,7 +557,7 @@ def test_disabled_blocks_are_finite_forward_and_backward():
         emb.requires_grad_(True)
         ctx.requires_grad_(True)
         model.zero_grad()
-        masks = build_masks(layout, cfg, list(model.spec.layer_types), use_flex=False)
+        masks = layer_masks(layout, model.spec, use_flex=False)
         out = model(emb, ctx, q_pos, ctx_pos, masks)
         assert torch.isfinite(out).all()
         (out.square().sum() + out.sum()).backward()

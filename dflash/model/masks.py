@@ -11,16 +11,18 @@ queries are the N·B block positions. A query in block j at offset k (anchor a_j
 
 The same function feeds flex attention's `create_block_mask` (CUDA) and, evaluated on
 broadcast index tensors, the dense boolean mask for SDPA (CPU, and tests' reference).
+`layer_masks` builds one mask per attention layer type; training and eval both call it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["BlockLayout", "MaskMod", "dense_mask", "flex_block_mask", "make_mask_mod"]
+__all__ = ["BlockLayout", "LayerSpec", "MaskMod", "dense_mask", "flex_block_mask", "layer_masks", "make_mask_mod"]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -82,3 +84,30 @@ def flex_block_mask(mask_mod: MaskMod, layout: BlockLayout) -> object:
 
     R, Q = layout.anchors.shape[0], layout.num_queries
     return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=layout.anchors.device)
+
+
+class LayerSpec(Protocol):
+    """What the masks need from a drafter's shape (`DrafterSpec` has it)."""
+
+    @property
+    def layer_types(self) -> Sequence[str]: ...
+    @property
+    def sliding_window(self) -> int: ...
+    @property
+    def sliding_causal_block(self) -> bool: ...
+
+
+def layer_masks(layout: BlockLayout, spec: LayerSpec, use_flex: bool) -> dict[str, Any]:
+    """One mask per layer type present in `spec.layer_types`, all from the one mask_mod:
+    flex BlockMasks when `use_flex`, else dense (R, 1, Q, T+Q) bool masks. Training and eval
+    both build their masks here."""
+    masks: dict[str, Any] = {}
+    for lt in dict.fromkeys(spec.layer_types):
+        sliding = lt == "sliding_attention"
+        mod = make_mask_mod(
+            layout,
+            window=spec.sliding_window if sliding else None,
+            causal_in_block=spec.sliding_causal_block if sliding else False,
+        )
+        masks[lt] = flex_block_mask(mod, layout) if use_flex else dense_mask(mod, layout)
+    return masks

@@ -24,27 +24,13 @@ from dflash.config import DrafterConfig
 from dflash.devices import Device
 from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.loss import LossParts, block_loss, block_targets, reveal_slots
-from dflash.model.masks import BlockLayout, dense_mask, flex_block_mask, make_mask_mod
+from dflash.model.masks import BlockLayout, layer_masks
 from dflash.profile import Profiler, Stage
 from dflash.records import Batch, HostFeatures, StepGrads, StepReply
 from dflash.replica import DrafterReplica
 from dflash.stages._link import linked
 
-__all__ = ["Accumulator", "MicroStep", "build_masks", "micro_step", "run"]
-
-
-def build_masks(layout: BlockLayout, cfg: DrafterConfig, layer_types: list[str], use_flex: bool) -> dict[str, Any]:
-    """One mask per layer type present, all from the one mask_mod."""
-    masks: dict[str, Any] = {}
-    for lt in set(layer_types):
-        sliding = lt == "sliding_attention"
-        mod = make_mask_mod(
-            layout,
-            window=cfg.sliding_window if sliding else None,
-            causal_in_block=cfg.sliding_causal_block if sliding else False,
-        )
-        masks[lt] = flex_block_mask(mod, layout) if use_flex else dense_mask(mod, layout)
-    return masks
+__all__ = ["Accumulator", "MicroStep", "micro_step", "run"]
 
 
 def micro_step(
@@ -83,7 +69,7 @@ def micro_step(
         q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(anchors.to(dev), valid.to(dev), b.doc_ids.to(dev, non_blocking=True), B)
-        masks = build_masks(layout, cfg, spec.layer_types, use_flex)
+        masks = layer_masks(layout, spec, use_flex)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         emb = F.embedding(block_ids.view(R, N * B).to(dev, non_blocking=True), rep.head.embed)

@@ -2,13 +2,14 @@
 lossless check against the target's own greedy output.
 
 Greedy, one sequence at a time, KV caches on both sides:
-prefill the target on the prompt (first token from its logits, the chosen layers' hidden
-states become the drafter's context, cached as per-layer keys/values); then loop:
+prefill the target on the prompt (first token from its logits, the chosen layers' outputs
+become the drafter's context, cached as per-layer keys/values); then loop:
 block = [last token, MASK × (B-1)] at positions start..start+B-1; the drafter proposes
 B-1 tokens; the target verifies the block in one forward; accept the longest prefix where
 proposal == target's greedy token, plus the target's next token (bonus); append the
-accepted positions' hidden states to the drafter's context; crop the target cache.
-The drafter's attention mask comes from the same mask_mod as in training.
+accepted positions' layer outputs to the drafter's context; crop the target cache.
+The layer outputs come from the same hooks as training's (`Target.forward_with_features`),
+the drafter's attention masks from the same `layer_masks`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class SpecOutput:
 
 
 def inference_masks(drafter: DFlashDrafter, ctx_len: int, block: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """(1, 1, block, ctx_len + block) per layer type, from the training mask_mod.
+    """(1, 1, block, ctx_len + block) per layer type, from `layer_masks` as in training.
 
     One block anchored right after the context: a layout with one extra (dummy) context
     slot at the anchor position, which `c < anchor` excludes, then dropped.
@@ -52,11 +53,6 @@ def inference_masks(drafter: DFlashDrafter, ctx_len: int, block: int, device: to
         lt: torch.cat([m[..., :ctx_len], m[..., ctx_len + 1 :]], dim=-1)
         for lt, m in layer_masks(layout, drafter.spec, use_flex=False).items()
     }
-
-
-def _features(target: Target, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
-    # "Layer i" is the output of decoder layer i: hidden_states[i + 1].
-    return torch.cat([hidden_states[i + 1] for i in target.layer_ids], dim=-1)
 
 
 def _truncate(tokens: list[int], max_new: int, stop_ids: set[int]) -> list[int]:
@@ -89,17 +85,17 @@ def speculative_generate(
     max_new: int,
     stop_ids: set[int],
 ) -> SpecOutput:
-    model, key = target.model, cache_kwarg(target.model)
+    key = cache_kwarg(target.model)
     dev = target.device
     ddev = next(drafter.parameters()).device
     pdtype = next(drafter.parameters()).dtype
     B, mask_id = drafter.spec.block_size, drafter.spec.mask_token_id
     P = prompt.numel()
-    out = model(input_ids=prompt[None].to(dev), use_cache=True, output_hidden_states=True)
+    # The drafter's context: the chosen layers read by the same hooks as in training.
+    out, feats = target.forward_with_features(input_ids=prompt[None].to(dev), use_cache=True)
     tcache = output_cache(out)
     dcache = DrafterCache(len(drafter.layers))
-    feats = _features(target, out.hidden_states).to(ddev, pdtype)
-    drafter.extend_context(dcache, feats, torch.arange(P, device=ddev)[None])
+    drafter.extend_context(dcache, feats.to(ddev, pdtype), torch.arange(P, device=ddev)[None])
     tokens = [int(out.logits[0, -1].argmax())]
     accepted: list[int] = []
     while len(tokens) < max_new and tokens[-1] not in stop_ids:
@@ -113,10 +109,9 @@ def speculative_generate(
         h = drafter.forward_block(dcache, emb, q_pos, masks)  # (1, bs, H)
         proposals = (h[0, 1:].to(head.lm_head.dtype).contiguous() @ head.lm_head.t()).argmax(dim=-1)
         verify = torch.cat([block[0, :1], proposals]).to(dev)[None]
-        vout = model(
-            input_ids=verify, position_ids=q_pos.to(dev), use_cache=True,
-            output_hidden_states=True, **{key: tcache},
-        )  # fmt: skip
+        vout, vfeats = target.forward_with_features(
+            input_ids=verify, position_ids=q_pos.to(dev), use_cache=True, **{key: tcache}
+        )
         tcache = output_cache(vout)
         post = vout.logits[0].argmax(dim=-1).tolist()  # target's next token after each slot
         props = proposals.tolist()
@@ -126,8 +121,7 @@ def speculative_generate(
         tokens += [*props[:acc], post[acc]]
         accepted.append(acc)
         crop_cache(tcache, start + acc + 1)
-        feats = _features(target, vout.hidden_states)[:, : acc + 1]
-        drafter.extend_context(dcache, feats.to(ddev, pdtype), q_pos[:, : acc + 1])
+        drafter.extend_context(dcache, vfeats[:, : acc + 1].to(ddev, pdtype), q_pos[:, : acc + 1])
     return SpecOutput(_truncate(tokens, max_new, stop_ids), accepted)
 
 
@@ -197,7 +191,7 @@ def stop_ids_of(target: Target) -> set[int]:
     return ids
 
 
-def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
+def check_drafter_fits(drafter: DFlashDrafter, target: Target) -> None:
     """A drafter trained for another target must be refused, not silently evaluated."""
     from dflash.errors import CheckpointError
 
@@ -264,7 +258,7 @@ def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
     tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
     target = load_target(tcfg, t_dev, 1, cfg.data.cache_dir)
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
-    check_compatible(drafter, target)
+    check_drafter_fits(drafter, target)
     head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
     prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)
     return evaluate(target, drafter, head, prompts, cfg.eval.max_new_tokens, stop_ids(target, tokenizer))

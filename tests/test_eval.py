@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash.config import load_config
 from dflash.data.synthetic import draw_prompts
-from dflash.eval import evaluate, greedy_generate, inference_masks
+from dflash.errors import CheckpointError
+from dflash.eval import check_drafter_fits, evaluate, greedy_generate, inference_masks, speculative_generate
 from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, FrozenHead
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import load_target
@@ -71,6 +73,53 @@ def test_untrained_drafter_is_lossless_with_tau_near_one():
     assert 1.0 <= rec["tau"] < 1.2
     assert rec["tokens"] == 3 * 24
     assert sum(rec["accept_hist"]) == rec["verify_steps"]
+
+
+class _RecordingDrafter(DFlashDrafter):
+    """A drafter that keeps every context it is given: (positions (S,), features (S, k·H))."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__(spec)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def extend_context(self, cache: DrafterCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        self.seen.append((positions[0], feats[0]))
+        super().extend_context(cache, feats, positions)
+
+
+def test_eval_reads_the_features_training_captures():
+    """For every layer of the tiny target, the last one included (HF's last hidden_states
+    entry has the final norm applied; a decoder layer's output does not), the features
+    speculative decoding gives the drafter, prefill and verify steps, equal what training's
+    `Target.capture` gives for the same tokens at the same positions."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    every = list(range(cfg.target.tiny.num_layers))
+    t = load_target(cfg.target.model_copy(update={"layer_ids": every}), torch.device("cpu"), 1)
+    spec = _spec(
+        hidden_size=t.hidden_size, num_layers=1, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim, intermediate_size=t.intermediate_size, vocab_size=t.vocab_size,
+        target_layer_ids=every, num_target_layers=t.num_layers, block_size=4,
+        mask_token_id=t.vocab_size - 1, layer_types=["full_attention"],
+    )  # fmt: skip
+    d = _RecordingDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(0))
+    prompt = draw_prompts(cfg.data, t.vocab_size, 1, 7, spec.mask_token_id)[0]
+    out = speculative_generate(t, d, FrozenHead(t.embed_weight, t.lm_head_weight), prompt, 12, set())
+    ids = torch.cat([prompt, torch.tensor(out.tokens)])[None]  # (1, T): prompt + everything generated
+    T = ids.shape[1]
+    want = torch.cat(t.capture(ids, torch.zeros_like(ids), torch.arange(T)[None]), dim=-1)[0]  # (T, L·H)
+    assert len(d.seen) > 1  # the prefill and at least one verify step
+    for pos, feats in d.seen:
+        torch.testing.assert_close(feats, want[pos], atol=1e-4, rtol=1e-4)
+
+
+def test_a_drafter_for_another_target_is_refused():
+    """`dflash eval` refuses a drafter whose hidden size, vocabulary or target depth differ."""
+    _, t = _tiny_target()
+    fits = dict(hidden_size=t.hidden_size, vocab_size=t.vocab_size, num_target_layers=t.num_layers)
+    check_drafter_fits(DFlashDrafter(_spec(**fits)), t)
+    with pytest.raises(CheckpointError, match=r"does not fit this target: vocab size 64 vs target 512; trained on"):
+        check_drafter_fits(DFlashDrafter(_spec(**{**fits, "vocab_size": 64, "num_target_layers": 9})), t)
 
 
 def test_greedy_generation_stops_at_a_stop_id():

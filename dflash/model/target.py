@@ -1,14 +1,17 @@
 """The frozen target: any Hugging Face causal LM from a local folder, or a tiny random Qwen3.
 
-Only the outputs of the chosen decoder layers are kept (forward hooks); the forward stops
-right after the last chosen layer, so deeper layers and the LM head are never computed.
-"Layer i" is the output of decoder layer i, i.e. HF `hidden_states[i + 1]`.
+Only the outputs of the chosen decoder layers are kept (forward hooks); in training the
+forward stops right after the last chosen layer, so deeper layers and the LM head are never
+computed. Eval reads the same hooks during full forwards (it needs logits and a KV cache).
+"Layer i" is the raw output of decoder layer i: HF `hidden_states[i + 1]` for every layer
+but the last, where HF's last entry has the final norm applied and the hooks' does not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,13 +114,13 @@ class Target:
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
         self.name = str(_config_value(cfg, "_name_or_path", default="")) or type(model).__name__
-        self._captured: dict[int, torch.Tensor] = {}
-        # Thread-local: eval may run plain forwards while a pipeline thread captures.
+        # Thread-local (what is being captured, and whether to stop after the last layer):
+        # eval may run forwards while a pipeline thread captures.
         self._local = threading.local()
         layers = self._decoder_layers()
         last = max(self.layer_ids)
         for i in self.layer_ids:
-            layers[i].register_forward_hook(self._hook(i, stop=(i == last)))
+            layers[i].register_forward_hook(self._hook(i, last=(i == last)))
 
     def _decoder_layers(self) -> nn.ModuleList:
         base = getattr(self.model, "model", self.model)
@@ -127,15 +130,29 @@ class Target:
             raise ConfigError(msg)
         return layers
 
-    def _hook(self, i: int, stop: bool) -> Any:
+    def _hook(self, i: int, last: bool) -> Any:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
-            if not getattr(self._local, "active", False):  # plain forwards pass through
+            captured = getattr(self._local, "captured", None)
+            if captured is None:  # plain forwards pass through
                 return
-            self._captured[i] = out[0] if isinstance(out, tuple) else out
-            if stop:
+            captured[i] = out[0] if isinstance(out, tuple) else out
+            if last and self._local.stop:
                 raise _StopForward
 
         return hook
+
+    @contextlib.contextmanager
+    def _capturing(self, stop: bool) -> Iterator[list[torch.Tensor]]:
+        """Hooks on for forwards in this thread; the yielded list is filled with the chosen
+        layers' outputs, in `layer_ids` order, when the block ends."""
+        self._local.captured, self._local.stop = {}, stop
+        layers: list[torch.Tensor] = []
+        try:
+            with contextlib.suppress(_StopForward):
+                yield layers
+            layers.extend(self._local.captured[i] for i in self.layer_ids)
+        finally:
+            self._local.captured = None
 
     @property
     def device(self) -> torch.device:
@@ -159,22 +176,18 @@ class Target:
         """
         packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())
         attention_mask = document_mask(doc_ids) if packed else (doc_ids >= 0).long()
-        self._captured = {}
         base = getattr(self.model, "model", self.model)
-        self._local.active = True
-        try:
-            with contextlib.suppress(_StopForward):
-                base(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                )
-        finally:
-            self._local.active = False
-        out = [self._captured[i] for i in self.layer_ids]
-        self._captured = {}
-        return out
+        with self._capturing(stop=True) as layers:
+            base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        return layers
+
+    @torch.no_grad()
+    def forward_with_features(self, **kwargs: Any) -> tuple[Any, torch.Tensor]:
+        """A full forward of the causal LM (`kwargs` go to it: KV cache, positions...) and the
+        chosen layers' outputs from the same hooks as `capture`, concatenated: (R, T, k·H)."""
+        with self._capturing(stop=False) as layers:
+            out = self.model(**kwargs)
+        return out, torch.cat(layers, dim=-1)
 
 
 def load_target(cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = "") -> Target:

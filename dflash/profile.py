@@ -71,6 +71,39 @@ def _rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _stage_stats(host: list[float], device: list[float] | None, wall: float) -> dict[str, float]:
+    """One stage's window: host-time statistics, and device time where CUDA events gave it."""
+    vals = sorted(host)
+    total = sum(vals)
+    entry = {
+        "count": len(vals),
+        "total_s": round(total, 6),
+        "mean_ms": round(1000 * total / len(vals), 3),
+        "max_ms": round(1000 * vals[-1], 3),
+        "p50_ms": round(1000 * _percentile(vals, 0.5), 3),
+        "p95_ms": round(1000 * _percentile(vals, 0.95), 3),
+        "busy_frac": round(total / wall, 4) if wall > 0 else 0.0,
+    }
+    if device:
+        dv = sorted(device)
+        entry["device_mean_ms"] = round(1000 * sum(dv) / len(dv), 3)
+        entry["device_max_ms"] = round(1000 * dv[-1], 3)
+    return entry
+
+
+def _queue_stats(ch: Channel[Any]) -> dict[str, float]:
+    s = ch.snapshot()
+    return {
+        "depth": s.depth,
+        "mean_depth": round(s.mean_depth, 3),
+        "max_depth": s.max_depth,
+        "capacity": s.capacity,
+        "min_ready": ch.min_ready,
+        "put_wait_s": round(s.put_wait_s, 6),
+        "get_wait_s": round(s.get_wait_s, 6),
+    }
+
+
 class Trace:
     """A Chrome-trace (Perfetto) timeline: one track per worker and stage, queue depths as
     counters. Bounded: after `max_events` events nothing more is kept (the file says so)."""
@@ -192,43 +225,13 @@ class Profiler:
             window = self._window
             self._window += 1
             self._start_window(now)
-        stages: dict[str, dict[str, float]] = {}
-        for name in sorted(host):
-            vals = sorted(host[name])
-            total = sum(vals)
-            entry = {
-                "count": len(vals),
-                "total_s": round(total, 6),
-                "mean_ms": round(1000 * total / len(vals), 3),
-                "max_ms": round(1000 * vals[-1], 3),
-                "p50_ms": round(1000 * _percentile(vals, 0.5), 3),
-                "p95_ms": round(1000 * _percentile(vals, 0.95), 3),
-                "busy_frac": round(total / wall, 4) if wall > 0 else 0.0,
-            }
-            if device.get(name):
-                dv = sorted(device[name])
-                entry["device_mean_ms"] = round(1000 * sum(dv) / len(dv), 3)
-                entry["device_max_ms"] = round(1000 * dv[-1], 3)
-            stages[name] = entry
-        queues = {}
-        for ch in self._channels:
-            s = ch.snapshot()
-            queues[ch.name] = {
-                "depth": s.depth,
-                "mean_depth": round(s.mean_depth, 3),
-                "max_depth": s.max_depth,
-                "capacity": s.capacity,
-                "min_ready": ch.min_ready,
-                "put_wait_s": round(s.put_wait_s, 6),
-                "get_wait_s": round(s.get_wait_s, 6),
-            }
         rec: dict[str, Any] = {
             "window": window,
             "warmup": warmup,
             "final": final,
             "wall_s": round(wall, 4),
-            "stages": stages,
-            "queues": queues,
+            "stages": {name: _stage_stats(host[name], device.get(name), wall) for name in sorted(host)},
+            "queues": {ch.name: _queue_stats(ch) for ch in self._channels},
             "tokens_per_s": {
                 "target": round(counters["target_tokens"] / wall, 2) if wall > 0 else 0.0,
                 "drafter": round(counters["drafter_tokens"] / wall, 2) if wall > 0 else 0.0,

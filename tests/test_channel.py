@@ -6,15 +6,34 @@ import asyncio
 
 import pytest
 
+import dflash.channel
 from dflash.channel import Channel, ChannelClosed, ConsumerDied, EndOfStream
-
-TICK = 0.05  # long enough for any runnable task to run; waits are measured against it
 
 
 async def blocked(task: asyncio.Task) -> bool:
-    """True if `task` is still waiting after the loop has had time to run it."""
-    await asyncio.sleep(TICK)
+    """True if `task` is still waiting after the loop ran every callback ready to run
+    (event order, not a timer: a task that could finish has finished by then)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
     return not task.done()
+
+
+class FakeTime:
+    """Stands in for the `time` module inside dflash.channel: its clock moves only when a
+    test moves it, so waits and depth-over-time are exact on any machine."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(dflash.channel, "time", fake)
+    return fake
 
 
 def test_items_come_out_in_fifo_order() -> None:
@@ -47,56 +66,63 @@ def test_fifo_order_holds_across_back_pressure() -> None:
                 await asyncio.sleep(0)
             return out
 
-        _, out = await asyncio.wait_for(asyncio.gather(produce(), consume()), timeout=5)
+        _, out = await asyncio.wait_for(asyncio.gather(produce(), consume()), timeout=30)
         return out
 
     assert asyncio.run(main()) == list(range(20))
 
 
-def test_put_waits_while_full_until_a_get() -> None:
-    """A put on a full channel waits, and completes once a get makes room."""
+def test_put_waits_while_full_until_a_get(clock: FakeTime) -> None:
+    """A put on a full channel waits, completes once a get makes room, and returns the
+    seconds it waited."""
 
     async def main() -> None:
         ch: Channel[str] = Channel("t", 2)
-        assert isinstance(await ch.put("a"), float)  # put returns the seconds it waited
+        await ch.put("a")
         await ch.put("b")
         task = asyncio.create_task(ch.put("c"))
         assert await blocked(task)
         assert len(ch) == 2
+        clock.t += 2.5
         item, _ = await ch.get()
         assert item == "a"
-        waited = await asyncio.wait_for(task, timeout=1)
-        assert waited >= TICK * 0.5
+        waited = await asyncio.wait_for(task, timeout=10)
+        assert waited == 2.5
         assert len(ch) == 2
         assert [(await ch.get())[0] for _ in range(2)] == ["b", "c"]
 
     asyncio.run(main())
 
 
-def test_put_with_room_does_not_wait() -> None:
-    """put on a channel with room completes at once and reports (almost) no wait."""
+def test_put_with_room_does_not_wait(clock: FakeTime) -> None:
+    """put on a channel with room completes without ever yielding to the loop, and reports
+    a wait of zero."""
 
     async def main() -> None:
         ch: Channel[int] = Channel("t", 3)
         for i in range(3):
-            waited = await asyncio.wait_for(ch.put(i), timeout=1)
-            assert 0 <= waited < TICK
+            put = ch.put(i)
+            with pytest.raises(StopIteration) as done:
+                put.send(None)  # one step runs it to the end: it never suspended
+            assert done.value.value == 0.0
         assert len(ch) == 3
 
     asyncio.run(main())
 
 
-def test_get_waits_on_empty_until_a_put() -> None:
-    """get on an empty open channel waits until an item arrives, then returns it."""
+def test_get_waits_on_empty_until_a_put(clock: FakeTime) -> None:
+    """get on an empty open channel waits until an item arrives, then returns it with the
+    seconds it waited."""
 
     async def main() -> None:
         ch: Channel[int] = Channel("t", 4)
         task = asyncio.create_task(ch.get())
         assert await blocked(task)
+        clock.t += 3.0
         await ch.put(7)
-        item, waited = await asyncio.wait_for(task, timeout=1)
+        item, waited = await asyncio.wait_for(task, timeout=10)
         assert item == 7
-        assert waited >= TICK * 0.5
+        assert waited == 3.0
 
     asyncio.run(main())
 
@@ -113,9 +139,9 @@ def test_close_lets_consumers_drain_then_end() -> None:
         assert (await ch.get())[0] == 1
         assert (await ch.get())[0] == 2
         with pytest.raises(EndOfStream):
-            await asyncio.wait_for(ch.get(), timeout=1)
+            await asyncio.wait_for(ch.get(), timeout=10)
         with pytest.raises(EndOfStream):  # stays ended
-            await asyncio.wait_for(ch.get(), timeout=1)
+            await asyncio.wait_for(ch.get(), timeout=10)
 
     asyncio.run(main())
 
@@ -129,7 +155,7 @@ def test_close_wakes_a_waiting_consumer() -> None:
         assert await blocked(task)
         ch.close()
         with pytest.raises(EndOfStream):
-            await asyncio.wait_for(task, timeout=1)
+            await asyncio.wait_for(task, timeout=10)
 
     asyncio.run(main())
 
@@ -146,7 +172,7 @@ def test_async_for_ends_when_closed_and_drained() -> None:
         async def collect() -> list[int]:
             return [item async for item in ch]
 
-        return await asyncio.wait_for(collect(), timeout=1)
+        return await asyncio.wait_for(collect(), timeout=10)
 
     assert asyncio.run(main()) == [0, 1, 2]
 
@@ -175,13 +201,13 @@ def test_channel_ends_only_after_every_producer_closed() -> None:
         task = asyncio.create_task(ch.get())
         assert await blocked(task)
         await ch.put("y")  # the second producer is still open
-        assert (await asyncio.wait_for(task, timeout=1))[0] == "y"
+        assert (await asyncio.wait_for(task, timeout=10))[0] == "y"
         task = asyncio.create_task(ch.get())
         assert await blocked(task)
         ch.close()
         assert ch.closed
         with pytest.raises(EndOfStream):
-            await asyncio.wait_for(task, timeout=1)
+            await asyncio.wait_for(task, timeout=10)
 
     asyncio.run(main())
 
@@ -203,7 +229,7 @@ def test_two_concurrent_producers_deliver_everything() -> None:
         async def consume() -> list[tuple[str, int]]:
             return [item async for item in ch]
 
-        *_, out = await asyncio.wait_for(asyncio.gather(produce("a"), produce("b"), consume()), timeout=5)
+        *_, out = await asyncio.wait_for(asyncio.gather(produce("a"), produce("b"), consume()), timeout=30)
         return out
 
     out = asyncio.run(main())
@@ -222,16 +248,16 @@ def test_min_ready_holds_gets_until_enough_items_or_close() -> None:
         task = asyncio.create_task(ch.get())
         assert await blocked(task)
         await ch.put(3)
-        assert (await asyncio.wait_for(task, timeout=1))[0] == 1
+        assert (await asyncio.wait_for(task, timeout=10))[0] == 1
         # two left: below min_ready again, so the next get waits ...
         task = asyncio.create_task(ch.get())
         assert await blocked(task)
         # ... until the producer closes, after which the rest drains.
         ch.close()
-        assert (await asyncio.wait_for(task, timeout=1))[0] == 2
-        assert (await asyncio.wait_for(ch.get(), timeout=1))[0] == 3
+        assert (await asyncio.wait_for(task, timeout=10))[0] == 2
+        assert (await asyncio.wait_for(ch.get(), timeout=10))[0] == 3
         with pytest.raises(EndOfStream):
-            await asyncio.wait_for(ch.get(), timeout=1)
+            await asyncio.wait_for(ch.get(), timeout=10)
 
     asyncio.run(main())
 
@@ -246,7 +272,7 @@ def test_detach_by_every_consumer_stops_a_waiting_producer() -> None:
         assert await blocked(task)
         ch.detach()
         with pytest.raises(ChannelClosed):
-            await asyncio.wait_for(task, timeout=1)
+            await asyncio.wait_for(task, timeout=10)
 
     asyncio.run(main())
 
@@ -258,7 +284,7 @@ def test_put_after_every_consumer_detached_raises_channel_closed() -> None:
         ch: Channel[int] = Channel("t", 4)
         ch.detach()
         with pytest.raises(ChannelClosed):
-            await asyncio.wait_for(ch.put(1), timeout=1)
+            await asyncio.wait_for(ch.put(1), timeout=10)
 
     asyncio.run(main())
 
@@ -273,10 +299,10 @@ def test_producer_keeps_going_while_one_consumer_remains() -> None:
         ch.detach()
         assert await blocked(task)
         assert (await ch.get())[0] == 1
-        await asyncio.wait_for(task, timeout=1)
+        await asyncio.wait_for(task, timeout=10)
         ch.detach()
         with pytest.raises(ChannelClosed):
-            await asyncio.wait_for(ch.put(3), timeout=1)
+            await asyncio.wait_for(ch.put(3), timeout=10)
 
     asyncio.run(main())
 
@@ -292,11 +318,11 @@ def test_detach_with_error_fails_a_blocked_producer_promptly() -> None:
         boom = ValueError("boom")
         ch.detach(boom)  # one of two consumers failing is enough
         with pytest.raises(ConsumerDied) as info:
-            await asyncio.wait_for(task, timeout=1)
+            await asyncio.wait_for(task, timeout=10)
         assert info.value.__cause__ is boom
         assert "boom" in str(info.value)
         with pytest.raises(ConsumerDied):  # and every later put fails too
-            await asyncio.wait_for(ch.put(3), timeout=1)
+            await asyncio.wait_for(ch.put(3), timeout=10)
 
     asyncio.run(main())
 
@@ -309,7 +335,7 @@ def test_consumer_died_wins_over_clean_detach() -> None:
         ch.detach()
         ch.detach(RuntimeError("late failure"))
         with pytest.raises(ConsumerDied):
-            await asyncio.wait_for(ch.put(1), timeout=1)
+            await asyncio.wait_for(ch.put(1), timeout=10)
 
     asyncio.run(main())
 
@@ -328,27 +354,31 @@ def test_detach_drops_buffered_items() -> None:
     asyncio.run(main())
 
 
-def test_snapshot_reports_window_and_resets() -> None:
-    """snapshot() reports depth, max depth, puts, gets and waits, then starts a new window."""
+def test_snapshot_reports_window_and_resets(clock: FakeTime) -> None:
+    """snapshot() reports depth, time-weighted mean depth, max depth, puts, gets and waits,
+    then starts a new window."""
 
     async def main() -> None:
         ch: Channel[int] = Channel("t", 4)
         for i in range(3):
             await ch.put(i)
+        clock.t += 1.0  # 3 items for 1 s ...
         await ch.get()
+        clock.t += 1.0  # ... then 2 items for 1 s
         s = ch.snapshot()
         assert s.depth == 2
         assert s.max_depth == 3
         assert s.capacity == 4
         assert (s.puts, s.gets) == (3, 1)
-        assert s.put_wait_s >= 0
-        assert s.get_wait_s >= 0
-        assert 0 <= s.mean_depth <= 3
+        assert s.put_wait_s == 0
+        assert s.get_wait_s == 0
+        assert s.mean_depth == 2.5
 
-        s2 = ch.snapshot()
+        s2 = ch.snapshot()  # an empty window: its mean is the current depth
         assert (s2.puts, s2.gets) == (0, 0)
         assert s2.depth == 2
         assert s2.max_depth == 2  # the new window starts at the current depth
+        assert s2.mean_depth == 2
         assert s2.put_wait_s == 0
         assert s2.get_wait_s == 0
 
@@ -369,44 +399,48 @@ def test_snapshot_without_reset_keeps_the_window() -> None:
     asyncio.run(main())
 
 
-def test_snapshot_measures_producer_and_consumer_waits() -> None:
-    """Time a blocked put or get spends waiting shows up in put_wait_s / get_wait_s."""
+def test_snapshot_measures_producer_and_consumer_waits(clock: FakeTime) -> None:
+    """Time a blocked put or get spends waiting adds up in put_wait_s / get_wait_s."""
 
     async def main() -> None:
         ch: Channel[int] = Channel("t", 1)
         ch.snapshot()
         getter = asyncio.create_task(ch.get())
         assert await blocked(getter)
+        clock.t += 1.5
         await ch.put(1)
-        await asyncio.wait_for(getter, timeout=1)
+        await asyncio.wait_for(getter, timeout=10)
         await ch.put(2)
         putter = asyncio.create_task(ch.put(3))
         assert await blocked(putter)
+        clock.t += 0.5
         await ch.get()
-        await asyncio.wait_for(putter, timeout=1)
+        await asyncio.wait_for(putter, timeout=10)
         s = ch.snapshot()
-        assert s.get_wait_s >= TICK * 0.5
-        assert s.put_wait_s >= TICK * 0.5
+        assert s.get_wait_s == 1.5
+        assert s.put_wait_s == 0.5
         assert (s.puts, s.gets) == (3, 2)
 
     asyncio.run(main())
 
 
-def test_mean_depth_is_time_weighted() -> None:
-    """mean_depth reflects how long the channel held items, not just the last depth."""
+def test_mean_depth_is_time_weighted(clock: FakeTime) -> None:
+    """mean_depth weighs each depth by how long the channel held it, not by how often it
+    changed, nor by the last or largest depth."""
 
     async def main() -> None:
         ch: Channel[int] = Channel("t", 4)
         ch.snapshot()
         await ch.put(1)
         await ch.put(2)
-        await asyncio.sleep(TICK)
+        clock.t += 3.0  # depth 2 for 3 s
         await ch.get()
+        clock.t += 1.0  # depth 1 for 1 s
         await ch.get()
-        await asyncio.sleep(TICK)
+        clock.t += 4.0  # depth 0 for 4 s
         s = ch.snapshot()
         assert s.depth == 0
         assert s.max_depth == 2
-        assert 0.3 < s.mean_depth < 1.7  # about 2 for half the window, 0 for the other half
+        assert s.mean_depth == (2 * 3 + 1 * 1 + 0 * 4) / 8
 
     asyncio.run(main())

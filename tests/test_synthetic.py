@@ -2,22 +2,73 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
+import pytest
 import torch
 
-from dflash import Coordinator
+import dflash.synthetic
 from dflash.synthetic import SimEvent, StageCost, SyntheticSpec, Timeline, calibrate, work
 from tests.conftest import run_records
 
 
-def test_counted_work_takes_about_the_asked_time():
-    """work() spends host_ms in a counted loop and device_ms asleep (within generous bounds)."""
-    calibrate()
-    t0 = time.perf_counter()
-    work(StageCost(host_ms=20, device_ms=20))
-    assert 0.03 < time.perf_counter() - t0 < 0.5
+class FakeTime:
+    """Stands in for the `time` module inside dflash.synthetic: the clock moves only by
+    `sleep` (which records what was slept) or when a test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.t += s
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    calibrate()  # before the clock stops: calibration measures real time
+    fake = FakeTime()
+    monkeypatch.setattr(dflash.synthetic, "time", fake)
+    return fake
+
+
+def test_device_part_sleeps_and_host_part_burns_this_threads_cpu(fake_time: FakeTime):
+    """Without a Timeline, work() sleeps device_ms (one sleep, GIL released) and spends
+    host_ms in a counted loop on this thread's CPU, in proportion to host_ms. CPU time,
+    not wall time: other work on a busy machine does not inflate it."""
+    work(StageCost(host_ms=0, device_ms=20))
+    assert fake_time.sleeps == [pytest.approx(0.020)]
+    cpu = []
+    for host_ms in (20, 80):
+        c0 = time.thread_time()
+        work(StageCost(host_ms=host_ms, device_ms=0))
+        cpu.append(time.thread_time() - c0)
+    assert fake_time.sleeps == [pytest.approx(0.020)]  # no device part, no sleep
+    assert cpu[0] > 0.005  # it works (a quarter of the asked 20 ms, at the least) ...
+    assert cpu[1] > 2 * cpu[0]  # ... and 4x the asked time is 4x the work (2x at the least)
+
+
+def test_timeline_runs_device_work_in_order_after_its_events(fake_time: FakeTime):
+    """Async model: launch returns at once; work queues behind earlier work and the events
+    it waits for; a synchronize waits until the work is done."""
+    tl = Timeline()
+    t0 = fake_time.t
+    with tl.launching([SimEvent(t0 + 0.05)]):
+        work(StageCost(host_ms=0, device_ms=10))
+        work(StageCost(host_ms=0, device_ms=10))
+    assert fake_time.sleeps == []  # launched, not waited for
+    ev = tl.event()
+    assert ev.t == pytest.approx(t0 + 0.07) and not ev.query()  # after the event, then in order
+    ev.synchronize()
+    assert fake_time.sleeps == [pytest.approx(0.07)] and ev.query()
+    fake_time.t += 1.0  # the device idles: new work starts now, not where the queue ended
+    with tl.launching([]):
+        work(StageCost(host_ms=0, device_ms=10), sync=True)  # sync: waits for its own work
+    assert fake_time.sleeps[1:] == [pytest.approx(0.01)] and tl.event().t == pytest.approx(t0 + 1.08)
 
 
 def test_synthetic_5_plus_3_topology_runs_every_batch(tiny_config):
@@ -35,33 +86,25 @@ def test_synthetic_5_plus_3_topology_runs_every_batch(tiny_config):
     assert records[-1]["event"] == "run_end" and records[-1]["export_dir"] is None
 
 
-def test_timeline_runs_device_work_in_order_after_its_events():
-    """Async model: launch returns at once; work queues behind earlier work and waited-for events."""
-    tl = Timeline()
-    t0 = time.perf_counter()
-    with tl.launching([SimEvent(t0 + 0.05)]):
-        work(StageCost(host_ms=0, device_ms=10))
-        work(StageCost(host_ms=0, device_ms=10))
-    assert time.perf_counter() - t0 < 0.03  # launched, not waited for
-    ev = tl.event()
-    assert abs(ev.t - (t0 + 0.07)) < 0.01 and not ev.query()
-    ev.synchronize()
-    assert ev.query() and time.perf_counter() >= t0 + 0.07
+def test_synthetic_async_device_model_overlaps_host_and_device(tiny_config, monkeypatch):
+    """CUDA semantics through the real coordinator: every batch is trained, and the target
+    does the host work of its next batch while the device still runs the previous one: at
+    some launch the target's simulated device queue is still busy (a host that waited for
+    its device after every batch would always find it idle)."""
+    backlog: list[float] = []
+    launch = Timeline.launch
 
+    def observed(self: Timeline, device_ms: float) -> None:
+        if device_ms == 50:  # the target's device work (the other stages' is 1 ms or less)
+            backlog.append(self.busy_until - time.perf_counter())
+        launch(self, device_ms)
 
-def test_synthetic_async_device_model_overlaps_host_and_device(tiny_config):
-    """CUDA semantics through the real coordinator: every batch is trained, and a target whose
-    host and device parts overlap finishes well under the sum of their times."""
-    spec = SyntheticSpec(StageCost(10, 10), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=12, device_model="async")
-    records: list[dict] = []
-    coord = Coordinator(tiny_config(), log=False, synthetic=spec)
-    coord.subscribe(records.append)
-    t0 = time.perf_counter()
-    asyncio.run(coord.run())
-    elapsed = time.perf_counter() - t0
+    monkeypatch.setattr(Timeline, "launch", observed)
+    spec = SyntheticSpec(StageCost(1, 50), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=12, device_model="async")
+    records = run_records(tiny_config(), synthetic=spec)
     steps = [r for r in records if r["event"] == "train_step"]
     assert sum(s["samples"] for s in steps) == 12
-    assert elapsed < 12 * 0.020  # serial host + device would be 12 × 20 ms at the least
+    assert len(backlog) == 12 and any(b > 0 for b in backlog), backlog
 
 
 def test_random_data_source_trains_without_generating(tiny_config):

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from dflash import Coordinator
 from dflash.profile import Profiler, _percentile
 from tests.conftest import run_records
 
@@ -61,27 +60,40 @@ def test_warmup_flag_until_marked():
 
 
 def test_windows_rotate_at_the_interval():
-    """run() emits one profile record per interval."""
+    """run() emits a profile record each time its clock passes the next interval, windows
+    numbered from 0, and none while the clock stands still however long the loop runs."""
+    clock = FakeClock()
     out: list[dict] = []
-    p = Profiler(0.05, lambda ev, **kw: out.append(kw))
+    p = Profiler(0.01, lambda ev, **kw: out.append(kw), clock=clock)
+
+    async def until(n: int) -> None:
+        while len(out) < n:
+            await asyncio.sleep(0.005)
 
     async def main() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(p.run(stop))
-        await asyncio.sleep(0.33)
+        await asyncio.sleep(0.05)  # a few real ticks, the clock unmoved
+        assert out == []
+        for n in (1, 2, 3):
+            clock.t += 0.01
+            await asyncio.wait_for(until(n), timeout=30)
+        await asyncio.sleep(0.05)
+        assert len(out) == 3  # no record without the clock moving on
         stop.set()
-        await task
+        await asyncio.wait_for(task, timeout=60)
 
     asyncio.run(main())
-    assert 4 <= len(out) <= 7, len(out)
-    assert [r["window"] for r in out] == list(range(len(out)))
+    assert [r["window"] for r in out] == [0, 1, 2]
+    assert [r["wall_s"] for r in out] == pytest.approx([0.01] * 3)
 
 
 def test_trace_is_valid_chrome_json_with_tracks(tiny_config, tmp_path):
     """--trace writes Chrome-trace JSON: a track per worker and stage, queue counters."""
     path = tmp_path / "trace.json"
-    cfg = tiny_config(**{"profile.trace": f'"{path}"', "eval.at_end": "false", "train.max_steps": 4})
-    asyncio.run(Coordinator(cfg, log=False).run())
+    cfg = tiny_config(**{"profile.trace": f'"{path}"', "eval.at_end": "false", "train.max_steps": 4,
+                         "data.source": '"random"'})  # fmt: skip
+    run_records(cfg)
     doc = json.loads(path.read_text())
     names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert {"target0 target.model_forward", "drafter0 drafter.forward", "optimizer drafter.optimizer_step"} <= names
@@ -92,6 +104,6 @@ def test_trace_is_valid_chrome_json_with_tracks(tiny_config, tmp_path):
 
 def test_profiling_off_emits_no_profile_records(tiny_config):
     """profile.enabled = false: the run trains and emits no profile records."""
-    records = run_records(tiny_config(**{"profile.enabled": "false", "eval.at_end": "false"}))
+    records = run_records(tiny_config(**{"profile.enabled": "false", "eval.at_end": "false", "data.source": '"random"'}))
     assert not [r for r in records if r["event"] == "profile"]
     assert records[-1]["event"] == "run_end" and records[-1]["steps"] > 0

@@ -52,14 +52,12 @@ class Device:
         spec: str,
         name: str,
         profiler: Profiler | None = None,
-        executor: ThreadPoolExecutor | None = None,
     ) -> None:
-        """`executor`: share one worker thread between devices (pipeline.mode = "serial")."""
         self.device = torch.device(spec)
         self.name = name
         self.profiler = profiler
         self.is_cuda = self.device.type == "cuda"
-        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
         self._streams: dict[str, Any] = {}
         self.sim: Any = None  # a synthetic.Timeline: simulated CUDA-like device (benchmarks)
         if self.is_cuda and profiler is not None:

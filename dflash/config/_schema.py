@@ -222,8 +222,8 @@ class TrainConfig(_Section):
 class PipelineConfig(_Section):
     mode: Literal["pipeline", "serial"] = Field(
         "pipeline",
-        description="serial: every stage's compute on one worker thread, one after another "
-        "(the serial loop of the usual trainers, for comparison)",
+        description="serial: the same stage functions called one after another in a plain loop "
+        "(dflash/serial.py; the loop of the usual trainers, for comparison)",
     )
     target_devices: list[str] = Field(["cpu"], min_length=1, description="one target chain each")
     drafter_devices: list[str] = Field(["cpu"], min_length=1, description="one replica each")

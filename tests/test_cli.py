@@ -13,21 +13,7 @@ from typing import Any
 import pytest
 
 from dflash.config import load_config, parse_config
-from tests.conftest import json_lines
-
-ROOT = Path(__file__).resolve().parents[1]
-DFLASH = ROOT / "bin" / "dflash"
-TINY = ROOT / "configs" / "tiny.toml"
-
-# A short run of the tiny config: 32 samples, batch 8, one epoch -> 4 steps.
-SHORT = ["--set", "data.num_samples=32", "--set", "train.epochs=1", "--set", "train.log_every=1"]
-
-
-def dflash(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run bin/dflash with DFLASH_PROFILE_INTERVAL cleared unless `env` sets it."""
-    full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"}
-    full_env.update(env or {})
-    return subprocess.run([str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+from tests.conftest import CLI_TIMEOUT_S, DFLASH, ROOT, TINY, CliRun, dflash, json_lines
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -108,43 +94,26 @@ def test_non_numeric_profile_env_is_a_one_line_error(tmp_path: Path) -> None:
     assert not (tmp_path / "tiny").exists()
 
 
-# -- runs: one real training run (~10-20 s on CPU); the others stop after run_start --
+# -- runs: one real training run (the session's shared `cli_run`); the others stop after run_start --
 
 
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """One short training run, with both the env var (0.25) and the flag (0.5) set."""
-    out = tmp_path_factory.mktemp("run")
-    proc = dflash(
-        "run", "configs/tiny.toml",
-        "--set", f"run.output_dir={out}", *SHORT,
-        "--profile-interval", "0.5",
-        "--log-file", str(out / "log.jsonl"),
-        env={"DFLASH_PROFILE_INTERVAL": "0.25"},
-        timeout=180,
-    )  # fmt: skip
-    return out, proc
-
-
-def test_short_run_writes_json_records_and_artifacts(
-    short_run: tuple[Path, subprocess.CompletedProcess[str]],
-) -> None:
+def test_short_run_writes_json_records_and_artifacts(cli_run: CliRun) -> None:
     """A short run exits 0, stdout is JSON lines only (with the key events), the log file
     holds the same records, and the run folder has config.toml and the exported drafter."""
-    out, proc = short_run
+    out, proc = cli_run.out, cli_run.proc
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     records = json_lines(proc.stdout)
     events = [r["event"] for r in records]
-    for event in ("run_start", "train_step", "profile", "run_end"):
+    for event in ("run_start", "train_step", "profile", "eval", "run_end"):
         assert event in events, events
     assert events[0] == "run_start"
     assert events[-1] == "run_end"
     steps = [r["step"] for r in records if r["event"] == "train_step"]
     assert steps == list(range(1, len(steps) + 1))  # log_every=1: every step is recorded
-    assert records[-1]["steps"] == len(steps) > 0
+    assert records[-1]["steps"] == len(steps) == 4
 
-    log_lines = (out / "log.jsonl").read_text(encoding="utf-8").splitlines()
+    log_lines = cli_run.log.read_text(encoding="utf-8").splitlines()
     assert len(log_lines) == len(proc.stdout.splitlines())
     assert json_lines("\n".join(log_lines)) == records
 
@@ -156,16 +125,16 @@ def test_short_run_writes_json_records_and_artifacts(
     assert parse_config(saved) == parse_config(records[0]["config"])  # the resolved config
 
 
-def test_profile_flag_wins_over_env(short_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+def test_profile_flag_wins_over_env(cli_run: CliRun) -> None:
     """With DFLASH_PROFILE_INTERVAL=0.25 and --profile-interval 0.5, the flag (0.5) is used."""
-    _, proc = short_run
+    proc = cli_run.proc
     assert proc.returncode == 0, proc.stderr
     start = json_lines(proc.stdout)[0]
     assert start["event"] == "run_start"
     assert start["config"]["profile"]["interval_s"] == 0.5
 
 
-def first_record(*args: str, env: dict[str, str], timeout: float = 60) -> dict[str, Any]:
+def first_record(*args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S) -> dict[str, Any]:
     """Start `bin/dflash run ...`, read its first stdout record, then kill the process.
 
     The run_start record carries the resolved config and comes before the (slow) set-up,

@@ -104,6 +104,8 @@ def test_trace_is_valid_chrome_json_with_tracks(tiny_config, tmp_path):
 
 def test_profiling_off_emits_no_profile_records(tiny_config):
     """profile.enabled = false: the run trains and emits no profile records."""
-    records = run_records(tiny_config(**{"profile.enabled": "false", "eval.at_end": "false", "data.source": '"random"'}))
+    records = run_records(
+        tiny_config(**{"profile.enabled": "false", "eval.at_end": "false", "data.source": '"random"'})
+    )
     assert not [r for r in records if r["event"] == "profile"]
     assert records[-1]["event"] == "run_end" and records[-1]["steps"] > 0

@@ -66,7 +66,7 @@ def test_orchestration_bench_measures_a_point(tmp_path: Path, monkeypatch: pytes
     last step to end. The step times come from a fake clock, so the figures are exact on
     any machine: steps at the bound's rate in the middle, five times slower outside it."""
     orch = _orchestration()
-    n, a, b = 16, 3, 12  # 16 steps; the steady part runs from step int(0.2 n) to step int(0.8 n)
+    n, a, b = 10, 2, 8  # 10 steps; the steady part runs from step int(0.2 n) to step int(0.8 n)
     dt = 1 / orch.bounds(1, 1, 0.05, "sync")["target"]
     steps = [1.0]  # the first step 1 s after the start: fill
     for i in range(1, n):

@@ -57,11 +57,14 @@ def tiny_config(tmp_path: Path):
     return make
 
 
-def run_records(cfg: Any, into: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+def run_records(
+    cfg: Any, into: list[dict[str, Any]] | None = None, timeout_s: float | None = None, **kwargs: Any
+) -> list[dict[str, Any]]:
     """Run a Coordinator on `cfg` to its end; every record it emitted, in order.
 
     `into`: append the records to this list as they come, so that a test expecting the run
-    to raise still sees what came before. Other keyword arguments go to the Coordinator."""
+    to raise still sees what came before. `timeout_s`: a guard against a hang (TimeoutError),
+    not a speed limit. Other keyword arguments go to the Coordinator."""
     import asyncio
 
     from dflash import Coordinator
@@ -69,7 +72,7 @@ def run_records(cfg: Any, into: list[dict[str, Any]] | None = None, **kwargs: An
     records: list[dict[str, Any]] = [] if into is None else into
     coord = Coordinator(cfg, log=False, **kwargs)
     coord.subscribe(records.append)
-    asyncio.run(coord.run())
+    asyncio.run(asyncio.wait_for(coord.run(), timeout_s))
     return records
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,58 +24,20 @@ import structlog
 import torch
 
 from dflash import faults, topology
-from dflash.channel import ChannelClosed, ConsumerDied
 from dflash.checkpoint import Checkpointer
 from dflash.config import Config, dump_toml
-from dflash.errors import ConfigError, StageError
+from dflash.errors import ConfigError
 from dflash.export import export_drafter
 from dflash.logs import ProgressLine, RunLog
 from dflash.profile import Profiler, Trace
 from dflash.setup import Training, prepare
+from dflash.stages._link import root_error, stage_task
 from dflash.steps import EvalHook, StepHook
 from dflash.synthetic import SyntheticSpec
 
 __all__ = ["Coordinator", "Record"]
 
 Record = dict[str, Any]
-
-
-def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in eg.exceptions:
-        out.extend(_flatten(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
-
-
-def _root_error(eg: BaseExceptionGroup) -> BaseException:
-    """The cause, not its echoes: a KeyboardInterrupt first, then a stage's own error over
-    the ConsumerDied / ChannelClosed its neighbours saw."""
-    errors = _flatten(eg)
-    for e in errors:
-        if not isinstance(e, Exception):
-            return e
-    stage_errors = [e for e in errors if isinstance(e, StageError)]
-    for e in stage_errors:
-        if not isinstance(e.cause, ConsumerDied | ChannelClosed):
-            return e
-    return stage_errors[0] if stage_errors else errors[0]
-
-
-async def _guard(name: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    """A stage's exception becomes a StageError naming it (out of memory: with a hint)."""
-    try:
-        return await coro
-    except (asyncio.CancelledError, StageError):
-        raise
-    except torch.OutOfMemoryError as e:
-        hint = (
-            "lower data.token_budget or data.batch_size"
-            if name.startswith(("target.", "data."))
-            else "lower drafter.max_anchors, data.token_budget or train.loss_chunk"
-        )
-        raise StageError(name, MemoryError(f"out of memory ({hint})")) from e
-    except Exception as e:
-        raise StageError(name, e) from e
 
 
 class Coordinator:
@@ -104,6 +66,18 @@ class Coordinator:
         self.targets: list[Any] = []
         self.steps = 0
         self.summary: Record | None = None
+        self._topology: topology.Topology | None = None
+        self._training: Training | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the steps reported so far."""
+        return self._topology.book.tokens if self._topology else 0
+
+    @property
+    def last_step(self) -> Record | None:
+        """The last `train_step` record."""
+        return self._topology.book.last if self._topology else None
 
     # -- records ------------------------------------------------------------------------
     def subscribe(self, fn: Callable[[Record], None]) -> None:
@@ -165,7 +139,7 @@ class Coordinator:
             t = synthetic.prepare(cfg, self.synthetic)
         else:
             t = await asyncio.to_thread(prepare, cfg, self.resume)
-        self.targets, self.replicas = t.targets, t.replicas
+        self._training, self.targets, self.replicas = t, t.targets, t.replicas
         for w in t.warnings:
             self.emit("warning", message=w)
         self.emit(
@@ -190,18 +164,20 @@ class Coordinator:
             hooks.append(EvalHook(cfg.eval.every_steps, t.evaluate, self.emit))
         if self.synthetic is None:
             hooks.append(checkpointer)
+        topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks)
         progress = ProgressLine(t.total_steps, t.start_step)
         self.subscribe(progress)
-        topo = topology.build(cfg, t, profiler, self.emit, stop, hooks)
-
         t_train = time.perf_counter()
-        error = await self._train(topo, profiler, trace)
-        progress.close()
+        try:
+            error = await self._train(topo, profiler, trace)
+        finally:
+            self._subscribers.remove(progress)
+            progress.close()
         if error is not None:
             await self._fail(error, checkpointer, topo)
         train_s = time.perf_counter() - t_train
         self.steps = topo.book.progress.step
-        return await self._finish(t, topo, stop, t_start, train_s)
+        return await self._finish(t, topo, stop.is_set(), t_start, train_s)
 
     async def _train(self, topo: topology.Topology, profiler: Profiler, trace: Trace | None) -> BaseException | None:
         """Every stage task in one TaskGroup; then teardown in a fixed order: profiler (last
@@ -209,12 +185,14 @@ class Coordinator:
         prof_stop = asyncio.Event()
         prof_task = asyncio.create_task(profiler.run(prof_stop), name="profiler")
         error: BaseException | None = None
+        clean = False
         try:
             async with asyncio.TaskGroup() as tg:
                 for name, coro in topo.tasks:
-                    tg.create_task(_guard(name, coro), name=name)
+                    tg.create_task(stage_task(name, coro), name=name)
+            clean = True
         except BaseExceptionGroup as eg:
-            error = _root_error(eg)
+            error = root_error(eg)
         finally:
             prof_stop.set()
             await prof_task
@@ -226,7 +204,7 @@ class Coordinator:
                     self.emit("warning", message=f"trace not written to {trace.path}: {err.strerror or err}")
             # After a failure wait only for the optimizer's op in flight (no half update).
             for d in topo.devices:
-                await asyncio.to_thread(d.close, error is None or d is topo.optimizer)
+                await asyncio.to_thread(d.close, clean or d is topo.optimizer)
         return error
 
     async def _fail(self, error: BaseException, checkpointer: Checkpointer, topo: topology.Topology) -> None:
@@ -245,7 +223,7 @@ class Coordinator:
         raise error
 
     async def _finish(
-        self, t: Training, topo: topology.Topology, stop: asyncio.Event, t_start: float, train_s: float
+        self, t: Training, topo: topology.Topology, stopped: bool, t_start: float, train_s: float
     ) -> Record:
         """The end of a finished run: export first (a trained drafter is never lost), then
         the end-of-run eval (a failing eval is a warning, not a lost run), then the summary."""
@@ -256,14 +234,14 @@ class Coordinator:
             export_dir = self.run_dir / "final"
             await asyncio.to_thread(export_drafter, t.replicas[0].model, export_dir)
         eval_record = None
-        if cfg.eval.at_end and trained and not stop.is_set() and t.evaluate is not None:
+        if cfg.eval.at_end and trained and not stopped and t.evaluate is not None:
             try:
                 eval_record = await asyncio.to_thread(t.evaluate, self.steps)
             except Exception as err:
                 self.emit("warning", message=f"end-of-run eval failed: {' '.join(str(err).split())}")
             else:
                 self.emit("eval", **eval_record)
-        if stop.is_set():
+        if stopped:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
             reason = "max_steps"

@@ -57,10 +57,10 @@ async def train(
                 contribs.append(acc.grads(rep.index, step, ready))
         if not contribs:
             break
-        new_step = book.begin()
         result, updated = await optimizer.run(
-            None, t.apply, t.replicas, contribs, optimizer, new_step, wait_for=[c.ready for c in contribs]
-        )
+            None, t.apply, t.replicas, contribs, optimizer, book.next_step, book.progress,
+            wait_for=[c.ready for c in contribs],
+        )  # fmt: skip
         await book.end(result, max(c.last_batch for c in contribs), updated)
     await book.close()
     return book.progress.step

@@ -48,7 +48,7 @@ class Training:
     plan: BatchPlan
     spec: DrafterSpec
     micro: MicroStep  # one replica, one batch: forward + backward
-    apply: Callable[..., StepResult]  # apply(replicas, contribs, device, step): the update
+    apply: Callable[..., StepResult]  # apply(replicas, contribs, device, step, progress): the update
     grad_accum: int
     max_steps: int | None
     total_steps: int
@@ -192,6 +192,13 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
             if not Path(f.path).expanduser().exists():
                 msg = f"data.files[{i}]: dataset not found: {f.path}"
                 raise DataError(msg)
+    wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
+    if wants_eval and (cfg.data.source == "files" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
+        msg = (
+            f"eval prompts not found: {cfg.heldout_prompts} "
+            "(run `dflash regen` first, set eval.prompts, or set eval.at_end = false)"
+        )
+        raise DataError(msg)
     found: list[str] = []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]
@@ -215,7 +222,6 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
         return t.noise_reveal_start + (t.noise_reveal_end - t.noise_reveal_start) * frac
 
     use_flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
-    wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
     return Training(
         targets=targets,
         replicas=replicas,

@@ -46,8 +46,9 @@ class Progress:
     update was in progress (a half-applied update leaves weights and optimizer apart)."""
 
     step: int  # last optimizer step finished (applied, or skipped as non-finite)
-    last_batch: int = -1  # highest batch index consumed by steps up to `step`
-    updating: bool = False  # an update is being applied right now
+    last_batch: int = -1  # highest batch index consumed by steps up to `step` (the data cursor)
+    updating: bool = False  # set by apply_step before it changes any state, cleared by StepBook.end
+    ready: Any = None  # CUDA event: the update of `step` is done
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ def to_records(results: list[StepResult]) -> list[Record]:
 
 
 class StepBook:
-    """Bookkeeping between optimizer steps: `begin()` before an update, `end()` after it,
-    `close()` once at the end of training (last metrics, hooks' `at_end`)."""
+    """Bookkeeping between optimizer steps: `next_step` and `progress` go to the update,
+    `end()` after it, `close()` once at the end of training (last metrics, hooks' `at_end`)."""
 
     def __init__(
         self,
@@ -119,22 +120,20 @@ class StepBook:
         self.max_bad_steps = max_bad_steps
         self.hooks = list(hooks)
         self.progress = Progress(start_step)
+        self._warm_at = start_step + 2  # profile windows before the second step are warm-up
         self.tokens = 0  # tokens of the steps reported so far
         self.last: Record | None = None  # the last train_step record
         self._pending: list[StepResult] = []
-        self._ready: Any = None
         self._bad = 0  # consecutive skipped steps
 
-    def begin(self) -> int:
-        """An update starts; returns its step number."""
-        self.progress.updating = True
+    @property
+    def next_step(self) -> int:
         return self.progress.step + 1
 
     async def end(self, result: StepResult, last_batch: int, ready: Any) -> None:
         """The update of `result.step` is done (or skipped): record it, run the hooks."""
         p = self.progress
-        p.step, p.last_batch, p.updating = result.step, max(p.last_batch, last_batch), False
-        self._ready = ready
+        p.step, p.last_batch, p.updating, p.ready = result.step, max(p.last_batch, last_batch), False, ready
         self._pending.append(result)
         if result.skipped:
             self._bad += 1
@@ -149,7 +148,7 @@ class StepBook:
             self._bad = 0
         self.profiler.count("steps", 1)
         self.profiler.count("samples", result.samples)
-        if result.step == 2:
+        if result.step == self._warm_at:
             self.profiler.mark_warm()
         if len(self._pending) >= self.log_every:
             await self._flush()
@@ -163,10 +162,12 @@ class StepBook:
             await hook.at_end(self._context())
 
     def _context(self) -> StepContext:
-        return StepContext(self.progress.step, self.progress.last_batch, self._ready, self.device)
+        p = self.progress
+        return StepContext(p.step, p.last_batch, p.ready, self.device)
 
     async def _flush(self) -> None:
-        records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, list(self._pending), wait_for=[self._ready])
+        results, ready = list(self._pending), self.progress.ready
+        records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, results, wait_for=[ready])
         self._pending.clear()
         for r in records:
             self.tokens += r["tokens"]

@@ -171,7 +171,7 @@ def _micro_step(spec: SyntheticSpec) -> Any:
 def _apply_step(spec: SyntheticSpec) -> Any:
     from dflash.steps import StepResult
 
-    def apply(replicas: Any, contribs: Any, device: Any, step: int) -> StepResult:
+    def apply(replicas: Any, contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
             work(spec.optimizer, sync=True)  # the real step's grad-norm sync waits for the device
         B = spec.block_size

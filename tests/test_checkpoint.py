@@ -241,10 +241,8 @@ def test_crash_after_a_skipped_step_writes_an_emergency_checkpoint_that_resumes(
     # shallow queues: the target runs at most a few batches ahead of the last full step
     cfg = tiny_config(**{**COMMON, "train.epochs": 3, "pipeline.hs_queue_depth": 1, "pipeline.batch_queue_depth": 1})
     records: list[dict] = []
-    coord = Coordinator(cfg, log=False)
-    coord.subscribe(records.append)
     with pytest.raises(StageError, match=r"target\.model_forward\[0\]"):
-        asyncio.run(coord.run())
+        run_records(cfg, into=records)
     assert [r["step"] for r in records if r["event"] == "bad_step"] == [3]
     emergency = [r for r in records if r["event"] == "checkpoint" and r.get("emergency")]
     assert len(emergency) == 1
@@ -299,3 +297,18 @@ def test_stage_fault_in_the_cli_exits_1_with_one_line_naming_the_stage(tmp_path)
     assert lines[-1].startswith("dflash: error: stage target.pack_hidden[0] failed: InjectedFault"), proc.stderr
     assert "Traceback" not in proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["event"] == "run_failed"
+
+
+def test_crash_in_the_optimizer_before_it_changes_anything_still_saves_the_last_step(tiny_config, monkeypatch):
+    """A failure inside the optimizer step before any weight or AdamW state changes (here its
+    fault point, which comes first) leaves a consistent state: the emergency checkpoint holds
+    the step before."""
+    from dflash import StageError
+
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", "drafter.optimizer_step@3")
+    cfg = tiny_config(**{**COMMON, "checkpoint.at_end": "true"})
+    records: list[dict] = []
+    with pytest.raises(StageError, match=r"drafter\.optimizer_step"):
+        run_records(cfg, into=records)
+    (emergency,) = [r for r in records if r["event"] == "checkpoint" and r.get("emergency")]
+    assert emergency["step"] == 3 and load_checkpoint(Path(emergency["path"])).step == 3

@@ -88,10 +88,8 @@ def test_failing_stage_ends_run_without_hanging(tiny_config, monkeypatch, stage)
     speed limit) as a StageError named like the profiler's stage, with the chain index."""
     monkeypatch.setenv("DFLASH_INJECT_FAULT", f"{stage}@2")
     records: list[dict] = []
-    coord = Coordinator(tiny_config(), log=False)
-    coord.subscribe(records.append)
     with pytest.raises(StageError) as info:
-        asyncio.run(asyncio.wait_for(coord.run(), timeout=300))
+        run_records(tiny_config(), into=records, timeout_s=300)
     task = stage if stage in (Stage.PREFETCH, Stage.OPTIMIZER_STEP) else f"{stage}[0]"
     assert info.value.stage == task
     assert "injected fault" in str(info.value)
@@ -210,8 +208,6 @@ def test_what_the_end_needs_is_checked_before_the_first_step(tiny_config, tmp_pa
     from dflash import DataError
 
     records: list[dict] = []
-    coord = Coordinator(tiny_config(**{"eval.prompts": f'"{tmp_path / "missing.jsonl"}"'}), log=False)
-    coord.subscribe(records.append)
     with pytest.raises(DataError):
-        asyncio.run(coord.run())
+        run_records(tiny_config(**{"eval.prompts": f'"{tmp_path / "missing.jsonl"}"'}), into=records)
     assert not any(r["event"] == "train_step" for r in records)

@@ -1,15 +1,19 @@
-"""What every stage shares: how it is linked to its channels, and the relay loop."""
+"""What every stage shares: how it is linked to its channels, the relay loop, and how its
+failure is named (`stage_task`) and told apart from the echoes it causes (`root_error`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
-from dflash.channel import Channel, ChannelClosed
+import torch
 
-__all__ = ["linked", "relay"]
+from dflash.channel import Channel, ChannelClosed, ConsumerDied
+from dflash.errors import StageError
+
+__all__ = ["linked", "relay", "root_error", "stage_task"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -46,3 +50,41 @@ async def relay(inbox: Channel[In], outbox: Channel[Out], step: Callable[[In], A
     with linked([inbox], [outbox]):
         async for item in inbox:
             await outbox.put(await step(item))
+
+
+def _flatten(eg: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in eg.exceptions:
+        out.extend(_flatten(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+def root_error(eg: BaseExceptionGroup) -> BaseException:
+    """The cause, not its echoes: a KeyboardInterrupt first, then a stage's own error over
+    the ConsumerDied / ChannelClosed its neighbours saw."""
+    errors = _flatten(eg)
+    for e in errors:
+        if not isinstance(e, Exception):
+            return e
+    stage_errors = [e for e in errors if isinstance(e, StageError)]
+    for e in stage_errors:
+        if not isinstance(e.cause, ConsumerDied | ChannelClosed):
+            return e
+    return stage_errors[0] if stage_errors else errors[0]
+
+
+async def stage_task(name: str, coro: Coroutine[Any, Any, Any]) -> Any:
+    """A stage's exception becomes a StageError naming it (out of memory: with a hint)."""
+    try:
+        return await coro
+    except (asyncio.CancelledError, StageError):
+        raise
+    except torch.OutOfMemoryError as e:
+        hint = (
+            "lower data.token_budget or data.batch_size"
+            if name.startswith(("target.", "data."))
+            else "lower drafter.max_anchors, data.token_budget or train.loss_chunk"
+        )
+        raise StageError(name, MemoryError(f"out of memory ({hint})")) from e
+    except Exception as e:
+        raise StageError(name, e) from e

@@ -26,15 +26,23 @@ from dflash.profile import Stage
 from dflash.records import StepGrads, StepReply
 from dflash.replica import DrafterReplica
 from dflash.stages._link import linked
-from dflash.steps import StepBook, StepResult
+from dflash.steps import Progress, StepBook, StepResult
 
 __all__ = ["apply_step", "run"]
 
 
 def apply_step(
-    replicas: list[DrafterReplica], contribs: list[StepGrads], device: Device, step: int, *, grad_clip: float
+    replicas: list[DrafterReplica],
+    contribs: list[StepGrads],
+    device: Device,
+    step: int,
+    progress: Progress,
+    *,
+    grad_clip: float,
 ) -> StepResult:
-    """Reduce, normalise, clip and apply one step to every replica (in the optimizer's worker)."""
+    """Reduce, normalise, clip and apply one step to every replica (in the optimizer's worker).
+    `progress.updating` is set just before the first change of state: a crash before it
+    leaves a consistent state for the emergency checkpoint."""
     faults.check(Stage.OPTIMIZER_STEP)
     dev0 = replicas[0].device
     weight = sum(c.weight_sum for c in contribs)
@@ -65,6 +73,7 @@ def apply_step(
             r.optimizer.zero_grad(set_to_none=True)
     with device.span(Stage.OPTIMIZER_STEP) if finite else contextlib.nullcontext():
         lr = replicas[0].optimizer.param_groups[0]["lr"]
+        progress.updating = finite  # from here until StepBook.end, weights and AdamW state may disagree
         for r in replicas if finite else []:
             for p, g in zip(r.params, grads, strict=True):
                 p.grad = g.to(r.device, copy=r.index != 0)
@@ -97,8 +106,8 @@ async def run(
     stop: asyncio.Event,
     max_steps: int | None,
 ) -> int:
-    """`apply(replicas, contribs, device, step)` is `apply_step` with the clip bound.
-    Returns the number of the last optimizer step taken."""
+    """`apply(replicas, contribs, device, step, progress)` is `apply_step` with the clip
+    bound. Returns the number of the last optimizer step taken."""
     active = set(range(len(replicas)))
     with linked([inbox], replies):
         while active:
@@ -114,11 +123,12 @@ async def run(
             if len(msgs) < len(active):  # a replica closed without a final message
                 finished |= active - {m.replica for m in msgs}
             ready = None
-            if contribs:
-                step = book.begin()
+            done = max_steps is not None and book.progress.step >= max_steps  # resumed at the end
+            if contribs and not done:
                 result, ready = await device.run(
-                    None, apply, replicas, contribs, device, step, wait_for=[c.ready for c in contribs]
-                )
+                    None, apply, replicas, contribs, device, book.next_step, book.progress,
+                    wait_for=[c.ready for c in contribs],
+                )  # fmt: skip
                 await book.end(result, max(c.last_batch for c in contribs), ready)
             step = book.progress.step
             stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)

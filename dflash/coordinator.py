@@ -265,3 +265,12 @@ class Coordinator:
         }
         self.emit("run_end", **self.summary)
         return self.summary
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run":  # `from dflash.coordinator import run` still works; it lives in runner.py
+        from dflash.runner import run
+
+        return run
+    msg = f"module 'dflash.coordinator' has no attribute {name!r}"
+    raise AttributeError(msg)

@@ -27,7 +27,7 @@ import torch
 from dflash.errors import ConfigError
 from dflash.profile import Profiler
 
-__all__ = ["Device", "check_device"]
+__all__ = ["Device", "check_device", "host_sync", "upload"]
 
 R = TypeVar("R")
 
@@ -44,6 +44,21 @@ def check_device(spec: str, key: str) -> torch.device:
             raise ConfigError(msg)
         dev = torch.device("cuda", index)
     return dev
+
+
+def host_sync(t: torch.Tensor) -> torch.Tensor:
+    """The hot path's one way to read a device value on the host: a blocking copy, i.e. a
+    host sync point. Call it only inside a `Device.span` named for the sync
+    (`drafter.grad_norm_sync`, `metrics.sync`), so that the profiler times it."""
+    return t.to("cpu")  # sync: the named one
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device without a host sync: from pinned memory with `non_blocking=True`. The
+    caching host allocator keeps a pinned block alive until the copy that reads it is done."""
+    if device.type != "cuda":
+        return t
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 class Device:
@@ -129,7 +144,8 @@ class Device:
         return await loop.run_in_executor(self._executor, self._call, stage, fn, args, wait_for)
 
     async def synchronize(self, ready: Any) -> None:
-        """Wait (off the loop, GIL released) until the CUDA work behind `ready` is done."""
+        """Wait (off the loop, GIL released) until the CUDA work behind `ready` is done: the
+        named host sync for an event (the D2H copy before the host reads its buffer)."""
         if ready is not None and not ready.query():
             await asyncio.to_thread(ready.synchronize)
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash.devices import Device
+from dflash.devices import Device, host_sync
 from dflash.profile import Profiler, Stage
 
 __all__ = ["EvalHook", "Progress", "StepBook", "StepContext", "StepHook", "StepResult", "to_records"]
@@ -70,13 +70,12 @@ def to_records(results: list[StepResult]) -> list[Record]:
     values become null (JSON has no NaN; `jq` must always parse the log)."""
     if not results:
         return []
-    packed = torch.stack(
-        [torch.cat([r.loss.float()[None], r.grad_norm.float()[None], r.correct.float()]) for r in results]
-    ).cpu()  # sync point: once per log interval
+    rows = [torch.cat([r.loss.float()[None], r.grad_norm.float()[None], r.correct.float()]) for r in results]
+    packed = host_sync(torch.stack(rows))  # once per log interval (metrics.sync)
     out = []
-    for r, row in zip(results, packed.tolist(), strict=True):
+    for r, row in zip(results, packed.tolist(), strict=True):  # no-sync: a host tensor now
         loss, gnorm, correct = row[0], row[1], row[2:]
-        count = r.count.tolist()
+        count = r.count.tolist()  # no-sync: counted on the host
         acc = [c / n if n else 0.0 for c, n in zip(correct[1:], count[1:], strict=True)]
         tau, run = 1.0, 1.0
         for a in acc:

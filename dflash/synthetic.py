@@ -145,7 +145,7 @@ class SyntheticTarget:
         self.name = "synthetic"
         self.layer_ids = [0]
 
-    def capture(self, ids: torch.Tensor, docs: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+    def capture(self, ids: torch.Tensor, docs: torch.Tensor, pos: torch.Tensor, packed: bool) -> list[torch.Tensor]:
         work(self.cost)
         return [torch.zeros(ids.shape[0], ids.shape[1], 1)]
 

@@ -83,6 +83,7 @@ def collate(rows: Sequence[Sample] | Sequence[Sequence[Sample]], index: int, epo
         positions=positions.view(R, T),
         num_tokens=N,
         num_samples=len(docs),
+        packed=len(docs) > R,  # every row holds at least one document
     )
 
 

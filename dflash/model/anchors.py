@@ -44,18 +44,18 @@ def sample_anchors(
     `doc_ids` are global sample ids (>= 0) per position, -1 for padding; they seed the draw.
     Runs on the host: it is a few small ops per document.
     """
-    loss_mask, doc_ids = loss_mask.cpu(), doc_ids.cpu()
+    loss_mask, doc_ids = loss_mask.cpu(), doc_ids.cpu()  # no-sync: the batch's host tensors
     cand = anchor_candidates(loss_mask, doc_ids)
     per_row: list[torch.Tensor] = []
     for r in range(doc_ids.shape[0]):
         picks = []
         row_docs = doc_ids[r]
-        for d in torch.unique_consecutive(row_docs[row_docs >= 0]).tolist():
+        for d in torch.unique_consecutive(row_docs[row_docs >= 0]).tolist():  # no-sync: host
             pos = torch.nonzero(cand[r] & (row_docs == d)).flatten()
             if pos.numel() == 0:
                 continue
             if pos.numel() > max_anchors:
-                g = torch.Generator().manual_seed(sample_seed(seed, int(d), epoch))
+                g = torch.Generator().manual_seed(sample_seed(seed, d, epoch))
                 pos = pos[torch.randperm(pos.numel(), generator=g)[:max_anchors]].sort().values
             picks.append(pos)
         per_row.append(torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long))

@@ -315,13 +315,13 @@ class FrozenHead:
         self.embed = embed.detach().requires_grad_(False)  # (V, H)
         self.lm_head = lm_head.detach().requires_grad_(False)  # (V, H)
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenHead:
+    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenHead:  # no-sync: set-up
         e = self.embed.to(device=device, dtype=dtype)
         h = e if self.lm_head is self.embed else self.lm_head.to(device=device, dtype=dtype)
         return FrozenHead(e, h)
 
-    def norm_of_row(self, token_id: int) -> float:
+    def norm_of_row(self, token_id: int) -> float:  # no-sync: set-up
         return float(self.embed[token_id].float().norm())
 
-    def mean_row_norm(self) -> float:
+    def mean_row_norm(self) -> float:  # no-sync: set-up
         return float(self.embed.float().norm(dim=-1).mean())

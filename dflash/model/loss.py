@@ -72,7 +72,7 @@ def block_targets(
         labels=labels.flatten()[sel],
         weights=weights,
         slot=slot,
-        weight_sum=float(weights.sum()),
+        weight_sum=float(weights.sum()),  # no-sync: labels and weights are built on the host
         count_per_slot=torch.bincount(slot, minlength=B),
     )
 

@@ -38,11 +38,11 @@ class BlockLayout:
 
     @property
     def ctx_len(self) -> int:
-        return int(self.doc_ids.shape[1])
+        return self.doc_ids.shape[1]
 
     @property
     def num_queries(self) -> int:
-        return int(self.anchors.shape[1]) * self.block_size
+        return self.anchors.shape[1] * self.block_size
 
 
 def make_mask_mod(layout: BlockLayout, window: int | None, causal_in_block: bool) -> MaskMod:

@@ -90,7 +90,7 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 class Target:
     """A frozen causal LM plus the layer ids whose outputs it hands to the drafter."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:  # no-sync: load time
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -167,14 +167,18 @@ class Target:
         return self.model.get_output_embeddings().weight
 
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    def capture(
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor, packed: bool | None = None
+    ) -> list[torch.Tensor]:
         """The chosen layers' outputs, each (R, T, H), in `layer_ids` order.
 
-        `doc_ids` (R, T): -1 for padding. A row holding several documents gets a 4-D
-        document-causal mask (documents never see each other); otherwise a plain padding
-        mask, which lets the model use its fastest attention path.
+        `doc_ids` (R, T): -1 for padding. A row holding several documents (`packed`, which
+        the batch knows: pass it) gets a 4-D document-causal mask (documents never see each
+        other); otherwise a plain padding mask, which lets the model use its fastest
+        attention path. Without `packed` it is read off `doc_ids` — a host sync on a GPU.
         """
-        packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())
+        if packed is None:
+            packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())  # sync: tests, eval
         attention_mask = document_mask(doc_ids) if packed else (doc_ids >= 0).long()
         base = getattr(self.model, "model", self.model)
         with self._capturing(stop=True) as layers:
@@ -190,7 +194,9 @@ class Target:
         return out, torch.cat(layers, dim=-1)
 
 
-def load_target(cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = "") -> Target:
+def load_target(  # no-sync: load time
+    cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = ""
+) -> Target:
     from dflash.model.drafter import default_target_layers
     from dflash.model.loading import _quiet_transformers, model_folder
 

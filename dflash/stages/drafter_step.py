@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from dflash import faults
 from dflash.channel import Channel, EndOfStream
 from dflash.config import DrafterConfig
-from dflash.devices import Device
+from dflash.devices import Device, upload
 from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.loss import LossParts, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, layer_masks
@@ -51,8 +51,8 @@ def micro_step(
     dev = rep.device
     cuda = dev.type == "cuda"
     with device.span(Stage.DRAFTER_H2D):
-        context = feats.hidden.to(dev, non_blocking=True)  # (R, T, k·H)
-        positions = b.positions.to(dev, non_blocking=True)  # (R, T)
+        context = upload(feats.hidden, dev)  # (R, T, k·H)
+        positions = upload(b.positions, dev)  # (R, T)
     with device.span(Stage.DRAFTER_ANCHORS):
         # Host-side: anchors, labels and which slots count are known before device work,
         # so selecting the supervised slots needs no device sync.
@@ -62,18 +62,18 @@ def micro_step(
         block_ids[:, :, 0] = torch.gather(b.input_ids, 1, anchors)  # slot 0: the anchor token
         reveal = None
         if reveal_prob > 0:  # noise schedule: some slots show their true token, no loss there
-            g = torch.Generator().manual_seed(sample_seed(seed, int(b.index), b.epoch) ^ 0x5EED)
+            g = torch.Generator().manual_seed(sample_seed(seed, b.index, b.epoch) ^ 0x5EED)
             reveal, true_tokens = reveal_slots(b.input_ids, b.doc_ids, anchors, valid, B, reveal_prob, g)
             block_ids = torch.where(reveal, true_tokens, block_ids)
         targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma, reveal)
         q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     with device.span(Stage.DRAFTER_MASK):
-        layout = BlockLayout(anchors.to(dev), valid.to(dev), b.doc_ids.to(dev, non_blocking=True), B)
+        layout = BlockLayout(upload(anchors, dev), upload(valid, dev), upload(b.doc_ids, dev), B)
         masks = layer_masks(layout, spec, use_flex)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with device.span(Stage.DRAFTER_FORWARD), autocast:
-        emb = F.embedding(block_ids.view(R, N * B).to(dev, non_blocking=True), rep.head.embed)
-        hidden = rep.model(emb, context, q_pos.to(dev, non_blocking=True), positions, masks)
+        emb = F.embedding(upload(block_ids.view(R, N * B), dev), rep.head.embed)
+        hidden = rep.model(emb, context, upload(q_pos, dev), positions, masks)
         parts = block_loss(hidden, rep.head.lm_head, targets, B, loss_chunk)  # (R, N·B, H) in
     faults.check(Stage.DRAFTER_FORWARD)
     if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied

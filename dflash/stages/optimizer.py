@@ -21,7 +21,7 @@ import torch
 
 from dflash import faults
 from dflash.channel import Channel, EndOfStream
-from dflash.devices import Device
+from dflash.devices import Device, host_sync
 from dflash.profile import Stage
 from dflash.records import StepGrads, StepReply
 from dflash.replica import DrafterReplica
@@ -58,12 +58,13 @@ def apply_step(
                     if g is not None:
                         total.add_(g.to(dev0, non_blocking=True))
             grads.append(total.mul_(scale))
-    loss = sum((c.loss_sum.to(dev0) for c in contribs if c.loss_sum is not None), torch.zeros((), device=dev0))
+    losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]
+    loss = sum(losses, torch.zeros((), device=dev0))
     with device.span(Stage.GRAD_NORM_SYNC):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         # The one host sync per step, on purpose: a NaN/Inf step must touch neither the
         # weights nor the optimizer state, and only the host can decide to skip it.
-        finite = bool(torch.isfinite(norm) & torch.isfinite(loss))
+        finite = bool(host_sync(torch.isfinite(norm) & torch.isfinite(loss)))
         if grad_clip > 0 and finite:
             coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
             for g in grads:
@@ -76,11 +77,11 @@ def apply_step(
         progress.updating = finite  # from here until StepBook.end, weights and AdamW state may disagree
         for r in replicas if finite else []:
             for p, g in zip(r.params, grads, strict=True):
-                p.grad = g.to(r.device, copy=r.index != 0)
+                p.grad = g.to(r.device, copy=r.index != 0, non_blocking=True)
             r.optimizer.step()
             r.scheduler.step()
             r.optimizer.zero_grad(set_to_none=True)
-    correct = sum(c.correct_per_slot.to(dev0) for c in contribs if c.correct_per_slot is not None)
+    correct = sum(c.correct_per_slot.to(dev0, non_blocking=True) for c in contribs if c.correct_per_slot is not None)
     count = sum(c.count_per_slot for c in contribs if c.count_per_slot is not None)
     return StepResult(
         step=step,

@@ -33,7 +33,10 @@ def next_batch(plan: Iterator[tuple[int, int, list]], pin: bool) -> Batch | None
     batch = collate(rows, index, epoch)
     if pin:  # pinned host memory makes the target's H2D copy asynchronous
         batch = dataclasses.replace(
-            batch, input_ids=batch.input_ids.pin_memory(), positions=batch.positions.pin_memory()
+            batch,
+            input_ids=batch.input_ids.pin_memory(),
+            positions=batch.positions.pin_memory(),
+            doc_ids=batch.doc_ids.pin_memory(),
         )
     return batch
 

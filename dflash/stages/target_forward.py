@@ -11,7 +11,7 @@ import torch
 
 from dflash import faults
 from dflash.channel import Channel
-from dflash.devices import Device
+from dflash.devices import Device, upload
 from dflash.feature_cache import FeatureCache
 from dflash.model.target import Target
 from dflash.profile import Profiler, Stage
@@ -25,10 +25,8 @@ def forward(target: Target, batch: Batch) -> list[torch.Tensor]:
     """The target up to its last chosen layer (in the target's worker thread)."""
     faults.check(Stage.TARGET_FORWARD)
     dev = target.device
-    ids = batch.input_ids.to(dev, non_blocking=True)  # (R, T)
-    docs = batch.doc_ids.to(dev, non_blocking=True)
-    pos = batch.positions.to(dev, non_blocking=True)
-    return target.capture(ids, docs, pos)  # k × (R, T, H)
+    ids, docs, pos = (upload(t, dev) for t in (batch.input_ids, batch.doc_ids, batch.positions))  # (R, T) each
+    return target.capture(ids, docs, pos, packed=batch.packed)  # k × (R, T, H)
 
 
 async def features(

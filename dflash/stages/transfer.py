@@ -35,7 +35,7 @@ async def host_features(device: Device, f: PackedFeatures, source: int, cache: F
     """The copy, waited for off the loop (the host must not read before it lands), and
     stored in the feature cache."""
     host, ready = await device.run(Stage.TARGET_D2H, to_host, f.hidden, wait_for=[f.ready])
-    await device.synchronize(ready)
+    await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:
         await device.run(None, cache.put, f.batch, host)
     return HostFeatures(f.batch, host, source)

@@ -221,8 +221,8 @@ class Checkpointer:
         optimizer state may disagree then: nothing is written) or it is written already."""
         if progress.updating or progress.step <= max(self.last_step, self.start_step):
             return None
-        if progress.ready is not None:  # sync point: the last update's kernels must be done
-            progress.ready.synchronize()
+        if self.replica.device.type == "cuda":  # sync point: the last update's kernels must be done
+            torch.cuda.synchronize(self.replica.device)
         snap = self.take(progress.step, progress.last_batch)
         path = write_checkpoint(snap, self.root, self.cfg.checkpoint.keep_last)
         self.last_step = snap.step

@@ -47,8 +47,14 @@ class Progress:
 
     step: int  # last optimizer step finished (applied, or skipped as non-finite)
     last_batch: int = -1  # highest batch index consumed by steps up to `step` (the data cursor)
-    updating: bool = False  # set by apply_step before it changes any state, cleared by StepBook.end
+    updating: bool = False  # set by apply_step before it changes any state, cleared when it is done
     ready: Any = None  # CUDA event: the update of `step` is done
+
+    def finish(self, step: int, last_batch: int) -> None:
+        """Step `step` is done (applied or skipped): weights, optimizer state and data cursor
+        agree again. Called by the update itself, in its worker thread, so that a run
+        cancelled right after it still knows where it stands."""
+        self.step, self.last_batch, self.updating = step, max(self.last_batch, last_batch), False
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,8 @@ class StepBook:
     async def end(self, result: StepResult, last_batch: int, ready: Any) -> None:
         """The update of `result.step` is done (or skipped): record it, run the hooks."""
         p = self.progress
-        p.step, p.last_batch, p.updating, p.ready = result.step, max(p.last_batch, last_batch), False, ready
+        p.finish(result.step, last_batch)  # (done already by apply_step; stand-ins may not)
+        p.ready = ready
         self._pending.append(result)
         if result.skipped:
             self._bad += 1

@@ -158,8 +158,12 @@ class SyntheticReplica:
     device: torch.device
 
 
-def _micro_step(spec: SyntheticSpec) -> Any:
-    def step(rep: Any, device: Any, feats: Any, **_: Any) -> LossParts:
+def _prepare(rep: Any, device: Any, feats: Any, **_: Any) -> Any:
+    return feats  # a HostFeatures carries the batch, all that compute and the accumulator read
+
+
+def _compute(spec: SyntheticSpec) -> Any:
+    def step(rep: Any, device: Any, prepared: Any, **_: Any) -> LossParts:
         with device.span(Stage.DRAFTER_FORWARD):
             work(spec.drafter)
         B = spec.block_size
@@ -201,7 +205,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> Any:
         rms_norm_eps=1e-6, rope_theta=1.0, target_layer_ids=[0], num_target_layers=1,
         block_size=spec.block_size, mask_token_id=0, layer_types=["full_attention"], sliding_window=1,
     )  # fmt: skip
-    micro = MicroStep(cfg.drafter, cfg.run.seed, 1, False, fn=_micro_step(spec))
+    micro = MicroStep(cfg.drafter, cfg.run.seed, 1, False, prepare_fn=_prepare, compute_fn=_compute(spec))
 
     def simulated(device: Any) -> None:
         device.sim = Timeline()

@@ -1,15 +1,18 @@
 """drafter step: one replica's forward and backward over hidden-state batches.
 
 Per optimizer step a replica takes `grad_accum` batches from the hidden-state channel
-(waiting there is `drafter.queue_wait`: starved by the targets), runs H2D, anchors,
-mask, forward + loss, backward for each (gradients accumulate in .grad), sends its
-StepGrads to the optimizer, and waits for the optimizer's reply (`drafter.step_wait`)
-before touching its weights again. It ends when the optimizer says stop or the channel
+(waiting there is `drafter.queue_wait`: starved by the targets) and runs each in two
+phases: *prepare* (H2D, anchors, labels, block ids, masks — no weights touched) and
+*compute* (forward + loss, backward; gradients accumulate in .grad). It sends its
+StepGrads to the optimizer and waits for the optimizer's reply (`drafter.step_wait`)
+before touching its weights again — meanwhile it takes and prepares the next batch, so
+the compute after the reply waits only on the weight update. It ends when the optimizer says stop or the channel
 ends (it then sends a last StepGrads with 0 micro-batches).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,33 +26,45 @@ from dflash.channel import Channel, EndOfStream
 from dflash.config import DrafterConfig
 from dflash.devices import Device, upload
 from dflash.model.anchors import sample_anchors, sample_seed
-from dflash.model.loss import LossParts, block_loss, block_targets, reveal_slots
+from dflash.model.loss import BlockTargets, LossParts, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.profile import Profiler, Stage
 from dflash.records import Batch, HostFeatures, StepGrads, StepReply
 from dflash.replica import DrafterReplica
 from dflash.stages._link import linked
 
-__all__ = ["Accumulator", "MicroStep", "micro_step", "run"]
+__all__ = ["Accumulator", "MicroStep", "Prepared", "compute", "prepare", "run"]
 
 
-def micro_step(
+@dataclass(frozen=True)
+class Prepared:
+    """A micro-batch made ready for the forward: everything that touches no weights."""
+
+    batch: Batch
+    context: torch.Tensor  # (R, T, k·H) target features, on the drafter's device
+    positions: torch.Tensor  # (R, T)
+    block_ids: torch.Tensor  # (R, N·B) anchor token then mask / revealed tokens
+    q_pos: torch.Tensor  # (R, N·B) positions of the block slots
+    masks: dict[str, Any]  # per layer type
+    targets: BlockTargets  # labels and weights of the supervised slots (host)
+
+
+def prepare(
     rep: DrafterReplica,
     device: Device,
     feats: HostFeatures,
     *,
     cfg: DrafterConfig,
     seed: int,
-    loss_chunk: int,
     use_flex: bool,
     reveal_prob: float = 0.0,
-) -> LossParts:
-    """Forward + backward of one batch on replica `rep` (runs in its worker thread)."""
+) -> Prepared:
+    """H2D, anchors, labels, block ids and masks of one batch (in the replica's worker
+    thread). It reads no weights, so it can run while the optimizer updates them."""
     b = feats.batch
     spec = rep.model.spec
     B = spec.block_size
     dev = rep.device
-    cuda = dev.type == "cuda"
     with device.span(Stage.DRAFTER_H2D):
         context = upload(feats.hidden, dev)  # (R, T, k·H)
         positions = upload(b.positions, dev)  # (R, T)
@@ -70,11 +85,19 @@ def micro_step(
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(upload(anchors, dev), upload(valid, dev), upload(b.doc_ids, dev), B)
         masks = layer_masks(layout, spec, use_flex)
+    ids, q = upload(block_ids.view(R, N * B), dev), upload(q_pos, dev)
+    return Prepared(b, context, positions, ids, q, masks, targets)
+
+
+def compute(rep: DrafterReplica, device: Device, p: Prepared, *, loss_chunk: int) -> LossParts:
+    """Forward + chunked loss + backward of a prepared batch (in the replica's worker thread)."""
+    B = rep.model.spec.block_size
+    cuda = rep.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with device.span(Stage.DRAFTER_FORWARD), autocast:
-        emb = F.embedding(upload(block_ids.view(R, N * B), dev), rep.head.embed)
-        hidden = rep.model(emb, context, upload(q_pos, dev), positions, masks)
-        parts = block_loss(hidden, rep.head.lm_head, targets, B, loss_chunk)  # (R, N·B, H) in
+        emb = F.embedding(p.block_ids, rep.head.embed)
+        hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks)  # (R, N·B, H)
+        parts = block_loss(hidden, rep.head.lm_head, p.targets, B, loss_chunk)
     faults.check(Stage.DRAFTER_FORWARD)
     if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied
         parts.loss_sum = parts.loss_sum * float("nan")
@@ -87,21 +110,25 @@ def micro_step(
 
 @dataclass(frozen=True)
 class MicroStep:
-    """How a replica turns one batch into gradients: `micro_step` with its settings bound.
-    `fn` is the compute (the orchestration benchmarks put work of known cost there)."""
+    """How a replica turns one batch into gradients, in two phases: `prepare` (no weights
+    touched) and `compute` (forward + backward), with their settings bound. The functions
+    are slots: the orchestration benchmarks put work of known cost there."""
 
     cfg: DrafterConfig
     seed: int
     loss_chunk: int
     use_flex: bool
     noise: Callable[[int], float] = lambda _step: 0.0  # reveal probability at a step
-    fn: Callable[..., LossParts] = micro_step
+    prepare_fn: Callable[..., Any] = prepare
+    compute_fn: Callable[..., LossParts] = compute
 
-    def __call__(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> LossParts:
-        return self.fn(
-            rep, device, feats, cfg=self.cfg, seed=self.seed, loss_chunk=self.loss_chunk,
-            use_flex=self.use_flex, reveal_prob=self.noise(step),
-        )  # fmt: skip
+    def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> Prepared:
+        return self.prepare_fn(
+            rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step)
+        )
+
+    def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:
+        return self.compute_fn(rep, device, prepared, loss_chunk=self.loss_chunk)
 
 
 class Accumulator:
@@ -127,8 +154,12 @@ class Accumulator:
         self.count = parts.count_per_slot if first else self.count + parts.count_per_slot
 
     def step(self, micro: MicroStep, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> None:
-        """Forward + backward of one batch, added to the sums (in the replica's worker thread)."""
-        self.add(micro(rep, device, feats, step), feats.batch)
+        """Both phases of one batch, added to the sums (in the replica's worker thread)."""
+        self.compute(micro, rep, device, micro.prepare(rep, device, feats, step))
+
+    def compute(self, micro: MicroStep, rep: DrafterReplica, device: Device, prepared: Prepared) -> None:
+        """Forward + backward of a prepared batch, added to the sums."""
+        self.add(micro.compute(rep, device, prepared), prepared.batch)
 
     def grads(self, replica: int, step: int, ready: Any) -> StepGrads:
         return StepGrads(
@@ -150,27 +181,47 @@ async def run(
 ) -> None:
     step = start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
+    ahead: asyncio.Task[Prepared | None] | None = None
+
+    async def take(step: int) -> Prepared | None:
+        """The next batch, prepared (None at the end of the stream)."""
+        try:
+            feats, waited = await inbox.get()
+        except EndOfStream:
+            return None
+        profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
+        prepared, _ = await device.run(None, micro.prepare, rep, device, feats, step)
+        return prepared
+
     with linked([inbox, replies], [outbox]):
-        while True:
-            acc = Accumulator()
-            ready = None
-            for _ in range(grad_accum):
+        try:
+            while True:
+                acc = Accumulator()
+                ready = None
+                for _ in range(grad_accum):
+                    prepared = await (ahead if ahead is not None else take(step))
+                    ahead = None
+                    if prepared is None:
+                        break
+                    _, ready = await device.run(None, acc.compute, micro, rep, device, prepared, wait_for=wait_for)
+                    profiler.count("drafter_tokens", prepared.batch.num_tokens)
+                await outbox.put(acc.grads(rep.index, step, ready))
+                if acc.n == 0:
+                    return
+                # While the optimizer steps, the next batch is taken and prepared: after the
+                # reply only the forward is left, and it waits on the update alone.
+                ahead = asyncio.ensure_future(take(step + 1))
                 try:
-                    feats, waited = await inbox.get()
+                    reply, waited = await replies.get()
                 except EndOfStream:
-                    break
-                profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-                _, ready = await device.run(None, acc.step, micro, rep, device, feats, step, wait_for=wait_for)
-                profiler.count("drafter_tokens", feats.batch.num_tokens)
-            await outbox.put(acc.grads(rep.index, step, ready))
-            if acc.n == 0:
-                return
-            try:
-                reply, waited = await replies.get()
-            except EndOfStream:
-                return
-            profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
-            if reply.stop:
-                return
-            wait_for = [reply.ready]
-            step = reply.step
+                    return
+                profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
+                if reply.stop:
+                    return
+                wait_for = [reply.ready]
+                step = reply.step
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+                with contextlib.suppress(BaseException):
+                    await ahead  # its error, if any, is moot: the stage is ending

@@ -41,8 +41,9 @@ def apply_step(
     grad_clip: float,
 ) -> StepResult:
     """Reduce, normalise, clip and apply one step to every replica (in the optimizer's worker).
-    `progress.updating` is set just before the first change of state: a crash before it
-    leaves a consistent state for the emergency checkpoint."""
+    `progress.updating` is set just before the first change of state and cleared, with the
+    step and cursor advanced, when the last replica is updated: whenever a crash stops the
+    run, `progress` says whether the state is consistent and which step it is."""
     faults.check(Stage.OPTIMIZER_STEP)
     dev0 = replicas[0].device
     weight = sum(c.weight_sum for c in contribs)
@@ -81,6 +82,7 @@ def apply_step(
             r.optimizer.step()
             r.scheduler.step()
             r.optimizer.zero_grad(set_to_none=True)
+    progress.finish(step, max(c.last_batch for c in contribs))
     correct = sum(c.correct_per_slot.to(dev0, non_blocking=True) for c in contribs if c.correct_per_slot is not None)
     count = sum(c.count_per_slot for c in contribs if c.count_per_slot is not None)
     return StepResult(

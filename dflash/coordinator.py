@@ -33,7 +33,6 @@ from dflash.profile import Profiler, Trace
 from dflash.setup import Training, prepare
 from dflash.stages._link import root_error, stage_task
 from dflash.steps import EvalHook, StepHook
-from dflash.synthetic import SyntheticSpec
 
 __all__ = ["Coordinator", "Record"]
 
@@ -49,13 +48,14 @@ class Coordinator:
         *,
         log: bool = True,
         resume: str | Path | None = None,
-        synthetic: SyntheticSpec | None = None,
+        training: Training | None = None,
     ) -> None:
         """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder.
-        `synthetic`: replace the models' compute with work of known cost (orchestration benchmarks)."""
+        `training`: run on this `Training` instead of building one from the config (set-up
+        skipped; e.g. stand-ins of known cost: `dflash.synthetic.prepare`)."""
         self.config = config
         self.resume = resume
-        self.synthetic = synthetic
+        self._given = training
         self.run_dir = config.run_dir
         self._log = structlog.get_logger("dflash") if log else None
         self._subscribers: list[Callable[[Record], None]] = []
@@ -133,12 +133,7 @@ class Coordinator:
     async def _run(self, stop: asyncio.Event, t_start: float) -> Record:
         cfg = self.config
         self.emit("run_start", run_dir=str(self.run_dir), torch=torch.__version__, config=cfg.model_dump(mode="json"))
-        if self.synthetic is not None:
-            from dflash import synthetic
-
-            t = synthetic.prepare(cfg, self.synthetic)
-        else:
-            t = await asyncio.to_thread(prepare, cfg, self.resume)
+        t = self._given or await asyncio.to_thread(prepare, cfg, self.resume)
         self._training, self.targets, self.replicas = t, t.targets, t.replicas
         for w in t.warnings:
             self.emit("warning", message=w)
@@ -151,7 +146,7 @@ class Coordinator:
             total_steps=t.total_steps,
             target=t.targets[0].name,
             target_layers=t.spec.target_layer_ids,
-            drafter_params=sum(p.numel() for p in getattr(t.replicas[0], "params", [])),
+            drafter_params=sum(p.numel() for p in t.replicas[0].params),
             mask_token_id=t.spec.mask_token_id,
             setup_s=round(time.perf_counter() - t_start, 3),
             resumed_from=t.start_step if self.resume is not None else None,
@@ -162,8 +157,7 @@ class Coordinator:
         hooks: list[StepHook] = []
         if t.evaluate is not None and cfg.eval.every_steps:
             hooks.append(EvalHook(cfg.eval.every_steps, t.evaluate, self.emit))
-        if self.synthetic is None:
-            hooks.append(checkpointer)
+        hooks.append(checkpointer)
         topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks)
         progress = ProgressLine(t.total_steps, t.start_step)
         self.subscribe(progress)
@@ -209,7 +203,7 @@ class Coordinator:
 
     async def _fail(self, error: BaseException, checkpointer: Checkpointer, topo: topology.Topology) -> None:
         ckpt = self.config.checkpoint
-        if isinstance(error, Exception) and self.synthetic is None and (ckpt.at_end or ckpt.every_steps):
+        if isinstance(error, Exception) and (ckpt.at_end or ckpt.every_steps):
             # The last consistent state (weights, optimizer, cursor of the last finished step).
             try:
                 path = await asyncio.to_thread(checkpointer.emergency, topo.book.progress)
@@ -228,7 +222,7 @@ class Coordinator:
         """The end of a finished run: export first (a trained drafter is never lost), then
         the end-of-run eval (a failing eval is a warning, not a lost run), then the summary."""
         cfg, book = self.config, topo.book
-        trained = self.steps > 0 and self.synthetic is None
+        trained = self.steps > 0
         export_dir = None
         if cfg.checkpoint.export_final and trained:
             export_dir = self.run_dir / "final"

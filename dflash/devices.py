@@ -8,9 +8,8 @@ work (None on CPU): a consumer on another stream passes it as `wait_for` so that
 stream waits on the device, not the host. `await device.synchronize(ready)` waits for it
 from a helper thread (needed before the host reads a pinned buffer).
 
-The orchestration benchmarks give a Device a simulated device queue (`sim`, a
-`synthetic.Timeline`): its events then travel the same `ready` / `wait_for` /
-`synchronize` paths as CUDA events, so the CUDA orchestration runs on a CPU machine.
+The orchestration benchmarks bring their own subclass (`synthetic.SimDevice`, a simulated
+in-order device queue); this module does not know it exists.
 """
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ class Device:
         self.is_cuda = self.device.type == "cuda"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
         self._streams: dict[str, Any] = {}
-        self.sim: Any = None  # a synthetic.Timeline: simulated CUDA-like device (benchmarks)
         if self.is_cuda and profiler is not None:
             profiler.add_cuda_device(self.device.index or 0)
 
@@ -116,10 +114,6 @@ class Device:
         args: tuple[Any, ...],
         wait_for: Sequence[Any],
     ) -> tuple[R, Any]:
-        if self.sim is not None:  # orchestration benchmarks: async device work, simulated
-            with self.sim.launching(wait_for), self.span(stage):
-                out = fn(*args)
-            return out, self.sim.event()
         if not self.is_cuda:
             with self.span(stage):
                 out = fn(*args)

@@ -58,7 +58,7 @@ class Training:
     data_stats: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
-    on_device: Callable[[Device], None] | None = None  # benchmarks: a simulated device queue
+    make_device: Callable[..., Device] = Device  # (spec, name, profiler) -> Device; stand-ins bring their own
 
     @property
     def pin(self) -> bool:

@@ -7,14 +7,17 @@ and hide the GIL limit) and then `device_ms` of device work, in one of two model
 
 - "sync": the worker thread waits `device_ms` without the GIL (`time.sleep`), as if every
   stage synchronized its device — the pessimistic model: host and device never overlap.
-- "async": CUDA semantics. Each Device gets a `Timeline`, a simulated in-order device
-  queue. The host part runs on the worker thread; the device part is *launched*: it starts
+- "async": CUDA semantics. Each device is a `SimDevice`, with a `Timeline`: a simulated
+  in-order device queue. The host part runs on the worker thread; the device part is *launched*: it starts
   when the queue and the events it waits for (`wait_for`) are done, and the worker thread
   goes on at once, as after a kernel launch. The stage returns a `SimEvent` as its `ready`
   event; hosts wait only where the real code synchronizes (the D2H copy before the host
   reads, the optimizer's grad-norm sync), so host work overlaps device work as on a GPU.
 
-Used by `bench/orchestration.py` and its test.
+`prepare(cfg, spec)` gives the config and the `Training` of stand-ins to run with
+`Coordinator(cfg, training=t)`: the coordinator, topology, stages and devices are the
+production ones and know nothing of this module. Used by `bench/orchestration.py` and its
+test.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from dflash.devices import Device
 from dflash.model.loss import LossParts
 from dflash.profile import Stage
 
@@ -156,6 +160,22 @@ class SyntheticReplica:
 
     index: int
     device: torch.device
+    params: tuple[()] = ()
+
+
+class SimDevice(Device):
+    """A CPU `Device` whose work launches on a simulated in-order device queue: the host part
+    runs in the worker thread, the device part starts after the events it waits for, and
+    the returned `ready` is a `SimEvent` that flows where CUDA events flow."""
+
+    def __init__(self, spec: str, name: str, profiler: Any = None) -> None:
+        super().__init__(spec, name, profiler)
+        self.timeline = Timeline()
+
+    def _call(self, stage: str | None, fn: Any, args: tuple[Any, ...], wait_for: Sequence[Any]) -> tuple[Any, Any]:
+        with self.timeline.launching(wait_for), self.span(stage):
+            out = fn(*args)
+        return out, self.timeline.event()
 
 
 def _prepare(rep: Any, device: Any, feats: Any, **_: Any) -> Any:
@@ -188,9 +208,10 @@ def _apply_step(spec: SyntheticSpec) -> Any:
     return apply
 
 
-def prepare(cfg: Any, spec: SyntheticSpec) -> Any:
-    """A `Training` of stand-ins for targets, data and replicas; the stages, channels and
-    devices that run them are the real ones."""
+def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
+    """(config, `Training`) of stand-ins for targets, data and replicas; the stages, channels
+    and devices that run them are the real ones. Stand-ins have no weights: the config
+    asks for no checkpoint, export or eval."""
     from dflash.data.batching import BatchPlan, Sample
     from dflash.model.drafter import DrafterSpec
     from dflash.setup import Training
@@ -207,10 +228,11 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> Any:
     )  # fmt: skip
     micro = MicroStep(cfg.drafter, cfg.run.seed, 1, False, prepare_fn=_prepare, compute_fn=_compute(spec))
 
-    def simulated(device: Any) -> None:
-        device.sim = Timeline()
-
-    return Training(
+    off = {
+        "checkpoint": cfg.checkpoint.model_copy(update={"at_end": False, "every_steps": 0, "export_final": False}),
+        "eval": cfg.eval.model_copy(update={"at_end": False, "every_steps": 0}),
+    }
+    return cfg.model_copy(update=off), Training(
         targets=targets,  # type: ignore[arg-type]
         replicas=replicas,  # type: ignore[arg-type]
         plan=BatchPlan(samples, 1, 1, cfg.run.seed, False),
@@ -221,5 +243,5 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> Any:
         max_steps=cfg.train.max_steps,
         total_steps=-(-spec.batches // len(replicas)),
         padding_fraction=0.0,
-        on_device=simulated if spec.device_model == "async" else None,
+        make_device=SimDevice if spec.device_model == "async" else Device,
     )

@@ -54,9 +54,7 @@ def build(
     devices: list[Device] = []
 
     def device(spec: str, name: str) -> Device:
-        d = Device(spec, name, profiler)
-        if t.on_device is not None:
-            t.on_device(d)
+        d = t.make_device(spec, name, profiler)
         devices.append(d)
         return d
 

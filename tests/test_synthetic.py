@@ -80,7 +80,8 @@ def test_synthetic_5_plus_3_topology_runs_every_batch(tiny_config):
         }
     )
     spec = SyntheticSpec(StageCost(0.2, 2), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=30)
-    records = run_records(cfg, synthetic=spec)
+    cfg, training = dflash.synthetic.prepare(cfg, spec)
+    records = run_records(cfg, training=training)
     steps = [r for r in records if r["event"] == "train_step"]
     assert len(steps) == 10 and sum(s["samples"] for s in steps) == 30
     assert records[-1]["event"] == "run_end" and records[-1]["export_dir"] is None
@@ -101,7 +102,8 @@ def test_synthetic_async_device_model_overlaps_host_and_device(tiny_config, monk
 
     monkeypatch.setattr(Timeline, "launch", observed)
     spec = SyntheticSpec(StageCost(1, 50), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=12, device_model="async")
-    records = run_records(tiny_config(), synthetic=spec)
+    cfg, training = dflash.synthetic.prepare(tiny_config(), spec)
+    records = run_records(cfg, training=training)
     steps = [r for r in records if r["event"] == "train_step"]
     assert sum(s["samples"] for s in steps) == 12
     assert len(backlog) == 12 and any(b > 0 for b in backlog), backlog

@@ -57,7 +57,7 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     caching host allocator keeps a pinned block alive until the copy that reads it is done."""
     if device.type != "cuda":
         return t
-    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)  # no-sync: pinned source
 
 
 class Device:

@@ -24,7 +24,7 @@ class Batch:
     positions: torch.Tensor  # (R, T) int64 position inside its document
     num_tokens: int  # non-padding tokens
     num_samples: int
-    packed: bool = False  # some row holds several documents (known on the host: no sync to find out)
+    packed: bool  # some row holds several documents (known on the host: no sync to find out)
 
 
 @dataclass(frozen=True)

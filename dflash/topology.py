@@ -94,7 +94,9 @@ def build(
             (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache)),
         ]
     for r, (rep, dev) in enumerate(zip(t.replicas, drafters, strict=True)):
-        run = drafter_step.run(rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step)
+        run = drafter_step.run(
+            rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step, lookahead=n_d == 1
+        )
         tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
     tasks.append(
         (Stage.OPTIMIZER_STEP, optimizer.run(t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps))

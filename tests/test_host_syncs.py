@@ -2,12 +2,15 @@
 
 A host sync (the host waiting for a device) hides in ordinary-looking calls: `.item()`,
 `.tolist()`, `.cpu()`, `.numpy()`, `bool()` / `int()` / `float()` of a tensor, an event's
-or the device's `synchronize()`, a `.to(device)` without `non_blocking=True`. On the hot
-path every intended one goes through `dflash.devices.host_sync` (or `Device.synchronize`
-for an event) inside a span named for it; any other such call must say on its line why it
-is no sync (`# no-sync: <why>`, e.g. a host tensor; on a `def` line it covers a load-time
-function) or that it is a named one (`# sync: <stage>`). A new sync therefore cannot slip
-in unnoticed.
+or the device's `synchronize()`, a `.to(device)` or `.cuda()` (even `non_blocking`: from
+pageable memory the copy is staged and may wait). On the hot path every intended one goes
+through `dflash.devices.host_sync` (or `Device.synchronize` for an event) inside a span
+named for it, and host tensors go up through `devices.upload` (pinned); any other such
+call must say on its line why it is no sync (`# no-sync: <why>`, e.g. a host tensor; on a
+`def` line it covers a load-time function) or that it is a named one (`# sync: <stage>`).
+A new sync of these forms therefore cannot slip in unnoticed; syncs hidden inside torch
+ops (`nonzero`, boolean indexing, `if tensor:`) are beyond a source read: that is what
+`set_sync_debug_mode` on a GPU is for.
 """
 
 from __future__ import annotations
@@ -47,14 +50,14 @@ def suspects(source: str) -> list[tuple[int, str]]:
         elif isinstance(f, ast.Name) and f.id in ("bool", "int", "float") and n.args:
             if not isinstance(n.args[0], ast.Constant):
                 found.append((n.lineno, f"{f.id}()"))
-        elif isinstance(f, ast.Attribute) and f.attr == "to":
-            non_blocking = any(
-                k.arg == "non_blocking" and isinstance(k.value, ast.Constant) and k.value.value for k in n.keywords
-            )
-            if not non_blocking and (
-                any(_mentions_device(a) for a in n.args) or any(k.arg == "device" for k in n.keywords)
-            ):
-                found.append((n.lineno, "blocking .to(device)"))
+        elif isinstance(f, ast.Attribute) and f.attr == "cuda":
+            found.append((n.lineno, ".cuda()"))
+        elif (
+            isinstance(f, ast.Attribute)
+            and f.attr == "to"  # even non_blocking: from pageable host memory the copy is staged and may wait
+            and (any(_mentions_device(a) for a in n.args) or any(k.arg == "device" for k in n.keywords))
+        ):
+            found.append((n.lineno, ".to(device) (host tensors go up through devices.upload)"))
     return found
 
 
@@ -100,11 +103,12 @@ def test_the_check_catches_each_kind_of_sync():
             "f = x.to(dev)",
             "g = x.to(device=target.device)",
             "h = x.to(dev, non_blocking=True)",
-            "i = x.to(torch.float32)",
-            "j = float('nan')",
+            "i = x.cuda()",
+            "j = x.to(torch.float32)",
+            "k = float('nan')",
         ]
     )
-    assert [line for line, _ in suspects(src)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [line for line, _ in suspects(src)] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 def test_the_batch_knows_whether_it_is_packed():

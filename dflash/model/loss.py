@@ -125,11 +125,13 @@ def block_loss(
 ) -> LossParts:
     dev = hidden.device
     H = hidden.shape[-1]
-    sel = targets.sel.to(dev, non_blocking=True)
+    # The drafter step uploads the targets while preparing (these are then no-ops); from
+    # other callers (tests, CPU) they are host tensors on the host.
+    sel = targets.sel.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
     h = hidden.reshape(-1, H).index_select(0, sel)  # (M, H) contiguous: fast LM head
-    labels = targets.labels.to(dev, non_blocking=True)
-    weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)
-    slot = targets.slot.to(dev, non_blocking=True)
+    labels = targets.labels.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
+    weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)  # no-sync: uploaded in prepare
+    slot = targets.slot.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
     # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
     total = hidden.sum().float() * 0.0
     correct = torch.zeros(block_size, device=dev)

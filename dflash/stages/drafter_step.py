@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +48,7 @@ class Prepared:
     block_ids: torch.Tensor  # (R, N·B) anchor token then mask / revealed tokens
     q_pos: torch.Tensor  # (R, N·B) positions of the block slots
     masks: dict[str, Any]  # per layer type
-    targets: BlockTargets  # labels and weights of the supervised slots (host)
+    targets: BlockTargets  # which slots count, their labels and weights (on the device)
 
 
 def prepare(
@@ -86,6 +88,10 @@ def prepare(
         layout = BlockLayout(upload(anchors, dev), upload(valid, dev), upload(b.doc_ids, dev), B)
         masks = layer_masks(layout, spec, use_flex)
     ids, q = upload(block_ids.view(R, N * B), dev), upload(q_pos, dev)
+    targets = dataclasses.replace(
+        targets, sel=upload(targets.sel, dev), labels=upload(targets.labels, dev),
+        weights=upload(targets.weights.float(), dev), slot=upload(targets.slot, dev),
+    )  # fmt: skip
     return Prepared(b, context, positions, ids, q, masks, targets)
 
 
@@ -178,20 +184,28 @@ async def run(
     replies: Channel[StepReply],
     profiler: Profiler,
     start_step: int = 0,
+    lookahead: bool = False,
 ) -> None:
+    """`lookahead`: take and prepare the next batch while the optimizer steps. Only for a
+    single replica: with several, a batch taken ahead by a fast replica would fall behind
+    the ones a slower replica still takes for the same step, and the step's data cursor
+    (its highest batch index) would pass over it."""
     step = start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
-    ahead: asyncio.Task[Prepared | None] | None = None
+    ahead: asyncio.Task[tuple[Prepared | None, float]] | None = None
 
-    async def take(step: int) -> Prepared | None:
-        """The next batch, prepared (None at the end of the stream)."""
+    async def take(step: int, early: bool = False) -> tuple[Prepared | None, float]:
+        """The next batch, prepared (None at the end of the stream), and when it arrived.
+        `early`: taken while the optimizer steps (its wait is counted after the reply)."""
         try:
             feats, waited = await inbox.get()
         except EndOfStream:
-            return None
-        profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
+            return None, time.perf_counter()
+        arrived = time.perf_counter()
+        if not early:  # waited for in the step itself: starved by the targets
+            profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
         prepared, _ = await device.run(None, micro.prepare, rep, device, feats, step)
-        return prepared
+        return prepared, arrived
 
     with linked([inbox, replies], [outbox]):
         try:
@@ -199,7 +213,7 @@ async def run(
                 acc = Accumulator()
                 ready = None
                 for _ in range(grad_accum):
-                    prepared = await (ahead if ahead is not None else take(step))
+                    prepared, _ = await (ahead if ahead is not None else take(step))
                     ahead = None
                     if prepared is None:
                         break
@@ -208,9 +222,8 @@ async def run(
                 await outbox.put(acc.grads(rep.index, step, ready))
                 if acc.n == 0:
                     return
-                # While the optimizer steps, the next batch is taken and prepared: after the
-                # reply only the forward is left, and it waits on the update alone.
-                ahead = asyncio.ensure_future(take(step + 1))
+                if lookahead:  # prepared while the optimizer steps: after the reply, only the forward is left
+                    ahead = asyncio.ensure_future(take(step + 1, early=True))
                 try:
                     reply, waited = await replies.get()
                 except EndOfStream:
@@ -218,10 +231,16 @@ async def run(
                 profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
                 if reply.stop:
                     return
+                if ahead is not None:  # starved only for the part of its wait after the reply
+                    replied = time.perf_counter()
+                    _, arrived = await asyncio.shield(ahead)
+                    profiler.record(Stage.DRAFTER_QUEUE_WAIT, max(0.0, arrived - replied), worker=device.name)
                 wait_for = [reply.ready]
                 step = reply.step
         finally:
-            if ahead is not None:
-                ahead.cancel()
-                with contextlib.suppress(BaseException):
-                    await ahead  # its error, if any, is moot: the stage is ending
+            if ahead is not None:  # a batch taken ahead is dropped, like queued ones
+                if not ahead.done():
+                    ahead.cancel()
+                    await asyncio.wait([ahead])
+                if not ahead.cancelled():
+                    ahead.exception()  # retrieved: the stage is ending either way

@@ -57,9 +57,9 @@ def apply_step(
                 if r.index in by_replica:
                     g = r.params[i].grad
                     if g is not None:
-                        total.add_(g.to(dev0, non_blocking=True))
+                        total.add_(g.to(dev0, non_blocking=True))  # no-sync: device to device
             grads.append(total.mul_(scale))
-    losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]
+    losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]  # no-sync: d2d
     loss = sum(losses, torch.zeros((), device=dev0))
     with device.span(Stage.GRAD_NORM_SYNC):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -78,12 +78,13 @@ def apply_step(
         progress.updating = finite  # from here until StepBook.end, weights and AdamW state may disagree
         for r in replicas if finite else []:
             for p, g in zip(r.params, grads, strict=True):
-                p.grad = g.to(r.device, copy=r.index != 0, non_blocking=True)
+                p.grad = g.to(r.device, copy=r.index != 0, non_blocking=True)  # no-sync: device to device
             r.optimizer.step()
             r.scheduler.step()
             r.optimizer.zero_grad(set_to_none=True)
     progress.finish(step, max(c.last_batch for c in contribs))
-    correct = sum(c.correct_per_slot.to(dev0, non_blocking=True) for c in contribs if c.correct_per_slot is not None)
+    per_slot = [c.correct_per_slot for c in contribs if c.correct_per_slot is not None]
+    correct = sum(t.to(dev0, non_blocking=True) for t in per_slot)  # no-sync: device to device
     count = sum(c.count_per_slot for c in contribs if c.count_per_slot is not None)
     return StepResult(
         step=step,

@@ -93,9 +93,10 @@ def build(
             (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),
             (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache)),
         ]
+    ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and t.replicas[0].device.type == "cuda")
     for r, (rep, dev) in enumerate(zip(t.replicas, drafters, strict=True)):
         run = drafter_step.run(
-            rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step, lookahead=n_d == 1
+            rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step, lookahead=ahead
         )
         tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
     tasks.append(

@@ -21,7 +21,11 @@ from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.export import export_drafter
 from tests.conftest import ROOT, run_records
 
-COMMON = {"data.num_samples": 48, "train.epochs": 2, "eval.at_end": "false", "checkpoint.keep_last": 20}
+# prepare_ahead (off by default on CPU) on: resume stays exact when a batch is taken early.
+COMMON = {
+    "data.num_samples": 48, "train.epochs": 2, "eval.at_end": "false", "checkpoint.keep_last": 20,
+    "pipeline.prepare_ahead": "true",
+}  # fmt: skip
 
 
 def _run(cfg, resume=None) -> list[dict]:

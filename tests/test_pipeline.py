@@ -172,12 +172,13 @@ def _overlaps(spans: list[tuple[float, float, str]]) -> list[tuple[str, str]]:
 
 def test_serial_mode_is_serial_and_trains_exactly_like_the_pipeline(tiny_config, tmp_path):
     """pipeline.mode = "serial" runs one computation at a time (no two spans of its trace
-    overlap, while the pipeline's do) and gives the pipeline's losses and weights exactly."""
+    overlap, while the pipeline's do) and gives the pipeline's losses and weights exactly —
+    also with the drafter preparing its next batch while the optimizer steps."""
     runs = {}
     for mode in ("pipeline", "serial"):
         cfg = tiny_config(**{
             "train.max_steps": 6, "train.epochs": 2, "eval.at_end": "false", "checkpoint.at_end": "true",
-            "pipeline.mode": f'"{mode}"', "run.output_dir": f'"{tmp_path / mode}"',
+            "pipeline.mode": f'"{mode}"', "run.output_dir": f'"{tmp_path / mode}"', "pipeline.prepare_ahead": "true",
             "profile.trace": f'"{tmp_path / mode}.trace.json"',
         })  # fmt: skip
         records = run_records(cfg)

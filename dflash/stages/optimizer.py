@@ -31,6 +31,22 @@ from dflash.steps import Progress, StepBook, StepResult
 __all__ = ["apply_step", "run"]
 
 
+def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch.device) -> list[torch.Tensor]:
+    """Σ of the contributing replicas' gradients on the first replica's device, in a fixed
+    order (the same sum on every run). One replica: its own `.grad` tensors, no copy."""
+    if len(replicas) == 1:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicas[0].params]
+    grads = []
+    for i, p in enumerate(replicas[0].params):
+        total = torch.zeros_like(p, device=dev0)
+        for r in replicas:
+            g = r.params[i].grad
+            if r.index in contributing and g is not None:
+                total.add_(g.to(dev0, non_blocking=True))  # no-sync: device to device
+        grads.append(total)
+    return grads
+
+
 def apply_step(
     replicas: list[DrafterReplica],
     contribs: list[StepGrads],
@@ -49,27 +65,18 @@ def apply_step(
     weight = sum(c.weight_sum for c in contribs)
     scale = 1.0 / max(weight, 1e-12)
     with device.span(Stage.GRAD_REDUCE):
-        grads: list[torch.Tensor] = []
-        by_replica = {c.replica for c in contribs}
-        for i, p in enumerate(replicas[0].params):
-            total = torch.zeros_like(p, device=dev0)
-            for r in replicas:  # fixed order: same sum on every run
-                if r.index in by_replica:
-                    g = r.params[i].grad
-                    if g is not None:
-                        total.add_(g.to(dev0, non_blocking=True))  # no-sync: device to device
-            grads.append(total.mul_(scale))
+        grads = _reduced(replicas, {c.replica for c in contribs}, dev0)
+        torch._foreach_mul_(grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
     losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]  # no-sync: d2d
     loss = sum(losses, torch.zeros((), device=dev0))
     with device.span(Stage.GRAD_NORM_SYNC):
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norm = torch.nn.utils.get_total_norm(grads, foreach=dev0.type == "cuda")
         # The one host sync per step, on purpose: a NaN/Inf step must touch neither the
         # weights nor the optimizer state, and only the host can decide to skip it.
         finite = bool(host_sync(torch.isfinite(norm) & torch.isfinite(loss)))
         if grad_clip > 0 and finite:
-            coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(coef)
+            coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)  # stays a tensor: no sync
+            torch._foreach_mul_(grads, coef)
     if not finite:
         for r in replicas:
             r.optimizer.zero_grad(set_to_none=True)

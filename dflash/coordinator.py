@@ -67,7 +67,6 @@ class Coordinator:
         self.steps = 0
         self.summary: Record | None = None
         self._topology: topology.Topology | None = None
-        self._training: Training | None = None
 
     @property
     def tokens(self) -> int:
@@ -134,7 +133,7 @@ class Coordinator:
         cfg = self.config
         self.emit("run_start", run_dir=str(self.run_dir), torch=torch.__version__, config=cfg.model_dump(mode="json"))
         t = self._given or await asyncio.to_thread(prepare, cfg, self.resume)
-        self._training, self.targets, self.replicas = t, t.targets, t.replicas
+        self.targets, self.replicas = t.targets, t.replicas
         for w in t.warnings:
             self.emit("warning", message=w)
         self.emit(

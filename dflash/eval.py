@@ -208,6 +208,16 @@ def check_drafter_fits(drafter: DFlashDrafter, target: Target) -> None:
         raise CheckpointError(msg)
 
 
+def require_eval_prompts(cfg: Any, also: str = "") -> None:
+    """Chat prompts are needed (files data, or eval.prompts set) and must exist; cheap, so
+    callers check before loading any model. `also`: another way out, for the message."""
+    if (cfg.data.source == "files" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
+        from dflash.errors import DataError
+
+        msg = f"eval prompts not found: {cfg.heldout_prompts} (run `dflash regen` first, or set eval.prompts{also})"
+        raise DataError(msg)
+
+
 def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list[torch.Tensor]:
     """Held-out prompts as token ids: random ones for synthetic or random data, else the chat
     prompts of `eval.prompts` (default: the held-out file regen wrote), through the chat template."""
@@ -222,12 +232,9 @@ def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list
     if tokenizer is None:
         msg = "eval on chat prompts needs a target with a tokenizer (target.kind = 'hf' or 'gguf')"
         raise DataError(msg)
-    path = cfg.heldout_prompts
-    if not path.is_file():
-        msg = f"eval prompts not found: {path} (run `dflash regen` first, or set eval.prompts)"
-        raise DataError(msg)
+    require_eval_prompts(cfg)
     out = []
-    for p in jsonl_prompts(path)[:n]:
+    for p in jsonl_prompts(cfg.heldout_prompts)[:n]:
         enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
         out.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
     return out
@@ -250,11 +257,7 @@ def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     drafter = load_drafter(drafter_path, d_dev)
-    if (cfg.data.source == "files" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
-        from dflash.errors import DataError
-
-        msg = f"eval prompts not found: {cfg.heldout_prompts} (run `dflash regen` first, or set eval.prompts)"
-        raise DataError(msg)
+    require_eval_prompts(cfg)
     tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
     target = load_target(tcfg, t_dev, 1, cfg.data.cache_dir)
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)

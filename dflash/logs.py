@@ -89,12 +89,13 @@ class ProgressLine:
         self.total = total_steps
         self.start_step = start_step
         self.stream = stream if stream is not None else sys.stderr
+        self.on = self.stream.isatty()
         self.tokens = 0
         self.t0 = time.perf_counter()
         self.shown = False
 
     def __call__(self, record: dict[str, Any]) -> None:
-        if record.get("event") != "train_step" or not self.stream.isatty():
+        if not self.on or record.get("event") != "train_step":
             return
         self.tokens += record["tokens"]
         elapsed = time.perf_counter() - self.t0

@@ -61,6 +61,6 @@ async def train(
             None, t.apply, t.replicas, contribs, optimizer, book.next_step, book.progress,
             wait_for=[c.ready for c in contribs],
         )  # fmt: skip
-        await book.end(result, max(c.last_batch for c in contribs), updated)
+        await book.end(result, updated)
     await book.close()
     return book.progress.step

@@ -27,6 +27,7 @@ from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
 from dflash.devices import Device, check_device
 from dflash.errors import CheckpointError, ConfigError, DataError
+from dflash.eval import require_eval_prompts
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target
@@ -193,12 +194,8 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
                 msg = f"data.files[{i}]: dataset not found: {f.path}"
                 raise DataError(msg)
     wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
-    if wants_eval and (cfg.data.source == "files" or cfg.eval.prompts) and not cfg.heldout_prompts.is_file():
-        msg = (
-            f"eval prompts not found: {cfg.heldout_prompts} "
-            "(run `dflash regen` first, set eval.prompts, or set eval.at_end = false)"
-        )
-        raise DataError(msg)
+    if wants_eval:  # what the end of the run needs, before any model loads
+        require_eval_prompts(cfg, also=", or set eval.at_end = false")
     found: list[str] = []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]

@@ -135,11 +135,10 @@ class StepBook:
     def next_step(self) -> int:
         return self.progress.step + 1
 
-    async def end(self, result: StepResult, last_batch: int, ready: Any) -> None:
-        """The update of `result.step` is done (or skipped): record it, run the hooks."""
-        p = self.progress
-        p.finish(result.step, last_batch)  # (done already by apply_step; stand-ins may not)
-        p.ready = ready
+    async def end(self, result: StepResult, ready: Any) -> None:
+        """The update of `result.step` is done (or skipped; it advanced `progress` itself):
+        record it, run the hooks."""
+        self.progress.ready = ready
         self._pending.append(result)
         if result.skipped:
             self._bad += 1

@@ -198,6 +198,7 @@ def _apply_step(spec: SyntheticSpec) -> Any:
     def apply(replicas: Any, contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
             work(spec.optimizer, sync=True)  # the real step's grad-norm sync waits for the device
+        progress.finish(step, max(c.last_batch for c in contribs))
         B = spec.block_size
         return StepResult(
             step=step, loss=torch.zeros(()), grad_norm=torch.zeros(()), lr=0.0, correct=torch.zeros(B),

@@ -140,7 +140,7 @@ async def run(
                     None, apply, replicas, contribs, device, book.next_step, book.progress,
                     wait_for=[c.ready for c in contribs],
                 )  # fmt: skip
-                await book.end(result, max(c.last_batch for c in contribs), ready)
+                await book.end(result, ready)
             step = book.progress.step
             stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)
             active -= finished

@@ -2,7 +2,7 @@
 
 Every section forbids unknown keys and converts no types silently (`_Section`); reading,
 overriding and writing the tree is `_load.py`; `dflash.config` is the public face. Kept
-whole (about 320 lines) because the schema is one source of truth, read top to bottom one
+whole (about 340 lines) because the schema is one source of truth, read top to bottom one
 short section after another: split across files, the tree that `config show` prints would
 no longer be in one place.
 """

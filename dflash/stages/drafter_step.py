@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,6 +175,28 @@ class Accumulator:
         )  # fmt: skip
 
 
+async def _take(
+    rep: DrafterReplica,
+    micro: MicroStep,
+    device: Device,
+    inbox: Channel[HostFeatures],
+    profiler: Profiler,
+    step: int,
+    early: bool = False,
+) -> tuple[Prepared | None, float]:
+    """The next batch, prepared (None at the end of the stream), and when it arrived.
+    `early`: taken while the optimizer steps (its wait is counted after the reply)."""
+    try:
+        feats, waited = await inbox.get()
+    except EndOfStream:
+        return None, time.perf_counter()
+    arrived = time.perf_counter()
+    if not early:  # waited for in the step itself: starved by the targets
+        profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
+    prepared, _ = await device.run(None, micro.prepare, rep, device, feats, step)
+    return prepared, arrived
+
+
 async def run(
     rep: DrafterReplica,
     micro: MicroStep,
@@ -193,19 +216,7 @@ async def run(
     step = start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
     ahead: asyncio.Task[tuple[Prepared | None, float]] | None = None
-
-    async def take(step: int, early: bool = False) -> tuple[Prepared | None, float]:
-        """The next batch, prepared (None at the end of the stream), and when it arrived.
-        `early`: taken while the optimizer steps (its wait is counted after the reply)."""
-        try:
-            feats, waited = await inbox.get()
-        except EndOfStream:
-            return None, time.perf_counter()
-        arrived = time.perf_counter()
-        if not early:  # waited for in the step itself: starved by the targets
-            profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-        prepared, _ = await device.run(None, micro.prepare, rep, device, feats, step)
-        return prepared, arrived
+    take = functools.partial(_take, rep, micro, device, inbox, profiler)
 
     with linked([inbox, replies], [outbox]):
         try:

@@ -26,13 +26,14 @@ import torch
 from dflash import faults, topology
 from dflash.checkpoint import Checkpointer
 from dflash.config import Config, dump_toml
+from dflash.devices import set_sync_debug
 from dflash.errors import ConfigError
 from dflash.export import export_drafter
 from dflash.logs import ProgressLine, RunLog
 from dflash.profile import Profiler, Trace
 from dflash.setup import Training, prepare
 from dflash.stages._link import root_error, stage_task
-from dflash.steps import EvalHook, StepHook
+from dflash.steps import EvalHook, StepHook, SyncDebugHook
 
 __all__ = ["Coordinator", "Record"]
 
@@ -157,6 +158,8 @@ class Coordinator:
         if t.evaluate is not None and cfg.eval.every_steps:
             hooks.append(EvalHook(cfg.eval.every_steps, t.evaluate, self.emit))
         hooks.append(checkpointer)
+        if cfg.pipeline.sync_debug:
+            hooks.append(SyncDebugHook(t.start_step + 3))
         topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks)
         progress = ProgressLine(t.total_steps, t.start_step)
         self.subscribe(progress)
@@ -187,6 +190,7 @@ class Coordinator:
         except BaseExceptionGroup as eg:
             error = root_error(eg)
         finally:
+            set_sync_debug(False)  # the end of the run may sync as it likes
             prof_stop.set()
             await prof_task
             profiler.emit_window(final=True)

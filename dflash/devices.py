@@ -4,9 +4,27 @@ Compute never runs on the event-loop thread. `await device.run(stage, fn, *args)
 `fn` in the device's single worker thread (which also keeps per-device order), times it
 under `stage`, and on CUDA runs it on the stage's own stream between two timing events.
 It returns `(result, ready)`, where `ready` is the CUDA event that marks the end of the
-work (None on CPU): a consumer on another stream passes it as `wait_for` so that its
-stream waits on the device, not the host. `await device.synchronize(ready)` waits for it
-from a helper thread (needed before the host reads a pinned buffer).
+work (None on CPU).
+
+The hand-off rule, the one way a tensor crosses from one stream to another:
+
+1. **Order.** The consumer passes the producer's `ready` event as `wait_for`: its stream
+   waits on the event (on the device; the host does not wait).
+2. **Memory.** The consumer names the device tensors it reads from the other stream as
+   `uses`; `Device.run` calls `record_stream` on each for the consuming stream (`hold`).
+   The caching allocator then keeps a tensor's memory from reuse, after the last
+   reference to it is dropped anywhere, until the work queued on the consuming stream up
+   to that point is done. (Chosen over "hold a reference until an event": it needs no
+   bookkeeping of who drops what, and the producer's next work can never overwrite it.)
+3. **Host memory.** Pinned host buffers are read by the device only through `upload`
+   (H2D, non_blocking from pinned memory; torch's caching host allocator keeps the block
+   until that copy is done) or written by a D2H copy the host waits for with
+   `synchronize` before it reads. Reused D2H buffers (`PinnedPool`) go back to the pool
+   with the event after their last reader's upload, and are reused only after it.
+
+Host syncs: `host_sync` (read a device value) and `Device.synchronize` (wait for an event)
+are the hot path's only ones, each inside a span named for it. `set_sync_debug(True)` makes
+every other sync on CUDA an error (torch's sync debug mode), for checks.
 
 The orchestration benchmarks bring their own subclass (`synthetic.SimDevice`, a simulated
 in-order device queue); this module does not know it exists.
@@ -15,9 +33,11 @@ in-order device queue); this module does not know it exists.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -26,7 +46,7 @@ import torch
 from dflash.errors import ConfigError
 from dflash.profile import Profiler
 
-__all__ = ["Device", "check_device", "host_sync", "upload"]
+__all__ = ["Device", "PinnedPool", "check_device", "host_sync", "named_sync", "set_sync_debug", "upload"]
 
 R = TypeVar("R")
 
@@ -45,19 +65,107 @@ def check_device(spec: str, key: str) -> torch.device:
     return dev
 
 
+_sync_lock = threading.Lock()
+_sync_debug = False
+_named_syncs = 0  # named syncs in progress (in any thread): the debug mode is off meanwhile
+
+
+def _set_mode(mode: str) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def set_sync_debug(on: bool) -> None:
+    """On CUDA, make every host sync outside `named_sync` an error (torch's sync debug mode
+    "error"). The mode is process-wide: while a named sync runs in one thread, the others
+    go unchecked — a check with blind spots, never a false alarm."""
+    global _sync_debug
+    with _sync_lock:
+        _sync_debug = on
+        if _named_syncs == 0:
+            _set_mode("error" if on else "default")
+
+
+@contextlib.contextmanager
+def named_sync() -> Iterator[None]:
+    """Around an intended host sync: exempt from the sync debug mode."""
+    global _named_syncs
+    with _sync_lock:
+        _named_syncs += 1
+        if _sync_debug and _named_syncs == 1:
+            _set_mode("default")
+    try:
+        yield
+    finally:
+        with _sync_lock:
+            _named_syncs -= 1
+            if _sync_debug and _named_syncs == 0:
+                _set_mode("error")
+
+
 def host_sync(t: torch.Tensor) -> torch.Tensor:
     """The hot path's one way to read a device value on the host: a blocking copy, i.e. a
     host sync point. Call it only inside a `Device.span` named for the sync
     (`drafter.grad_norm_sync`, `metrics.sync`), so that the profiler times it."""
-    return t.to("cpu")  # sync: the named one
+    with named_sync():
+        return t.to("cpu")  # sync: the named one
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host → device without a host sync: from pinned memory with `non_blocking=True`. The
-    caching host allocator keeps a pinned block alive until the copy that reads it is done."""
-    if device.type != "cuda":
+    caching host allocator keeps a pinned block alive until the copy that reads it is done.
+    A tensor already on `device` is returned as it is."""
+    if device.type != "cuda" or t.device == device:
         return t
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)  # no-sync: pinned source
+
+
+class PinnedPool:
+    """At most `size` reused pinned host buffers for D2H copies: bounded host memory, no
+    pinned allocation (a device-wide sync in CUDA) in the steady state.
+
+    `take(shape, dtype)` gives a buffer and a `release(ready)` callback; its last reader
+    calls it with the event after its last read was queued (the H2D upload), and the pool
+    hands the buffer out again only after that event. When all `size` buffers are out, a
+    buffer from torch's caching host allocator is used once (counted in `extra`)."""
+
+    def __init__(self, size: int, alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+        self.size = size
+        self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (flat byte buffer, event of its last reader)
+        self._lock = threading.Lock()
+        self.made = self.extra = self.reused = 0
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[Any], None]]:
+        nbytes = shape.numel() * dtype.itemsize
+        with self._lock:
+            fit = [i for i, (b, _) in enumerate(self._free) if b.numel() >= nbytes]
+            if fit:
+                buf, ready = self._free.pop(min(fit, key=lambda i: self._free[i][0].numel()))
+                self.reused += 1
+            elif self.made < self.size:
+                if self._free:  # too small for this shape: replace it (torch frees it safely)
+                    self._free.pop(0)
+                    self.made -= 1
+                buf, ready = self._alloc(nbytes), None
+                self.made += 1
+            else:
+                self.extra += 1
+                return self._alloc(nbytes)[:nbytes].view(dtype).view(shape), lambda _ready: None
+        if ready is not None and not ready.query():
+            with named_sync():
+                ready.synchronize()  # sync: the last upload from this buffer must be done
+
+        def release(ready: Any) -> None:
+            with self._lock:
+                self._free.append((buf, ready))
+
+        return buf[:nbytes].view(dtype).view(shape), release
+
+
+def _wait(ready: Any) -> None:
+    with named_sync():
+        ready.synchronize()  # sync: named by the caller's span or record
 
 
 class Device:
@@ -72,18 +180,34 @@ class Device:
         self.profiler = profiler
         self.is_cuda = self.device.type == "cuda"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
-        self._streams: dict[str, Any] = {}
+        self._streams: dict[tuple[str, int], Any] = {}
+        self.held: collections.Counter[str] = collections.Counter()  # per stage: tensors taken over (`hold`)
         if self.is_cuda and profiler is not None:
             profiler.add_cuda_device(self.device.index or 0)
 
     def __repr__(self) -> str:
         return f"Device({self.name} on {self.device})"
 
-    def stream(self, stage: str) -> Any:
-        s = self._streams.get(stage)
+    def stream(self, stage: str, on: torch.device | None = None) -> Any:
+        """The stream of `stage` on this device, or on GPU `on` (the optimizer's work on the
+        GPUs of other replicas)."""
+        dev = on if on is not None else self.device
+        key = (stage, dev.index or 0)
+        s = self._streams.get(key)
         if s is None:
-            s = self._streams[stage] = torch.cuda.Stream(device=self.device)
+            s = self._streams[key] = torch.cuda.Stream(device=dev)
         return s
+
+    def hold(self, stage: str | None, uses: Iterable[torch.Tensor], stream: Any) -> None:
+        """Rule 2 of the module docstring: the memory of `uses` (device tensors from another
+        stream) stays reserved until `stream`'s work queued so far is done. Counted per stage."""
+        n = 0
+        for t in uses:
+            if stream is not None and t.device.type == "cuda" and t.device == stream.device:
+                t.record_stream(stream)
+            n += 1
+        if n:
+            self.held[stage or "default"] += n
 
     @contextlib.contextmanager
     def span(self, stage: str | None) -> Iterator[None]:
@@ -113,8 +237,10 @@ class Device:
         fn: Callable[..., R],
         args: tuple[Any, ...],
         wait_for: Sequence[Any],
+        uses: Sequence[torch.Tensor] = (),
     ) -> tuple[R, Any]:
         if not self.is_cuda:
+            self.hold(stage, uses, None)
             with self.span(stage):
                 out = fn(*args)
             return out, None
@@ -125,6 +251,7 @@ class Device:
             for ev in wait_for:
                 if ev is not None:
                     stream.wait_event(ev)
+            self.hold(stage, uses, stream)
             with self.span(stage):
                 out = fn(*args)
             end = torch.cuda.Event()
@@ -132,16 +259,23 @@ class Device:
         return out, end
 
     async def run(
-        self, stage: str | None, fn: Callable[..., R], *args: Any, wait_for: Sequence[Any] = ()
+        self,
+        stage: str | None,
+        fn: Callable[..., R],
+        *args: Any,
+        wait_for: Sequence[Any] = (),
+        uses: Sequence[torch.Tensor] = (),
     ) -> tuple[R, Any]:
+        """`wait_for`: events of the work that produced what `fn` reads; `uses`: the device
+        tensors it reads from other streams (the hand-off rule of the module docstring)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, stage, fn, args, wait_for)
+        return await loop.run_in_executor(self._executor, self._call, stage, fn, args, wait_for, uses)
 
     async def synchronize(self, ready: Any) -> None:
         """Wait (off the loop, GIL released) until the CUDA work behind `ready` is done: the
         named host sync for an event (the D2H copy before the host reads its buffer)."""
         if ready is not None and not ready.query():
-            await asyncio.to_thread(ready.synchronize)
+            await asyncio.to_thread(_wait, ready)
 
     def close(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)

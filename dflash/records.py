@@ -6,6 +6,7 @@ Batch (prefetch → target forward) → TargetFeatures (→ pack) → PackedFeat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +44,14 @@ class PackedFeatures:
 
 @dataclass(frozen=True)
 class HostFeatures:
+    """Features on their way to a drafter replica: on the host (pinned, when a CUDA target
+    copied them), or still on the target's GPU when every replica shares it."""
+
     batch: Batch
-    hidden: torch.Tensor  # (R, T, k·H) on the host (pinned on CUDA machines)
+    hidden: torch.Tensor  # (R, T, k·H)
     source: int  # target replica that produced it
+    ready: Any = None  # CUDA event: `hidden` is complete (device features only)
+    release: Callable[[Any], None] | None = None  # a pooled pinned buffer: give it back after its upload
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dflash.profile import Profiler, Stage
 from dflash.records import StepGrads
 from dflash.setup import Training
 from dflash.stages import pack, prefetch, target_forward, transfer
-from dflash.stages.drafter_step import Accumulator
+from dflash.stages.drafter_step import Accumulator, prepared
 from dflash.steps import StepBook
 
 __all__ = ["train"]
@@ -38,10 +38,11 @@ async def train(
 ) -> int:
     """Train until the data, `train.max_steps` or a stop request ends it; the last step."""
     plan = iter(t.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
-    updated = None  # the last update's ready event: the next forward reads those weights
+    updated, result = None, None  # the last update's ready event: the next forward reads those weights
     while not stop.is_set() and (t.max_steps is None or book.progress.step < t.max_steps):
         step = book.progress.step
         contribs: list[StepGrads] = []
+        own = result.updated if result is not None else {}  # a replica on another GPU: its own update
         for rep, dev in zip(t.replicas, drafters, strict=True):
             acc, ready = Accumulator(), None
             for _ in range(t.grad_accum):
@@ -51,7 +52,10 @@ async def train(
                 feats = await target_forward.features(t.targets[0], target, batch, profiler, cache)
                 packed = await pack.packed(target, feats)
                 host = await transfer.host_features(target, packed, 0, cache)
-                _, ready = await dev.run(None, acc.step, t.micro, rep, dev, host, step, wait_for=[updated])
+                ready_batch = await prepared(rep, t.micro, dev, host, step)
+                _, ready = await dev.run(
+                    None, acc.compute, t.micro, rep, dev, ready_batch, wait_for=[updated, own.get(rep.index)]
+                )
                 profiler.count("drafter_tokens", batch.num_tokens)
             if acc.n:
                 contribs.append(acc.grads(rep.index, step, ready))

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from dflash.devices import Device, host_sync
+from dflash.devices import Device, host_sync, named_sync, set_sync_debug
 from dflash.profile import Profiler, Stage
 
-__all__ = ["EvalHook", "Progress", "StepBook", "StepContext", "StepHook", "StepResult", "to_records"]
+__all__ = ["EvalHook", "Progress", "StepBook", "StepContext", "StepHook", "StepResult", "SyncDebugHook", "to_records"]
 
 Record = dict[str, Any]
 
@@ -38,6 +38,7 @@ class StepResult:
     samples: int
     weight_sum: float
     skipped: bool = False  # non-finite loss or gradient: nothing was updated
+    updated: dict[int, Any] = field(default_factory=dict)  # replica on another GPU -> event of its update
 
 
 @dataclass
@@ -157,14 +158,16 @@ class StepBook:
             self.profiler.mark_warm()
         if len(self._pending) >= self.log_every:
             await self._flush()
-        for hook in self.hooks:
-            await hook.after_step(self._context())
+        with named_sync():  # evals and checkpoints read the device on purpose
+            for hook in self.hooks:
+                await hook.after_step(self._context())
 
     async def close(self) -> None:
         if self._pending:
             await self._flush()
-        for hook in self.hooks:
-            await hook.at_end(self._context())
+        with named_sync():
+            for hook in self.hooks:
+                await hook.at_end(self._context())
 
     def _context(self) -> StepContext:
         p = self.progress
@@ -172,12 +175,28 @@ class StepBook:
 
     async def _flush(self) -> None:
         results, ready = list(self._pending), self.progress.ready
-        records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, results, wait_for=[ready])
+        uses = [t for r in results for t in (r.loss, r.grad_norm, r.correct) if isinstance(t, torch.Tensor)]
+        records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, results, wait_for=[ready], uses=uses)
         self._pending.clear()
         for r in records:
             self.tokens += r["tokens"]
             self.last = r
             self.emit("train_step", **r)
+
+
+class SyncDebugHook:
+    """`pipeline.sync_debug`: from step `start` on (compiles and warm-up done), a host sync
+    outside the named ones fails the run in the stage that made it (CUDA only)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    async def after_step(self, ctx: StepContext) -> None:
+        if ctx.step >= self.start:
+            set_sync_debug(True)
+
+    async def at_end(self, ctx: StepContext) -> None:
+        set_sync_debug(False)
 
 
 class EvalHook:

@@ -172,7 +172,10 @@ class SimDevice(Device):
         super().__init__(spec, name, profiler)
         self.timeline = Timeline()
 
-    def _call(self, stage: str | None, fn: Any, args: tuple[Any, ...], wait_for: Sequence[Any]) -> tuple[Any, Any]:
+    def _call(
+        self, stage: str | None, fn: Any, args: tuple[Any, ...], wait_for: Sequence[Any], uses: Sequence[Any] = ()
+    ) -> tuple[Any, Any]:
+        self.hold(stage, uses, None)
         with self.timeline.launching(wait_for), self.span(stage):
             out = fn(*args)
         return out, self.timeline.event()

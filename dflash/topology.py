@@ -23,7 +23,7 @@ from typing import Any
 from dflash import serial
 from dflash.channel import Channel
 from dflash.config import Config
-from dflash.devices import Device
+from dflash.devices import Device, PinnedPool
 from dflash.feature_cache import FeatureCache
 from dflash.profile import Profiler, Stage
 from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
@@ -85,13 +85,20 @@ def build(
     tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
         (Stage.PREFETCH, prefetch.run(t.plan, data, batches, stop, t.pin))
     ]
+    drafter_gpus = {rep.device for rep in t.replicas}
     for i, (tgt, dev) in enumerate(zip(t.targets, targets, strict=True)):
         feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
         packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
+        # Features stay on the GPU when every replica is there and no cache wants them on
+        # the host; else D2H into reused pinned buffers: enough for a full channel, two
+        # per replica (one taken ahead) and the one being filled.
+        keep = cache is None and drafter_gpus == {tgt.device} and tgt.device.type == "cuda"
+        all_cuda = all(d.type == "cuda" for d in drafter_gpus) and tgt.device.type == "cuda"
+        pool = PinnedPool(p.hs_queue_depth + 2 * n_d + 2) if all_cuda and not keep else None
         tasks += [
             (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
             (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),
-            (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache)),
+            (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache, pool, keep)),
         ]
     ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and t.replicas[0].device.type == "cuda")
     for r, (rep, dev) in enumerate(zip(t.replicas, drafters, strict=True)):

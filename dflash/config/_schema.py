@@ -236,6 +236,12 @@ class PipelineConfig(_Section):
         "only); default: on for a CUDA drafter, off on CPU (there the prepare competes with the step "
         "for the cores: 8 % slower on the tiny config)",
     )
+    sync_debug: bool = Field(
+        False,
+        description="from the third step on, a host sync outside the named ones (the grad-norm "
+        "check, metrics.sync, the D2H wait; evals and checkpoints) fails the run (torch's CUDA sync "
+        "debug mode; a check, used by bench/gpu_check.sh; no effect on CPU)",
+    )
 
     @field_validator("target_devices", "drafter_devices")
     @classmethod

@@ -79,11 +79,16 @@ def dense_mask(mask_mod: MaskMod, layout: BlockLayout) -> torch.Tensor:
 
 
 def flex_block_mask(mask_mod: MaskMod, layout: BlockLayout) -> object:
-    """The flex-attention BlockMask for the same mask_mod (GPU path)."""
+    """The flex-attention BlockMask for the same mask_mod (GPU path). On CUDA its builder is
+    compiled (`_compile=True`: once per batch shape, then cached by torch.compile): eager,
+    it would evaluate the mask over the whole (Q, KV) grid, the dense cost flex avoids."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     R, Q = layout.anchors.shape[0], layout.num_queries
-    return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=layout.anchors.device)
+    dev = layout.anchors.device
+    return create_block_mask(
+        mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=dev, _compile=dev.type == "cuda"
+    )
 
 
 class LayerSpec(Protocol):

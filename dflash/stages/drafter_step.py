@@ -36,7 +36,7 @@ from dflash.records import Batch, HostFeatures, StepGrads, StepReply
 from dflash.replica import DrafterReplica
 from dflash.stages._link import linked
 
-__all__ = ["Accumulator", "MicroStep", "Prepared", "compute", "prepare", "run"]
+__all__ = ["Accumulator", "MicroStep", "Prepared", "compute", "prepare", "prepared", "run"]
 
 
 @dataclass(frozen=True)
@@ -160,10 +160,6 @@ class Accumulator:
         self.correct = parts.correct_per_slot if first else self.correct + parts.correct_per_slot
         self.count = parts.count_per_slot if first else self.count + parts.count_per_slot
 
-    def step(self, micro: MicroStep, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> None:
-        """Both phases of one batch, added to the sums (in the replica's worker thread)."""
-        self.compute(micro, rep, device, micro.prepare(rep, device, feats, step))
-
     def compute(self, micro: MicroStep, rep: DrafterReplica, device: Device, prepared: Prepared) -> None:
         """Forward + backward of a prepared batch, added to the sums."""
         self.add(micro.compute(rep, device, prepared), prepared.batch)
@@ -193,8 +189,18 @@ async def _take(
     arrived = time.perf_counter()
     if not early:  # waited for in the step itself: starved by the targets
         profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-    prepared, _ = await device.run(None, micro.prepare, rep, device, feats, step)
-    return prepared, arrived
+    return await prepared(rep, micro, device, feats, step), arrived
+
+
+async def prepared(rep: DrafterReplica, micro: MicroStep, device: Device, feats: HostFeatures, step: int) -> Prepared:
+    """The prepare phase of one batch: after the features' event when they are still on the
+    target's GPU (and holding their memory for this stream); a pooled pinned buffer goes
+    back to its pool with the event after its upload."""
+    on_device = [feats.hidden] if feats.hidden.device.type == "cuda" else []
+    out, ready = await device.run(None, micro.prepare, rep, device, feats, step, wait_for=[feats.ready], uses=on_device)
+    if feats.release is not None:  # (after a failure it stays out: the pool makes another)
+        feats.release(ready)
+    return out
 
 
 async def run(

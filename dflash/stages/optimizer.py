@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,11 +32,53 @@ from dflash.steps import Progress, StepBook, StepResult
 __all__ = ["apply_step", "run"]
 
 
+def _take_over(device: Device, replicas: list[DrafterReplica], contribs: list[StepGrads]) -> None:
+    """The hand-off of the replicas' gradients and sums to this (the optimizer's) worker: on
+    CUDA, each replica's GPU gets a stream of the optimizer's (`drafter.optimizer_step` on
+    that GPU) that waits on the replica's backward and becomes this thread's current stream
+    there, so every read of its gradients (reduce, broadcast, its own update) is ordered
+    after the backward; and every tensor read is held for that stream (`Device.hold`). The
+    first GPU's stream is the one `Device.run` already set, waiting on `wait_for`."""
+    dev0 = device.device
+    by_replica = {c.replica: c for c in contribs}
+    for r in replicas:
+        c = by_replica.get(r.index)
+        tensors = [p.grad for p in r.params if p.grad is not None]
+        if c is not None:
+            tensors += [t for t in (c.loss_sum, c.correct_per_slot) if t is not None]
+        stream = None
+        if r.device.type == "cuda":
+            if r.device != dev0:
+                stream = device.stream(Stage.OPTIMIZER_STEP, on=r.device)
+                if c is not None and c.ready is not None:
+                    stream.wait_event(c.ready)
+                torch.cuda.set_stream(stream)  # this thread's current stream on that GPU
+            else:
+                stream = torch.cuda.current_stream(dev0)
+        device.hold(Stage.GRAD_REDUCE, tensors, stream)
+    if dev0.type == "cuda":
+        torch.cuda.set_device(dev0)
+
+
+def _multi_gpu(replicas: list[DrafterReplica]) -> bool:
+    devs = [r.device for r in replicas]
+    return all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs) and len(devs) > 1
+
+
 def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch.device) -> list[torch.Tensor]:
     """Σ of the contributing replicas' gradients on the first replica's device, in a fixed
-    order (the same sum on every run). One replica: its own `.grad` tensors, no copy."""
+    order (the same sum on every run). One replica: its own `.grad` tensors, no copy.
+    Replicas on distinct GPUs: torch's multi-GPU reduce (NCCL where available), bucketed."""
+    def grads_of(r: DrafterReplica) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in r.params]
+
     if len(replicas) == 1:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicas[0].params]
+        return grads_of(replicas[0])
+    if _multi_gpu(replicas):
+        inputs = [grads_of(r) for r in replicas if r.index in contributing]
+        if len(inputs) == 1 and inputs[0][0].device == dev0:
+            return inputs[0]
+        return list(torch.cuda.comm.reduce_add_coalesced(inputs, destination=dev0.index or 0))
     grads = []
     for i, p in enumerate(replicas[0].params):
         total = torch.zeros_like(p, device=dev0)
@@ -45,6 +88,33 @@ def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch
                 total.add_(g.to(dev0, non_blocking=True))  # no-sync: device to device
         grads.append(total)
     return grads
+
+
+def _spread(replicas: list[DrafterReplica], grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The step's gradient for every replica: the tensors themselves for the first, a copy
+    on each other replica's device (torch's multi-GPU broadcast on distinct GPUs)."""
+    if len(replicas) == 1:
+        return [grads]
+    if _multi_gpu(replicas):
+        copies = torch.cuda.comm.broadcast_coalesced(grads, [r.device.index or 0 for r in replicas])
+        return [grads, *(list(c) for c in copies[1:])]
+    copies = [[g.to(r.device, copy=True, non_blocking=True) for g in grads] for r in replicas[1:]]  # no-sync: d2d
+    return [grads, *copies]
+
+
+def _update(device: Device, r: DrafterReplica, grads: list[torch.Tensor]) -> Any:
+    """AdamW and schedule of one replica, on its own GPU's stream of this thread; the event
+    of its update on another GPU (None for the first: `Device.run`'s event covers it)."""
+    for p, g in zip(r.params, grads, strict=True):
+        p.grad = g
+    r.optimizer.step()
+    r.scheduler.step()
+    r.optimizer.zero_grad(set_to_none=True)
+    if r.device.type != "cuda" or r.device == device.device:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(device.stream(Stage.OPTIMIZER_STEP, on=r.device))
+    return ev
 
 
 def apply_step(
@@ -65,6 +135,7 @@ def apply_step(
     weight = sum(c.weight_sum for c in contribs)
     scale = 1.0 / max(weight, 1e-12)
     with device.span(Stage.GRAD_REDUCE):
+        _take_over(device, replicas, contribs)
         grads = _reduced(replicas, {c.replica for c in contribs}, dev0)
         torch._foreach_mul_(grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
     losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]  # no-sync: d2d
@@ -80,15 +151,12 @@ def apply_step(
     if not finite:
         for r in replicas:
             r.optimizer.zero_grad(set_to_none=True)
+    updated: dict[int, Any] = {}
     with device.span(Stage.OPTIMIZER_STEP) if finite else contextlib.nullcontext():
         lr = replicas[0].optimizer.param_groups[0]["lr"]
         progress.updating = finite  # from here until StepBook.end, weights and AdamW state may disagree
-        for r in replicas if finite else []:
-            for p, g in zip(r.params, grads, strict=True):
-                p.grad = g.to(r.device, copy=r.index != 0, non_blocking=True)  # no-sync: device to device
-            r.optimizer.step()
-            r.scheduler.step()
-            r.optimizer.zero_grad(set_to_none=True)
+        for r, g in zip(replicas, _spread(replicas, grads) if finite else [], strict=False):
+            updated[r.index] = _update(device, r, g)
     progress.finish(step, max(c.last_batch for c in contribs))
     per_slot = [c.correct_per_slot for c in contribs if c.correct_per_slot is not None]
     correct = sum(t.to(dev0, non_blocking=True) for t in per_slot)  # no-sync: device to device
@@ -104,6 +172,7 @@ def apply_step(
         samples=sum(c.samples for c in contribs),
         weight_sum=weight,
         skipped=not finite,
+        updated={r: ev for r, ev in updated.items() if ev is not None},
     )
 
 
@@ -144,8 +213,9 @@ async def run(
             step = book.progress.step
             stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)
             active -= finished
-            for r in sorted(active):
-                await replies[r].put(StepReply(step, stop_now, ready))
+            updated = result.updated if contribs and not done else {}
+            for r in sorted(active):  # a replica on another GPU waits on its own update
+                await replies[r].put(StepReply(step, stop_now, updated.get(r, ready)))
             if stop_now or not contribs:
                 break
         await book.close()

@@ -23,7 +23,7 @@ def pack(layers: list[torch.Tensor]) -> torch.Tensor:
 
 
 async def packed(device: Device, f: TargetFeatures) -> PackedFeatures:
-    hidden, ready = await device.run(Stage.TARGET_PACK, pack, f.layers, wait_for=[f.ready])
+    hidden, ready = await device.run(Stage.TARGET_PACK, pack, f.layers, wait_for=[f.ready], uses=f.layers)
     return PackedFeatures(f.batch, hidden, ready)
 
 

@@ -1,9 +1,11 @@
-"""device-to-host copy: packed features into pinned host memory, then onto the
-hidden-state channel that every drafter replica reads.
+"""device-to-host copy: packed features onto the hidden-state channel that every drafter
+replica reads — into pinned host memory, or (when every replica shares the target's GPU
+and no feature cache needs a host copy) as the device tensor itself, with its event.
 
 Waits for: packed features, then the copy's completion (off the loop), then room in the
 hidden-state channel (timed as `target.queue_put_wait`: back-pressure from the drafters).
-On CPU the features already live on the host and pass through untouched.
+On CPU the features already live on the host and pass through untouched. D2H copies land
+in a `PinnedPool` sized by the queue depth (topology.py), so pinned memory stays bounded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from dflash import faults
 from dflash.channel import Channel
-from dflash.devices import Device
+from dflash.devices import Device, PinnedPool
 from dflash.feature_cache import FeatureCache
 from dflash.profile import Profiler, Stage
 from dflash.records import HostFeatures, PackedFeatures
@@ -21,24 +23,40 @@ from dflash.stages._link import linked
 __all__ = ["host_features", "run", "to_host"]
 
 
-def to_host(hidden: torch.Tensor) -> torch.Tensor:
+def to_host(hidden: torch.Tensor, pool: PinnedPool | None = None) -> tuple[torch.Tensor, object]:
+    """(host tensor, its release callback or None). Queued on the D2H stream; the host must
+    wait for the returned event before it reads."""
     faults.check(Stage.TARGET_D2H)
     if hidden.device.type == "cpu":
-        return hidden
+        return hidden, None
     # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.
-    host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+    if pool is not None:
+        host, release = pool.take(hidden.shape, hidden.dtype)
+    else:
+        host, release = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True), None
     host.copy_(hidden, non_blocking=True)
-    return host
+    return host, release
 
 
-async def host_features(device: Device, f: PackedFeatures, source: int, cache: FeatureCache | None) -> HostFeatures:
+async def host_features(
+    device: Device,
+    f: PackedFeatures,
+    source: int,
+    cache: FeatureCache | None,
+    pool: PinnedPool | None = None,
+    keep_on_device: bool = False,
+) -> HostFeatures:
     """The copy, waited for off the loop (the host must not read before it lands), and
-    stored in the feature cache."""
-    host, ready = await device.run(Stage.TARGET_D2H, to_host, f.hidden, wait_for=[f.ready])
+    stored in the feature cache. `keep_on_device`: no copy; the consumer waits on the event."""
+    if keep_on_device and f.hidden.device.type == "cuda":
+        return HostFeatures(f.batch, f.hidden, source, ready=f.ready)
+    (host, release), ready = await device.run(
+        Stage.TARGET_D2H, to_host, f.hidden, pool, wait_for=[f.ready], uses=[f.hidden]
+    )
     await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:
         await device.run(None, cache.put, f.batch, host)
-    return HostFeatures(f.batch, host, source)
+    return HostFeatures(f.batch, host, source, release=release)  # type: ignore[arg-type]
 
 
 async def run(
@@ -48,8 +66,10 @@ async def run(
     profiler: Profiler,
     source: int,
     cache: FeatureCache | None = None,
+    pool: PinnedPool | None = None,
+    keep_on_device: bool = False,
 ) -> None:
     with linked([inbox], [outbox]):
         async for f in inbox:
-            waited = await outbox.put(await host_features(device, f, source, cache))
+            waited = await outbox.put(await host_features(device, f, source, cache, pool, keep_on_device))
             profiler.record(Stage.TARGET_QUEUE_PUT, waited, worker=device.name)

@@ -1,0 +1,114 @@
+"""The device layer's rules, checked on CPU: every cross-stream hand-off goes through
+`Device.run(uses=...)` (or `Device.hold` in the optimizer), pinned D2H buffers are reused
+only after their last reader, and the sync debug mode is off exactly during named syncs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from dflash import Coordinator, devices
+from dflash.profile import Stage
+
+
+def test_every_hand_off_is_held_by_its_consumer(tiny_config):
+    """A pipeline run: pack takes over the target's layer outputs, the D2H copy the packed
+    buffer, the optimizer every replica's gradients and sums, metrics.sync the step results.
+    (On CPU `hold` only counts; on CUDA the same call is `record_stream`.)"""
+    cfg = tiny_config(**{"pipeline.drafter_devices": '["cpu", "cpu"]', "data.num_samples": 16})
+    records: list[dict] = []
+    coord = Coordinator(cfg, log=False)
+    coord.subscribe(records.append)
+    asyncio.run(coord.run())
+    start = next(r for r in records if r["event"] == "setup")
+    layers = len(start["target_layers"])
+    held = {d.name: d.held for d in coord._topology.devices}
+    batches = held["target0"][Stage.TARGET_D2H]
+    assert batches >= 2
+    assert held["target0"][Stage.TARGET_PACK] == layers * batches
+    steps = coord.steps
+    assert steps >= 1
+    # every parameter's gradient of both replicas, plus each contribution's two sums
+    assert held["optimizer"][Stage.GRAD_REDUCE] >= steps * 2 * 3
+    assert held["optimizer"][Stage.METRICS_SYNC] == 3 * steps  # loss, grad norm, per-slot correct
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_pinned_pool_reuses_a_buffer_only_after_its_reader():
+    made: list[int] = []
+
+    def alloc(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = devices.PinnedPool(2, alloc)
+    shape = torch.Size([2, 3, 4])
+    a, release_a = pool.take(shape, torch.bfloat16)
+    assert a.shape == shape and a.dtype == torch.bfloat16 and made == [48]
+    _b, release_b = pool.take(torch.Size([2, 3]), torch.float32)
+    assert pool.made == 2
+    _c, _ = pool.take(shape, torch.bfloat16)  # both out: a one-off buffer, not pooled
+    assert pool.extra == 1 and len(made) == 3
+    pending = _Event(done=False)
+    release_a(pending)
+    a2, _ = pool.take(torch.Size([2, 3]), torch.bfloat16)  # smaller: fits in a's buffer
+    assert pending.waited, "reused before its last upload was done"
+    assert a2.data_ptr() == a.data_ptr() and pool.reused == 1 and len(made) == 3
+    release_b(None)
+    big, _ = pool.take(torch.Size([64]), torch.float32)  # b's buffer is too small: replaced
+    assert len(made) == 4 and made[-1] == 256 and pool.made == 2
+    assert big.numel() == 64
+
+
+def test_sync_debug_is_off_exactly_inside_named_syncs(monkeypatch):
+    modes: list[str] = []
+    monkeypatch.setattr(devices, "_set_mode", modes.append)
+    devices.set_sync_debug(True)
+    assert modes == ["error"]
+    with devices.named_sync():
+        assert modes[-1] == "default"
+        with devices.named_sync():  # nested (another thread's named sync): no change
+            pass
+        assert modes[-1] == "default"
+    assert modes[-1] == "error"
+    devices.set_sync_debug(False)
+    assert modes[-1] == "default"
+    n = len(modes)
+    with devices.named_sync():  # debug mode off: named syncs touch nothing
+        pass
+    assert len(modes) == n
+
+
+def test_host_sync_and_event_waits_are_named(monkeypatch):
+    """The two hot-path syncs lift the debug mode while they wait."""
+    modes: list[str] = []
+    monkeypatch.setattr(devices, "_set_mode", modes.append)
+    devices.set_sync_debug(True)
+    try:
+        assert devices.host_sync(torch.ones(2)).sum() == 2
+        ev = _Event(done=False)
+        d = devices.Device("cpu", "t")
+        asyncio.run(d.synchronize(ev))
+        d.close()
+        assert ev.waited
+    finally:
+        devices.set_sync_debug(False)
+    assert modes == ["error", "default", "error", "default", "error", "default"]
+
+
+def test_upload_leaves_a_tensor_already_there():
+    t = torch.arange(4)
+    assert devices.upload(t, torch.device("cpu")) is t

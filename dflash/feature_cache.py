@@ -51,8 +51,9 @@ class FeatureCache:
                     out.append((r, s, e, d))
         return out
 
-    def get(self, batch: Batch, dtype: torch.dtype) -> torch.Tensor | None:
-        """(R, T, k·H) host features if every document of the batch is cached, else None."""
+    def get(self, batch: Batch, dtype: torch.dtype, pin: bool = False) -> torch.Tensor | None:
+        """(R, T, k·H) host features if every document of the batch is cached, else None;
+        in pinned memory with `pin` (a CUDA drafter uploads it without a host sync)."""
         spans = self._spans(batch)
         with self._lock:
             parts = [self._store.get(d) for *_, d in spans]
@@ -61,7 +62,7 @@ class FeatureCache:
                 return None
             self.hits += 1
         R, T = batch.doc_ids.shape
-        out = torch.zeros(R, T, parts[0].shape[-1], dtype=dtype)
+        out = torch.zeros(R, T, parts[0].shape[-1], dtype=dtype, pin_memory=pin)
         for (r, s, e, _), p in zip(spans, parts, strict=True):
             out[r, s:e] = p
         return out

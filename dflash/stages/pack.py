@@ -19,6 +19,8 @@ __all__ = ["pack", "run"]
 
 def pack(layers: list[torch.Tensor]) -> torch.Tensor:
     faults.check(Stage.TARGET_PACK)
+    if len(layers) == 1:  # one layer, or a feature-cache hit (pinned host memory: keep it)
+        return layers[0].contiguous()
     return torch.cat(layers, dim=-1).contiguous()  # (R, T, k·H)
 
 

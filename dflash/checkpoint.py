@@ -55,8 +55,11 @@ class Snapshot:
     config_toml: str
 
 
-def snapshot(step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: Any, cfg: Config) -> Snapshot:
-    """Copies to the host (fast for a drafter); the slow write happens elsewhere."""
+def snapshot(
+    step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: Any, cfg: Config, world: Any = None
+) -> Snapshot:
+    """Copies to the host (fast for a drafter); the slow write happens elsewhere. `world`:
+    the run's ranks and each one's data cursor (the highest batch index it consumed)."""
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -70,6 +73,7 @@ def snapshot(step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, 
         "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
         "param_groups": opt["param_groups"],
         "spec": model.spec.to_dict(),
+        "world": {"size": world.size if world else 1, "cursors": list(world.cursors) if world else None},
     }
     return Snapshot(step, weights, tensors, state, dump_toml(cfg))
 
@@ -121,6 +125,7 @@ class Loaded:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     config: dict[str, Any]
+    world_size: int = 1  # processes of the run that wrote it
 
 
 def load_checkpoint(path: Path) -> Loaded:
@@ -152,6 +157,7 @@ def load_checkpoint(path: Path) -> Loaded:
         optimizer={"state": opt_state, "param_groups": state["param_groups"]},
         scheduler=state["scheduler"],
         config=config,
+        world_size=int((state.get("world") or {}).get("size", 1)),
     )
 
 
@@ -166,9 +172,16 @@ _MUST_MATCH = [
 ]  # fmt: skip
 
 
-def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path, world_size: tuple[int, int] = (1, 1)) -> None:
+    """`world_size`: (the checkpoint's, this run's) number of processes. The number of
+    processes and of replicas per process fix which batches each step reads: both must match."""
     now = cfg.model_dump(mode="json", exclude_none=True)
     diffs = []
+    if world_size[0] != world_size[1]:
+        diffs.append(f"processes (torchrun WORLD_SIZE) {world_size[0]} -> {world_size[1]}")
+    before, after = len(saved.get("pipeline", {}).get("drafter_devices", ["cpu"])), len(cfg.pipeline.drafter_devices)
+    if max(world_size) > 1 and before != after:
+        diffs.append(f"pipeline.drafter_devices {before} -> {after} replicas per process")
     for section, key in _MUST_MATCH:
         a, b = saved.get(section, {}).get(key), now.get(section, {}).get(key)
         if a != b:
@@ -189,8 +202,10 @@ class Checkpointer:
     consistent state.
     """
 
-    def __init__(self, cfg: Config, replica: Any, plan: Any, emit: Any, start_step: int = 0) -> None:
+    def __init__(self, cfg: Config, replica: Any, plan: Any, emit: Any, start_step: int = 0, world: Any = None) -> None:
         self.cfg = cfg
+        self.world = world
+        self.writer = world is None or world.is_writer  # with several ranks, rank 0 writes
         self.replica = replica
         self.plan = plan
         self.emit = emit
@@ -212,6 +227,8 @@ class Checkpointer:
     async def _save(self, ctx: Any) -> None:
         from dflash.profile import Stage
 
+        if not self.writer:
+            return
         snap, _ = await ctx.device.run(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch, wait_for=[ctx.ready])
         await self.write(snap)
 
@@ -219,7 +236,7 @@ class Checkpointer:
         """After a crash, once every worker has stopped: write the state after the last
         finished step (applied or skipped), unless an update was in progress (weights and
         optimizer state may disagree then: nothing is written) or it is written already."""
-        if progress.updating or progress.step <= max(self.last_step, self.start_step):
+        if not self.writer or progress.updating or progress.step <= max(self.last_step, self.start_step):
             return None
         if self.replica.device.type == "cuda":  # sync point: the last update's kernels must be done
             torch.cuda.synchronize(self.replica.device)
@@ -231,7 +248,7 @@ class Checkpointer:
     def take(self, step: int, last_batch: int) -> Snapshot:
         cursor = self.plan.cursor_after(last_batch) if last_batch >= 0 else None
         r = self.replica
-        return snapshot(step, r.model, r.optimizer, r.scheduler, cursor, self.cfg)
+        return snapshot(step, r.model, r.optimizer, r.scheduler, cursor, self.cfg, self.world)
 
     async def write(self, snap: Snapshot) -> None:
         import asyncio

@@ -22,11 +22,17 @@ __all__ = ["main"]
 _SET_HELP = "override a config key, e.g. --set drafter.num_layers=2 (repeatable)"
 
 
+def _prog() -> str:
+    """`dflash`, or `dflash[rank N]` in a run of several processes (torchrun)."""
+    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
+    return f"dflash[rank {rank}]" if rank is not None else "dflash"
+
+
 def _fail(err: BaseException) -> None:
     code = getattr(err, "exit_code", 1)
     # One line, always: a key or path with a newline in it must not split the message.
     msg = " ".join(str(err).split()) or type(err).__name__
-    click.echo(f"dflash: error: {msg}", err=True)
+    click.echo(f"{_prog()}: error: {msg}", err=True)
     sys.exit(code)
 
 
@@ -34,8 +40,17 @@ def _unexpected(err: Exception) -> None:
     if os.environ.get("DFLASH_DEBUG"):
         raise err
     msg = " ".join(str(err).split()) or "no message"
-    click.echo(f"dflash: error: {type(err).__name__}: {msg} (DFLASH_DEBUG=1 shows the traceback)", err=True)
+    click.echo(f"{_prog()}: error: {type(err).__name__}: {msg} (DFLASH_DEBUG=1 shows the traceback)", err=True)
     sys.exit(1)
+
+
+def _rank_log_path(path: Path, ranked: tuple[int, int] | None) -> Path:
+    """--log-file for this rank: `{rank}` in the path is replaced; without it, ranks > 0
+    write beside it with `.rankN` before the suffix (rank 0 keeps the path)."""
+    rank = ranked[0] if ranked else 0
+    if "{rank}" in str(path):
+        return Path(str(path).replace("{rank}", str(rank)))
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,8 +79,9 @@ def _profile_overrides(profile_interval: float | None) -> list[str]:
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
-@click.option("--log-file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="also write the JSON records to this file")  # fmt: skip
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the JSON records to this file; under torchrun one per rank: '{rank}' "
+                   "in the name, else rank N>0 writes NAME.rankN.SUFFIX")  # fmt: skip
 @click.option("--profile-interval", type=float, metavar="SEC",
               help="seconds between profile records (env: DFLASH_PROFILE_INTERVAL)")  # fmt: skip
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -91,16 +107,23 @@ def run(
             raise ConfigError(msg)
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
+        from dflash.distributed import launched
+
+        ranked = launched()  # under torchrun: JSON on stdout from rank 0 only
+        first = ranked is None or ranked[0] == 0
         if log_file is not None:
+            log_file = _rank_log_path(log_file, ranked)
             try:
                 log_fh = log_file.open("a", encoding="utf-8")
             except OSError as err:
                 msg = f"--log-file {log_file}: {err.strerror}"
                 raise ConfigError(msg) from None
-        logs.configure(sys.stdout, log_fh)
+        logs.configure(sys.stdout if first else None, log_fh)
         from dflash.runner import run as run_training
 
         summary = run_training(cfg, resume=resume)
+        if not first:
+            return
         tau = (
             f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
             f" ({'lossless' if summary['eval_lossless'] else 'NOT lossless'})"

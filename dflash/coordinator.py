@@ -23,10 +23,11 @@ from typing import Any
 import structlog
 import torch
 
-from dflash import faults, topology
+from dflash import distributed, faults, topology
 from dflash.checkpoint import Checkpointer
 from dflash.config import Config, dump_toml
 from dflash.devices import set_sync_debug
+from dflash.distributed import World
 from dflash.errors import ConfigError
 from dflash.export import export_drafter
 from dflash.logs import ProgressLine, RunLog
@@ -68,6 +69,7 @@ class Coordinator:
         self.steps = 0
         self.summary: Record | None = None
         self._topology: topology.Topology | None = None
+        self.world: World | None = None  # set when torchrun launched several processes
 
     @property
     def tokens(self) -> int:
@@ -85,6 +87,8 @@ class Coordinator:
         self._subscribers.append(fn)
 
     def emit(self, event: str, **fields: Any) -> None:
+        if self.world is not None:  # several processes: every record says whose it is
+            fields = {"rank": self.world.rank, **fields}
         if self._log is not None:
             self._log.info(event, **fields)
         for fn in self._subscribers:
@@ -106,13 +110,21 @@ class Coordinator:
         if self._stop_requested.is_set():
             stop.set()
         t_start = time.perf_counter()
-        run_log = await asyncio.to_thread(self._open_run_dir)
-        self.subscribe(run_log.write)
+        self.world = await asyncio.to_thread(distributed.join, self.config)
+        clean = False
         try:
-            return await self._run(stop, t_start)
+            run_log = await asyncio.to_thread(self._open_run_dir)
+            self.subscribe(run_log.write)
+            try:
+                summary = await self._run(stop, t_start)
+                clean = True
+                return summary
+            finally:
+                self._subscribers.remove(run_log.write)
+                run_log.close()
         finally:
-            self._subscribers.remove(run_log.write)
-            run_log.close()
+            if self.world is not None:
+                self.world.close(clean)
 
     def _open_run_dir(self) -> RunLog:
         """The run folder, its resolved config and its copy of the records (a run folder is
@@ -122,18 +134,24 @@ class Coordinator:
         if trace_dir is not None and not trace_dir.is_dir():
             msg = f"profile.trace: folder {trace_dir} does not exist"
             raise ConfigError(msg)
+        rank = self.world.rank if self.world is not None else 0
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-            return RunLog(self.run_dir / "records.jsonl")
+            if rank == 0:
+                (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+            return RunLog(self.run_dir / ("records.jsonl" if rank == 0 else f"records.rank{rank}.jsonl"))
         except OSError as err:
             msg = f"run.output_dir: cannot write the run folder {self.run_dir}: {err.strerror or err}"
             raise ConfigError(msg) from None
 
     async def _run(self, stop: asyncio.Event, t_start: float) -> Record:
         cfg = self.config
-        self.emit("run_start", run_dir=str(self.run_dir), torch=torch.__version__, config=cfg.model_dump(mode="json"))
-        t = self._given or await asyncio.to_thread(prepare, cfg, self.resume)
+        w = self.world
+        where = {"world_size": w.size, "backend": w.backend} if w is not None else {}
+        self.emit(
+            "run_start", run_dir=str(self.run_dir), torch=torch.__version__, **where, config=cfg.model_dump(mode="json")
+        )
+        t = self._given or await asyncio.to_thread(prepare, cfg, self.resume, self.world)
         self.targets, self.replicas = t.targets, t.replicas
         for w in t.warnings:
             self.emit("warning", message=w)
@@ -153,11 +171,13 @@ class Coordinator:
         )
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
-        checkpointer = Checkpointer(cfg, t.replicas[0], t.plan, self.emit, t.start_step)
+        checkpointer = Checkpointer(cfg, t.replicas[0], t.plan, self.emit, t.start_step, self.world)
         hooks: list[StepHook] = []
         if t.evaluate is not None and cfg.eval.every_steps:
             hooks.append(EvalHook(cfg.eval.every_steps, t.evaluate, self.emit))
         hooks.append(checkpointer)
+        if self.world is not None and cfg.distributed.check_every:
+            hooks.append(distributed.SameWeights(self.world, t.replicas[0].params, cfg.distributed.check_every))
         if cfg.pipeline.sync_debug:
             hooks.append(SyncDebugHook(t.start_step + 3))
         topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks)
@@ -226,8 +246,9 @@ class Coordinator:
         the end-of-run eval (a failing eval is a warning, not a lost run), then the summary."""
         cfg, book = self.config, topo.book
         trained = self.steps > 0
+        writer = self.world is None or self.world.is_writer  # with several ranks, rank 0 exports
         export_dir = None
-        if cfg.checkpoint.export_final and trained:
+        if cfg.checkpoint.export_final and trained and writer:
             export_dir = self.run_dir / "final"
             await asyncio.to_thread(export_drafter, t.replicas[0].model, export_dir)
         eval_record = None

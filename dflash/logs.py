@@ -38,8 +38,9 @@ class _JSONLines:
     info = debug = warning = error = critical = exception = log = msg
 
 
-def configure(stream: IO[str] | None = None, log_file: IO[str] | None = None, level: str = "info") -> None:
-    sinks = [stream if stream is not None else sys.stdout]
+def configure(stream: IO[str] | None = sys.stdout, log_file: IO[str] | None = None, level: str = "info") -> None:
+    """JSON lines to `stream` (None: not to a stream) and to `log_file`."""
+    sinks = [stream] if stream is not None else []
     if log_file is not None:
         sinks.append(log_file)
     structlog.reset_defaults()

@@ -42,6 +42,7 @@ class Stage:
     DRAFTER_BACKWARD = "drafter.backward"
     DRAFTER_STEP_WAIT = "drafter.step_wait"
     GRAD_REDUCE = "drafter.grad_reduce"
+    ALLREDUCE = "drafter.allreduce"  # across ranks (torch.distributed), after the in-node reduce
     GRAD_NORM_SYNC = "drafter.grad_norm_sync"
     OPTIMIZER_STEP = "drafter.optimizer_step"
     METRICS_SYNC = "metrics.sync"

@@ -21,8 +21,8 @@ from dflash.profile import Stage
 __all__ = ["analyze", "format_report", "read_records"]
 
 # Which worker runs a stage (the optimizer thread runs the drafter.grad_* / optimizer stages).
-_OPTIMIZER = {Stage.GRAD_REDUCE, Stage.GRAD_NORM_SYNC, Stage.OPTIMIZER_STEP, Stage.METRICS_SYNC, Stage.EVAL,
-              Stage.CHECKPOINT}  # fmt: skip
+_OPTIMIZER = {Stage.GRAD_REDUCE, Stage.ALLREDUCE, Stage.GRAD_NORM_SYNC, Stage.OPTIMIZER_STEP, Stage.METRICS_SYNC,
+              Stage.EVAL, Stage.CHECKPOINT}  # fmt: skip
 
 
 def _group(stage: str) -> str:

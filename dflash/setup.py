@@ -26,6 +26,7 @@ from dflash.checkpoint import Loaded, check_resume_config, latest_checkpoint, lo
 from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
 from dflash.devices import Device, check_device
+from dflash.distributed import World
 from dflash.errors import CheckpointError, ConfigError, DataError
 from dflash.eval import require_eval_prompts
 from dflash.model.drafter import DrafterSpec, FrozenHead
@@ -60,6 +61,7 @@ class Training:
     warnings: list[str] = field(default_factory=list)
     evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
     make_device: Callable[..., Device] = Device  # (spec, name, profiler) -> Device; stand-ins bring their own
+    world: World | None = None  # this process's rank among several (torchrun), else None
 
     @property
     def pin(self) -> bool:
@@ -67,7 +69,7 @@ class Training:
         return any(m.device.type == "cuda" for m in [*self.targets, *self.replicas])
 
 
-def _resume(cfg: Config, resume: str | Path | None) -> Loaded | None:
+def _resume(cfg: Config, resume: str | Path | None, world_size: int = 1) -> Loaded | None:
     if resume is None:
         return None
     if str(resume) == "auto":
@@ -78,7 +80,7 @@ def _resume(cfg: Config, resume: str | Path | None) -> Loaded | None:
     else:
         path = Path(resume).expanduser()
     loaded = load_checkpoint(path)
-    check_resume_config(loaded.config, cfg, path)
+    check_resume_config(loaded.config, cfg, path, (loaded.world_size, world_size))
     return loaded
 
 
@@ -176,8 +178,10 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
     return run
 
 
-def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
-    """Build a run's `Training` from its config (in a worker thread)."""
+def prepare(cfg: Config, resume: str | Path | None = None, world: World | None = None) -> Training:
+    """Build a run's `Training` from its config (in a worker thread). With a `world` (several
+    processes), this rank's share: the same initial weights on every rank (same seed), the
+    step count of the whole world, and evals on rank 0 only."""
     torch.manual_seed(cfg.run.seed)
     t_devs = [check_device(d, f"pipeline.target_devices[{i}]") for i, d in enumerate(cfg.pipeline.target_devices)]
     d_devs = [check_device(d, f"pipeline.drafter_devices[{i}]") for i, d in enumerate(cfg.pipeline.drafter_devices)]
@@ -187,7 +191,8 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
             "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
         )
         raise ConfigError(msg)
-    loaded = _resume(cfg, resume)  # before loading any model: a bad checkpoint fails in a second
+    ranks = world.size if world is not None else 1
+    loaded = _resume(cfg, resume, ranks)  # before loading any model: a bad checkpoint fails in a second
     if cfg.data.source == "files":  # likewise a missing data file
         for i, f in enumerate(cfg.data.files):
             if not Path(f.path).expanduser().exists():
@@ -206,7 +211,7 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
     )
-    total = cfg.train.max_steps or max(1, math.ceil(len(plan) / (cfg.train.grad_accum * len(d_devs))))
+    total = cfg.train.max_steps or max(1, math.ceil(len(plan) / (cfg.train.grad_accum * len(d_devs) * ranks)))
     spec = drafter_spec(cfg, t0, mask_id)
     init_from = t0.model if cfg.drafter.init_from_target else None
     replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from)
@@ -218,6 +223,7 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
         frac = min(1.0, step / max(1, total - 1))
         return t.noise_reveal_start + (t.noise_reveal_end - t.noise_reveal_start) * frac
 
+    writer = world is None or world.is_writer
     use_flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
     return Training(
         targets=targets,
@@ -225,7 +231,7 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
         plan=plan,
         spec=spec,
         micro=MicroStep(cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise),
-        apply=functools.partial(apply_step, grad_clip=t.grad_clip),
+        apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world),
         grad_accum=t.grad_accum,
         max_steps=t.max_steps,
         total_steps=total,
@@ -234,5 +240,6 @@ def prepare(cfg: Config, resume: str | Path | None = None) -> Training:
         tokenizer=tokenizer,
         data_stats=stats,
         warnings=found,
-        evaluate=_evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval else None,
+        evaluate=_evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None,
+        world=world,
     )

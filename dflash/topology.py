@@ -83,7 +83,7 @@ def build(
     profiler.add_channel(hs)
 
     tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
-        (Stage.PREFETCH, prefetch.run(t.plan, data, batches, stop, t.pin))
+        (Stage.PREFETCH, prefetch.run(t.plan, data, batches, stop, t.pin, t.world))
     ]
     drafter_gpus = {rep.device for rep in t.replicas}
     for i, (tgt, dev) in enumerate(zip(t.targets, targets, strict=True)):
@@ -106,7 +106,8 @@ def build(
             rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step, lookahead=ahead
         )
         tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
-    tasks.append(
-        (Stage.OPTIMIZER_STEP, optimizer.run(t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps))
-    )
+    if t.world is not None:
+        t.world.cursor = t.plan.start_index - 1  # resumed: the batches before the cursor are done
+    run_opt = optimizer.run(t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps, t.world, t.grad_accum)
+    tasks.append((Stage.OPTIMIZER_STEP, run_opt))
     return Topology(tasks, devices, opt, book, cache)

@@ -306,6 +306,18 @@ class CheckpointConfig(_Section):
     export_final: bool = Field(True, description="write the trained drafter to <run>/final")
 
 
+class DistributedConfig(_Section):
+    """Only read when the run is launched by torchrun with more than one process."""
+
+    timeout_s: float = Field(
+        300.0, gt=0, description="a collective that waits longer (a rank died or hangs) ends the run on every rank"
+    )
+    check_every: int = Field(
+        100, ge=0, description="compare a checksum of the drafter weights across ranks every N steps (0 = never)"
+    )
+    bucket_mb: float = Field(25.0, gt=0, description="gradient all-reduce bucket size (MiB)")
+
+
 class Config(_Section):
     run: RunConfig = RunConfig()
     data: DataConfig = DataConfig()
@@ -317,6 +329,7 @@ class Config(_Section):
     regen: RegenConfig = RegenConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @property
     def run_dir(self) -> Path:

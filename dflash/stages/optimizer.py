@@ -22,7 +22,8 @@ import torch
 
 from dflash import faults
 from dflash.channel import Channel, EndOfStream
-from dflash.devices import Device, host_sync
+from dflash.devices import Device, host_sync, upload
+from dflash.distributed import World
 from dflash.profile import Stage
 from dflash.records import StepGrads, StepReply
 from dflash.replica import DrafterReplica
@@ -117,6 +118,30 @@ def _update(device: Device, r: DrafterReplica, grads: list[torch.Tensor]) -> Any
     return ev
 
 
+def _sums(contribs: list[StepGrads], dev0: torch.device, block_size: int) -> tuple[Any, Any, Any, Any]:
+    """The step's Σ loss weight (host float), Σ loss, per-slot correct (device) and counts (host)."""
+    weight = sum(c.weight_sum for c in contribs)
+    losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]  # no-sync: d2d
+    loss = sum(losses, torch.zeros((), device=dev0))
+    per_slot = [c.correct_per_slot for c in contribs if c.correct_per_slot is not None]
+    per_slot = [t.to(dev0, non_blocking=True) for t in per_slot]  # no-sync: device to device
+    correct = sum(per_slot, torch.zeros(block_size, device=dev0))
+    counts = [c.count_per_slot for c in contribs if c.count_per_slot is not None]
+    count = sum(counts, torch.zeros(block_size, dtype=torch.long))
+    return weight, loss, correct, count
+
+
+def _across_ranks(world: World, grads: list[torch.Tensor], sums: tuple[Any, ...], dev0: torch.device) -> tuple:
+    """Gradients and the step's sums, summed over every rank (`drafter.allreduce`). The loss
+    weight comes back as a device tensor: the update divides by the global Σ w."""
+    weight, loss, correct, count = sums
+    B = correct.shape[0]
+    host = torch.cat([torch.tensor([float(weight)], dtype=torch.float64), count.double()])
+    stats = torch.cat([upload(host, dev0), loss.double()[None], correct.double()])
+    world.all_reduce([*grads, stats], "the gradient all-reduce")
+    return stats[0], stats[1 + B].float(), stats[2 + B :].float(), stats[1 : 1 + B].round().long()
+
+
 def apply_step(
     replicas: list[DrafterReplica],
     contribs: list[StepGrads],
@@ -125,26 +150,37 @@ def apply_step(
     progress: Progress,
     *,
     grad_clip: float,
+    world: World | None = None,
 ) -> StepResult:
     """Reduce, normalise, clip and apply one step to every replica (in the optimizer's worker).
     `progress.updating` is set just before the first change of state and cleared, with the
     step and cursor advanced, when the last replica is updated: whenever a crash stops the
-    run, `progress` says whether the state is consistent and which step it is."""
+    run, `progress` says whether the state is consistent and which step it is. With a
+    `world`, gradients and sums are summed over every rank too (this rank may contribute
+    nothing: its shard has ended while others' have not)."""
     faults.check(Stage.OPTIMIZER_STEP)
     dev0 = replicas[0].device
-    weight = sum(c.weight_sum for c in contribs)
-    scale = 1.0 / max(weight, 1e-12)
+    block_size = replicas[0].model.spec.block_size
     with device.span(Stage.GRAD_REDUCE):
         _take_over(device, replicas, contribs)
         grads = _reduced(replicas, {c.replica for c in contribs}, dev0)
-        torch._foreach_mul_(grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
-    losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]  # no-sync: d2d
-    loss = sum(losses, torch.zeros((), device=dev0))
+        sums = _sums(contribs, dev0, block_size)
+    if world is not None:
+        with device.span(Stage.ALLREDUCE):
+            sums = _across_ranks(world, grads, sums, dev0)
+    weight, loss, correct, count = sums
+    scale = 1.0 / weight.clamp(min=1e-12) if world is not None else 1.0 / max(weight, 1e-12)
+    torch._foreach_mul_(grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
     with device.span(Stage.GRAD_NORM_SYNC):
         norm = torch.nn.utils.get_total_norm(grads, foreach=dev0.type == "cuda")
         # The one host sync per step, on purpose: a NaN/Inf step must touch neither the
         # weights nor the optimizer state, and only the host can decide to skip it.
-        finite = bool(host_sync(torch.isfinite(norm) & torch.isfinite(loss)))
+        ok = torch.isfinite(norm) & torch.isfinite(loss)
+        if world is None:
+            finite, weight_h = bool(host_sync(ok)), weight
+        else:  # the global Σ w comes over in the same sync
+            finite_h, weight_h = host_sync(torch.stack([ok.double(), weight])).tolist()  # no-sync: host now
+            finite = bool(finite_h)
         if grad_clip > 0 and finite:
             coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)  # stays a tensor: no sync
             torch._foreach_mul_(grads, coef)
@@ -157,10 +193,8 @@ def apply_step(
         progress.updating = finite  # from here until StepBook.end, weights and AdamW state may disagree
         for r, g in zip(replicas, _spread(replicas, grads) if finite else [], strict=False):
             updated[r.index] = _update(device, r, g)
-    progress.finish(step, max(c.last_batch for c in contribs))
-    per_slot = [c.correct_per_slot for c in contribs if c.correct_per_slot is not None]
-    correct = sum(t.to(dev0, non_blocking=True) for t in per_slot)  # no-sync: device to device
-    count = sum(c.count_per_slot for c in contribs if c.count_per_slot is not None)
+    last = world.cursor if world is not None else max(c.last_batch for c in contribs)
+    progress.finish(step, last)
     return StepResult(
         step=step,
         loss=loss * scale,
@@ -170,7 +204,7 @@ def apply_step(
         count=count,
         tokens=sum(c.tokens for c in contribs),
         samples=sum(c.samples for c in contribs),
-        weight_sum=weight,
+        weight_sum=weight_h,
         skipped=not finite,
         updated={r: ev for r, ev in updated.items() if ev is not None},
     )
@@ -185,12 +219,20 @@ async def run(
     book: StepBook,
     stop: asyncio.Event,
     max_steps: int | None,
+    world: World | None = None,
+    grad_accum: int = 1,
 ) -> int:
     """`apply(replicas, contribs, device, step, progress)` is `apply_step` with the clip
-    bound. Returns the number of the last optimizer step taken."""
+    (and the world) bound. Returns the number of the last optimizer step taken.
+
+    With a `world`, every rank agrees before each update (`World.agree`): the step runs on
+    every rank while any rank has data, and all stop after the step in which any rank was
+    asked to stop — or before it, when a stop left some rank's step incomplete (an update
+    from part of the data would differ from the uninterrupted run's)."""
     active = set(range(len(replicas)))
+    mine = book.progress.last_batch  # the highest batch index this rank has consumed
     with linked([inbox], replies):
-        while active:
+        while True:
             msgs: list[StepGrads] = []
             try:
                 for _ in range(len(active)):
@@ -202,21 +244,27 @@ async def run(
             finished = {m.replica for m in msgs if m.micro_batches == 0}
             if len(msgs) < len(active):  # a replica closed without a final message
                 finished |= active - {m.replica for m in msgs}
-            ready = None
             done = max_steps is not None and book.progress.step >= max_steps  # resumed at the end
-            if contribs and not done:
+            go, stop_all = bool(contribs) and not done, False
+            if world is not None:
+                mine = max([mine, *(c.last_batch for c in contribs)])
+                complete = len(contribs) == len(active) and all(c.micro_batches == grad_accum for c in contribs)
+                agreed, _ = await device.run(None, world.agree, book.next_step, go, stop.is_set(), mine, complete)
+                go, stop_all = agreed.any_data and not (agreed.stop and not agreed.all_complete), agreed.stop
+            ready, updated = None, {}
+            if go:
                 result, ready = await device.run(
                     None, apply, replicas, contribs, device, book.next_step, book.progress,
                     wait_for=[c.ready for c in contribs],
                 )  # fmt: skip
                 await book.end(result, ready)
+                updated = result.updated
             step = book.progress.step
-            stop_now = stop.is_set() or (max_steps is not None and step >= max_steps)
+            stop_now = stop_all or (world is None and stop.is_set()) or (max_steps is not None and step >= max_steps)
             active -= finished
-            updated = result.updated if contribs and not done else {}
             for r in sorted(active):  # a replica on another GPU waits on its own update
                 await replies[r].put(StepReply(step, stop_now, updated.get(r, ready)))
-            if stop_now or not contribs:
+            if stop_now or not go:
                 break
         await book.close()
     return book.progress.step

@@ -16,6 +16,7 @@ from dflash import faults
 from dflash.channel import Channel
 from dflash.data.batching import BatchPlan, collate
 from dflash.devices import Device
+from dflash.distributed import World, shard
 from dflash.profile import Stage
 from dflash.records import Batch
 from dflash.stages._link import linked
@@ -41,8 +42,11 @@ def next_batch(plan: Iterator[tuple[int, int, list]], pin: bool) -> Batch | None
     return batch
 
 
-async def run(plan: BatchPlan, device: Device, outbox: Channel[Batch], stop: asyncio.Event, pin: bool) -> None:
-    batches = iter(plan)
+async def run(
+    plan: BatchPlan, device: Device, outbox: Channel[Batch], stop: asyncio.Event, pin: bool, world: World | None = None
+) -> None:
+    """With a `world`, this rank's shard of the plan (`distributed.shard`)."""
+    batches = iter(plan) if world is None else shard(plan, world.rank, world.size)
     with linked([], [outbox]):
         while not stop.is_set():
             batch, _ = await device.run(Stage.PREFETCH, next_batch, batches, pin)

@@ -6,19 +6,28 @@ group is serial, so its busy fraction is how loaded that worker is), and names t
 bottleneck: the busiest group. Wait stages (queue waits, step waits) are idle time and
 tell the rest of the story: drafters waiting on the hidden-state queue are starved by the
 targets; targets waiting to put are back-pressured by the drafters.
+
+A run of several processes (torchrun) has a `rank` in every record: the report then reads
+each rank on its own as well (its throughput, busy fractions, bottleneck, the share of the
+cross-node all-reduce `drafter.allreduce`) and names the slowest rank — the one whose
+busiest worker has the most work per optimizer step outside the all-reduce (the all-reduce
+is where the other ranks wait for it). Records without `rank`: one process, as before.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from dflash.errors import DataError
 from dflash.profile import Stage
 
-__all__ = ["analyze", "format_report", "read_records"]
+__all__ = ["analyze", "format_report", "read_logs", "read_records"]
 
 # Which worker runs a stage (the optimizer thread runs the drafter.grad_* / optimizer stages).
 _OPTIMIZER = {Stage.GRAD_REDUCE, Stage.ALLREDUCE, Stage.GRAD_NORM_SYNC, Stage.OPTIMIZER_STEP, Stage.METRICS_SYNC,
@@ -51,12 +60,85 @@ def read_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
     return out
 
 
-def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
+def _run_folder_logs(folder: Path) -> list[Path]:
+    """A run folder's logs: rank 0's `records.jsonl`, then `records.rankN.jsonl` by N."""
+    ranked = []
+    for f in folder.glob("records.rank*.jsonl"):
+        m = re.fullmatch(r"records\.rank(\d+)\.jsonl", f.name)
+        if m:
+            ranked.append((int(m[1]), f))
+    first = folder / "records.jsonl"
+    files = ([first] if first.is_file() else []) + [f for _, f in sorted(ranked)]
+    if not files:
+        msg = f"{folder}: no records.jsonl or records.rankN.jsonl in this folder (give a run folder or a log file)"
+        raise DataError(msg)
+    return files
+
+
+def _stdin_lines() -> Iterator[str]:
+    buf = getattr(sys.stdin, "buffer", None)
+    if buf is None:
+        yield from sys.stdin
+    else:
+        for raw in buf:
+            yield raw.decode("utf-8")
+
+
+def read_logs(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """Every record of the logs named, in order: files, `-` (stdin; also when none is named),
+    and run folders (their `records.jsonl` and `records.rankN.jsonl`)."""
+    records: list[dict[str, Any]] = []
+    for path in paths or ["-"]:
+        if path == "-":
+            records += read_records(_stdin_lines(), "<stdin>")
+            continue
+        p = Path(path)
+        for f in _run_folder_logs(p) if p.is_dir() else [p]:
+            name = path if f is p else str(f)
+            try:
+                with open(f, encoding="utf-8") as fh:
+                    records += read_records(fh, name)
+            except OSError as err:
+                msg = f"{name}: {err.strerror}"
+                raise DataError(msg) from None
+    return records
+
+
+def _ranks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]] | None:
+    """Records by rank, ranks in order; None when no record has a rank (one process)."""
+    if not any("rank" in r for r in records):
+        return None
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        rank = r.get("rank", 0)
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            msg = f"a record's rank is {rank!r}, not an integer"
+            raise DataError(msg)
+        out[rank].append(r)
+    return dict(sorted(out.items()))
+
+
+def _steady(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The profile records, and those that count: warm-up and final windows dropped (all
+    of them kept when nothing else is left)."""
     profiles = [r for r in records if r.get("event") == "profile"]
+    steady = [p for p in profiles if not p.get("warmup") and not p.get("final")] or profiles
+    return profiles, steady
+
+
+def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
+    by_rank = _ranks(records)
+    if by_rank is None:
+        return _analyze(records, *_steady(records))
+    return _analyze_ranks(records, by_rank)
+
+
+def _analyze(
+    records: list[dict[str, Any]], profiles: list[dict[str, Any]], steady: list[dict[str, Any]]
+) -> dict[str, Any]:
     if not profiles:
         msg = "no profile records in the log (was it written by `dflash run`?)"
         raise DataError(msg)
-    steady = [p for p in profiles if not p.get("warmup") and not p.get("final")] or profiles
     wall = sum(p["wall_s"] for p in steady)
     stages: dict[str, dict[str, float]] = defaultdict(
         lambda: {"count": 0, "total_s": 0.0, "max_ms": 0.0, "p95_ms": 0.0}
@@ -120,6 +202,88 @@ def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
         "cuda": any("device_mean_ms" in s for p in steady for s in p["stages"].values()),
         "what_if": whatif,
     }
+
+
+def _bottleneck_busy(a: dict[str, Any]) -> float:
+    """The busy fraction of the bottleneck: its busiest worker, or its role's summed stages."""
+    b = a["bottleneck"]
+    return max((v for w, v in a["workers"].items() if w.rstrip("0123456789") == b), default=a["busy"].get(b, 0.0))
+
+
+def _rank_figures(rank: int, records: list[dict[str, Any]], steady: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's figures for the per-rank table; `work_ms_per_step` is what the slowest
+    rank is judged by: the busiest worker's busy time per optimizer step, all-reduce
+    excluded (waiting there for the other ranks is no work of this rank's)."""
+    a = _analyze(records, *_steady(records))
+    wall = a["wall_s"]
+    ar = sum(p["stages"].get(Stage.ALLREDUCE, {}).get("total_s", 0.0) for p in steady)
+    steps = sum(int(p.get("steps") or 0) for p in steady)
+    if not steps:  # records without a step counter: one optimizer step per drafter.optimizer_step
+        steps = a["stages"].get(Stage.OPTIMIZER_STEP, {}).get("count", 0)
+    work: dict[str, float] = defaultdict(float)
+    for p in steady:
+        for w, frac in p.get("workers", {}).items():
+            if w != "loop":
+                work[w] += frac * p["wall_s"]
+    if not work:  # no per-worker figures: the roles' summed stages
+        work.update({g: v * wall for g, v in a["busy"].items()})
+    if "optimizer" in work:
+        work["optimizer"] = max(0.0, work["optimizer"] - ar)
+    busiest = max(work, key=lambda w: work[w]) if work else None
+    work_s = work[busiest] if busiest else 0.0
+    return {
+        "rank": rank,
+        "windows": a["windows"],
+        "wall_s": wall,
+        "tokens_per_s": a["tokens_per_s"],
+        "steps": steps,
+        "steps_per_s": round(steps / wall, 3) if wall else 0.0,
+        "busy": a["busy"],
+        "workers": a["workers"],
+        "bottleneck": a["bottleneck"],
+        "bottleneck_busy": round(_bottleneck_busy(a), 4),
+        "allreduce_share": round(ar / wall, 4) if wall else 0.0,
+        "allreduce_ms_per_step": round(1000 * ar / steps, 3) if steps else None,
+        "busiest_worker": busiest,
+        "work_ms_per_step": round(1000 * work_s / steps, 3) if steps else None,
+        "work_share": round(work_s / wall, 4) if wall else 0.0,
+    }
+
+
+def _analyze_ranks(records: list[dict[str, Any]], by_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Several ranks: the stage table and busy fractions over all of them (so shares are
+    means over the ranks; throughput is their sum), and each rank on its own."""
+    profiles: list[dict[str, Any]] = []
+    steady: list[dict[str, Any]] = []
+    ranks = []
+    for rank, recs in by_rank.items():
+        prof, st = _steady(recs)
+        profiles += prof
+        steady += st
+        if prof:
+            ranks.append(_rank_figures(rank, recs, st))
+        else:
+            ranks.append({"rank": rank, "windows": 0})
+    a = _analyze(records, profiles, steady)
+    measured = sum(r.get("tokens_per_s", 0.0) for r in ranks)
+    busy = _bottleneck_busy(a)
+    a["tokens_per_s"] = round(measured, 2)
+    a["bound_tokens_per_s"] = round(measured / busy, 2) if busy > 0 else None
+    start = next((r for r in records if r.get("event") == "run_start" and "world_size" in r), None)
+    world = start["world_size"] if start else len(by_rank)
+    timed = [r for r in ranks if r["windows"]]
+    # Per step where every rank counts steps; else per second of wall time.
+    key = "work_ms_per_step" if all(r["work_ms_per_step"] is not None for r in timed) else "work_share"
+    slowest = max(timed, key=lambda r: r[key]) if len(timed) > 1 else None
+    a.update({
+        "world_size": world,
+        "backend": start.get("backend") if start else None,
+        "ranks": ranks,
+        "missing_ranks": [r for r in range(world) if r not in by_rank],
+        "slowest_rank": slowest["rank"] if slowest else None,
+        "slowest_by": key if slowest else None,
+    })  # fmt: skip
+    return a
 
 
 def _what_if(records: list[dict[str, Any]], stages: dict[str, dict[str, float]], groups: dict[str, float]) -> Any:

@@ -197,7 +197,7 @@ def apply_step(
     progress.finish(step, last)
     return StepResult(
         step=step,
-        loss=loss * scale,
+        loss=loss * (scale.float() if world is not None else scale),  # float32, as with one process
         grad_norm=norm,
         lr=lr,
         correct=correct,

@@ -1,0 +1,179 @@
+"""Several processes on 127.0.0.1 (gloo): the run of W processes × R replicas equals the run
+of one process × W·R replicas, a lost rank ends the job with one line, a SIGTERM stops
+every rank at the same step, and resume continues exactly. Tiny model, a few steps each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, tiny_overrides
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo on 127.0.0.1")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _args(out: Path, **extra: object) -> list[str]:
+    sets = tiny_overrides(out, **{"eval.at_end": "false", "distributed.check_every": 1, **extra})
+    return ["run", str(ROOT / "configs" / "tiny.toml"), *(a for kv in sets for a in ("--set", kv))]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def _launch(n: int, args: list[str], port: int | None = None) -> list[subprocess.Popen[str]]:
+    """`n` ranks of `python -m dflash ...`, as torchrun would start them (its env variables)."""
+    port = port or _port()
+    procs = []
+    for r in range(n):
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), RANK=str(r), LOCAL_RANK=str(r))
+        cmd = [sys.executable, "-m", "dflash", *args]
+        pipe = subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, cwd=ROOT))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 300) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each."""
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        done.append((p.returncode, out, err))
+    return done
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _steps(path: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in _records(path) if r["event"] == "train_step"]
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def _single(out: Path, replicas: int, **extra: object) -> Path:
+    devs = json.dumps(["cpu"] * replicas)
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash", *_args(out, **{"pipeline.drafter_devices": devs, **extra})],
+        env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out / "tiny"
+
+
+def test_two_processes_equal_one_process_with_two_replicas_under_torchrun(tmp_path):
+    """The documented command (torchrun, one node, two processes) gives the same losses and
+    bit-identical weights as one process with two replicas: per step both see the same two
+    batches, and a sum of two float32 gradients does not depend on their order."""
+    extra = {"data.num_samples": 48, "train.epochs": 2}
+    one = _single(tmp_path / "one", 2, **extra)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash", *_args(tmp_path / "two", **extra)]  # fmt: skip
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = tmp_path / "two" / "tiny"
+    stdout = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert {r.get("rank") for r in stdout} == {0}, "stdout carries rank 0's records only"
+    start = next(r for r in stdout if r["event"] == "run_start")
+    assert (start["world_size"], start["backend"]) == (2, "gloo")
+    rank1 = _records(two / "records.rank1.jsonl")
+    assert rank1 and all(r["rank"] == 1 for r in rank1)
+    assert _steps(two / "records.jsonl") == _steps(one / "records.jsonl") == _steps(two / "records.rank1.jsonl")
+    assert len(_steps(one / "records.jsonl")) == 6
+    assert _same_weights(_weights(two), _weights(one))
+    assert not (two / "final.rank1").exists() and len(list((two / "checkpoints").iterdir())) == 1
+
+
+def test_uneven_shards_normalise_like_one_process(tmp_path):
+    """5 batches over 2 ranks: the last step has data on rank 0 only; rank 1 contributes
+    nothing, and the update (divided by the global Σ w) equals the single-process one."""
+    extra = {"data.num_samples": 40}
+    one = _single(tmp_path / "one", 2, **extra)
+    results = _finish(_launch(2, _args(tmp_path / "two", **extra)))
+    for rc, _, err in results:
+        assert rc == 0, err[-2000:]
+    two = tmp_path / "two" / "tiny"
+    assert len(_steps(one / "records.jsonl")) == 3
+    assert _steps(two / "records.jsonl") == _steps(one / "records.jsonl") == _steps(two / "records.rank1.jsonl")
+    assert _same_weights(_weights(two), _weights(one))
+
+
+def _wait_for_step(path: Path, step: int, procs: list[subprocess.Popen[str]], timeout: float = 120) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if path.exists() and any(r["event"] == "train_step" and r["step"] >= step for r in _records(path)):
+            return
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"a rank ended early: {[p.poll() for p in procs]}")
+        time.sleep(0.1)
+    pytest.fail(f"no step {step} in {path} after {timeout} s")
+
+
+def test_a_killed_rank_ends_the_other_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    procs = _launch(2, _args(out, **{"data.num_samples": 512, "train.epochs": 20, "distributed.timeout_s": 20}))
+    _wait_for_step(out / "tiny" / "records.jsonl", 2, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    rc, _, err = _finish(procs[:1], timeout=120)[0]
+    assert time.monotonic() - t0 < 40
+    assert rc != 0
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("dflash[rank 0]: error:") and "lost rank 1" in lines[0], lines[0]
+    procs[1].wait()
+
+
+def test_sigterm_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path):
+    extra = {"data.num_samples": 128, "train.epochs": 2, "checkpoint.keep_last": 5}
+    full = tmp_path / "full"
+    for rc, _, err in _finish(_launch(2, _args(full, **extra))):
+        assert rc == 0, err[-2000:]
+    out = tmp_path / "cut"
+    procs = _launch(2, _args(out, **extra))
+    _wait_for_step(out / "tiny" / "records.jsonl", 2, procs)
+    procs[0].send_signal(signal.SIGTERM)
+    results = _finish(procs)
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-1000:] for _, _, err in results]
+    ends = [next(r for r in _records(f) if r["event"] == "run_end") for f in
+            (out / "tiny" / "records.jsonl", out / "tiny" / "records.rank1.jsonl")]  # fmt: skip
+    assert ends[0]["steps"] == ends[1]["steps"] and ends[0]["reason"] == "stopped"
+    total = len(_steps(full / "tiny" / "records.jsonl"))
+    assert 2 <= ends[0]["steps"] < total
+    ckpts = sorted((out / "tiny" / "checkpoints").iterdir())
+    assert [c.name for c in ckpts] == [f"step_{ends[0]['steps']:06d}"]
+    state = json.loads((ckpts[0] / "state.json").read_text())
+    assert state["world"]["size"] == 2 and len(state["world"]["cursors"]) == 2
+    for rc, _, err in _finish(_launch(2, [*_args(out, **extra), "--resume", "auto"])):
+        assert rc == 0, err[-2000:]
+    assert _steps(out / "tiny" / "records.jsonl") == _steps(full / "tiny" / "records.jsonl")
+    assert _same_weights(_weights(out / "tiny"), _weights(full / "tiny"))
+    # a different number of processes is refused, naming what differs
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash", *_args(out, **extra), "--resume", "auto"],
+        env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert p.returncode != 0 and "processes (torchrun WORLD_SIZE) 2 -> 1" in p.stderr, p.stderr[-1000:]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -170,7 +171,8 @@ class World:
             fn()
         except Exception as err:  # gloo / NCCL errors, timeouts
             waited = time.monotonic() - t0
-            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's source location
             msg = f"rank {self.rank}: {what} failed after {waited:.0f} s: {self._diagnose()} ({first})"
             raise DistributedError(msg) from None
 

@@ -177,3 +177,21 @@ def test_sigterm_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path):
         env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert p.returncode != 0 and "processes (torchrun WORLD_SIZE) 2 -> 1" in p.stderr, p.stderr[-1000:]
+
+
+def test_a_hung_rank_ends_the_other_within_the_timeout(tmp_path):
+    """SIGSTOP: rank 1 neither dies nor answers; rank 0's collective times out after
+    distributed.timeout_s and names it."""
+    out = tmp_path / "run"
+    procs = _launch(2, _args(out, **{"data.num_samples": 512, "train.epochs": 20, "distributed.timeout_s": 4}))
+    _wait_for_step(out / "tiny" / "records.jsonl", 2, procs)
+    procs[1].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        rc, _, err = _finish(procs[:1], timeout=120)[0]
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert rc != 0 and time.monotonic() - t0 < 30
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "lost rank 1" in lines[0], err[-2000:]

@@ -213,15 +213,17 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.argument("log", type=click.File("r", encoding="utf-8"), default="-")
+@click.argument("logs", metavar="[LOG]...", nargs=-1, type=click.Path(exists=True, allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="print the analysis as one JSON object")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="draw stage times and queue depth (PNG)")
-def report(log: object, as_json: bool, plot_path: str | None) -> None:
-    """Read a run's JSON log (file, or stdin) and name the bottleneck stage."""
-    from dflash.report import analyze, format_report, plot, read_records
+def report(logs: tuple[str, ...], as_json: bool, plot_path: str | None) -> None:
+    """Read a run's JSON logs and name the bottleneck stage.
 
-    name = getattr(log, "name", "-")
-    records = read_records(log, name)  # type: ignore[arg-type]
+    LOG: a log file, - for stdin (the default), or a run folder (its records.jsonl and
+    records.rankN.jsonl). Several ranks' logs (torchrun) add a per-rank table and the slowest rank."""
+    from dflash.report import analyze, format_report, plot, read_logs
+
+    records = read_logs(logs)
     a = analyze(records)
     click.echo(json.dumps(a) if as_json else format_report(a))
     if plot_path:

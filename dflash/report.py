@@ -210,11 +210,13 @@ def _bottleneck_busy(a: dict[str, Any]) -> float:
     return max((v for w, v in a["workers"].items() if w.rstrip("0123456789") == b), default=a["busy"].get(b, 0.0))
 
 
-def _rank_figures(rank: int, records: list[dict[str, Any]], steady: list[dict[str, Any]]) -> dict[str, Any]:
+def _rank_figures(
+    rank: int, records: list[dict[str, Any]], profiles: list[dict[str, Any]], steady: list[dict[str, Any]]
+) -> dict[str, Any]:
     """One rank's figures for the per-rank table; `work_ms_per_step` is what the slowest
     rank is judged by: the busiest worker's busy time per optimizer step, all-reduce
     excluded (waiting there for the other ranks is no work of this rank's)."""
-    a = _analyze(records, *_steady(records))
+    a = _analyze(records, profiles, steady)
     wall = a["wall_s"]
     ar = sum(p["stages"].get(Stage.ALLREDUCE, {}).get("total_s", 0.0) for p in steady)
     steps = sum(int(p.get("steps") or 0) for p in steady)
@@ -261,7 +263,7 @@ def _analyze_ranks(records: list[dict[str, Any]], by_rank: dict[int, list[dict[s
         profiles += prof
         steady += st
         if prof:
-            ranks.append(_rank_figures(rank, recs, st))
+            ranks.append(_rank_figures(rank, recs, prof, st))
         else:
             ranks.append({"rank": rank, "windows": 0})
     a = _analyze(records, profiles, steady)
@@ -270,7 +272,7 @@ def _analyze_ranks(records: list[dict[str, Any]], by_rank: dict[int, list[dict[s
     a["tokens_per_s"] = round(measured, 2)
     a["bound_tokens_per_s"] = round(measured / busy, 2) if busy > 0 else None
     start = next((r for r in records if r.get("event") == "run_start" and "world_size" in r), None)
-    world = start["world_size"] if start else len(by_rank)
+    world = max(start["world_size"] if start else 0, max(by_rank) + 1)
     timed = [r for r in ranks if r["windows"]]
     # Per step where every rank counts steps; else per second of wall time.
     key = "work_ms_per_step" if all(r["work_ms_per_step"] is not None for r in timed) else "work_share"
@@ -326,6 +328,11 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     except ImportError:
         msg = "--plot needs matplotlib: pip install matplotlib"
         raise DataError(msg) from None
+    by_rank = _ranks(records)
+    title = "dflash: stage times and hidden-state queue"
+    if by_rank is not None:  # several ranks: the first one's windows (their times interleave)
+        rank, records = next(iter(by_rank.items()))
+        title += f" (rank {rank})" if len(by_rank) > 1 else ""
     profiles = [r for r in records if r.get("event") == "profile" and not r.get("final")]
     if not profiles:
         msg = "no profile records in the log to plot"
@@ -341,7 +348,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         ax1.plot(t, [p["stages"].get(n, {}).get("mean_ms", 0) for p in profiles], label=n, marker=".")
     ax1.set_ylabel("mean ms per call")
     ax1.legend(fontsize=7)
-    ax1.set_title("dflash: stage times and hidden-state queue")
+    ax1.set_title(title)
     q = [p["queues"].get("hidden_states", {}) for p in profiles]
     ax2.plot(t, [x.get("mean_depth", 0) for x in q], label="mean depth")
     ax2.plot(t, [x.get("max_depth", 0) for x in q], label="max depth")
@@ -406,4 +413,62 @@ def format_report(a: dict[str, Any]) -> str:
             f"host work sums to {100 * a['host_share']:.0f}% of wall time: one process holding the GIL "
             "is near its limit; more devices will not help"
         )
+    if "ranks" in a:
+        n = len(a["ranks"])
+        head = (
+            f"{n} rank{'s' if n > 1 else ''} (world size {a['world_size']}, {a['backend'] or 'backend unknown'}): "
+            "windows and seconds below add up the ranks; stage shares and busy fractions are means over them, "
+            "throughput their sum"
+        )
+        lines = [head, *lines, "", *_rank_lines(a)]
     return "\n".join(lines)
+
+
+def _rank_lines(a: dict[str, Any]) -> list[str]:
+    ranks = [r for r in a["ranks"] if r["windows"]]
+    roles = [g for g in ("data", "target", "drafter", "optimizer") if any(g in r["busy"] for r in ranks)]
+    lines = [
+        "per rank: busy = stage time per wall second by role; all-reduce = share of drafter.allreduce; "
+        "work/step = the busiest worker's ms per optimizer step, all-reduce excluded",
+        f"{'rank':>4} {'tok/s':>9} {'steps/s':>8} " + " ".join(f"{g:>9}" for g in roles)
+        + f" {'all-reduce':>10} {'work/step':>10}  bottleneck",
+    ]  # fmt: skip
+    for r in a["ranks"]:
+        if not r["windows"]:
+            lines.append(f"{r['rank']:>4} no profile records")
+            continue
+        work = f"{r['work_ms_per_step']:.2f}" if r["work_ms_per_step"] is not None else "-"
+        lines.append(
+            f"{r['rank']:>4} {r['tokens_per_s']:>9.0f} {r['steps_per_s']:>8.2f} "
+            + " ".join(f"{100 * r['busy'].get(g, 0.0):>8.0f}%" for g in roles)
+            + f" {100 * r['allreduce_share']:>9.1f}% {work:>10}  {r['bottleneck']} "
+            f"({100 * r['bottleneck_busy']:.0f}% busy)"
+        )
+    if a["slowest_rank"] is not None:
+        slow = next(r for r in ranks if r["rank"] == a["slowest_rank"])
+        per_step = a["slowest_by"] == "work_ms_per_step"
+        key = a["slowest_by"]
+        fast = min(ranks, key=lambda r: r[key])
+
+        def fig(r: dict[str, Any]) -> str:
+            return f"{r[key]:.2f} ms" if per_step else f"{100 * r[key]:.0f}% busy"
+
+        rule = "per optimizer step" if per_step else "per second of wall time"
+        lines.append(
+            f"slowest rank: {slow['rank']} ({slow['busiest_worker']} {fig(slow)}; fastest rank {fast['rank']} "
+            f"{fig(fast)}); slowest = the most work {rule} on one worker, {Stage.ALLREDUCE} excluded (time "
+            "there is mostly waiting for the slowest rank)"
+        )
+    if Stage.ALLREDUCE in a["stages"]:
+        each = ", ".join(f"rank {r['rank']} {100 * r['allreduce_share']:.1f}%" for r in ranks)
+        ms = [r["allreduce_ms_per_step"] for r in ranks if r["allreduce_ms_per_step"] is not None]
+        lines.append(
+            f"cross-node all-reduce ({Stage.ALLREDUCE}): {100 * a['stages'][Stage.ALLREDUCE]['share']:.1f}% of wall "
+            f"time over the ranks ({each})" + (f", {sum(ms) / len(ms):.2f} ms per step" if ms else "")
+        )
+    if a["missing_ranks"]:
+        missing = ", ".join(str(r) for r in a["missing_ranks"])
+        lines.append(
+            f"no records of rank {missing} (world size {a['world_size']}): name every rank's log, or the run folder"
+        )
+    return lines

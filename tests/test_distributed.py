@@ -91,7 +91,8 @@ def test_two_processes_equal_one_process_with_two_replicas_under_torchrun(tmp_pa
     extra = {"data.num_samples": 48, "train.epochs": 2}
     one = _single(tmp_path / "one", 2, **extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dflash", *_args(tmp_path / "two", **extra)]  # fmt: skip
+           "-m", "dflash", *_args(tmp_path / "two", **extra),
+           "--log-file", str(tmp_path / "log.{rank}.jsonl")]  # fmt: skip
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     two = tmp_path / "two" / "tiny"
@@ -101,6 +102,8 @@ def test_two_processes_equal_one_process_with_two_replicas_under_torchrun(tmp_pa
     assert (start["world_size"], start["backend"]) == (2, "gloo")
     rank1 = _records(two / "records.rank1.jsonl")
     assert rank1 and all(r["rank"] == 1 for r in rank1)
+    for r in (0, 1):  # --log-file with {rank}: one file per rank
+        assert {rec["rank"] for rec in _records(tmp_path / f"log.{r}.jsonl")} == {r}
     assert _steps(two / "records.jsonl") == _steps(one / "records.jsonl") == _steps(two / "records.rank1.jsonl")
     assert len(_steps(one / "records.jsonl")) == 6
     assert _same_weights(_weights(two), _weights(one))

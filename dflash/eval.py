@@ -118,8 +118,11 @@ def speculative_generate(
         acc = 0
         while acc < bs - 1 and props[acc] == post[acc]:
             acc += 1
-        tokens += [*props[:acc], post[acc]]
+        new = [*props[:acc], post[acc]]
+        tokens += new
         accepted.append(acc)
+        if not stop_ids.isdisjoint(new):  # a stop id anywhere in the accepted tokens ends it (as the reference)
+            break
         crop_cache(tcache, start + acc + 1)
         drafter.extend_context(dcache, vfeats[:, : acc + 1].to(ddev, pdtype), q_pos[:, : acc + 1])
     return SpecOutput(_truncate(tokens, max_new, stop_ids), accepted)

@@ -159,3 +159,46 @@ def test_periodic_eval_during_training(tiny_config):
     evals = [r for r in records if r["event"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4]
     assert all(e["lossless"] for e in evals)
+
+
+class _OracleDrafter(DFlashDrafter):
+    """Proposes exactly the target's greedy continuation `plain` (so every block is accepted
+    whole): slot i's hidden state is the basis vector e_i, and the head's LM matrix is
+    rewritten per block to map e_i to the wanted token."""
+
+    def __init__(self, spec: DrafterSpec, head: FrozenHead, plain: list[int], prompt_len: int) -> None:
+        super().__init__(spec)
+        self.head, self.plain, self.P = head, plain, prompt_len
+
+    def forward_block(self, cache, emb, q_pos, masks):  # type: ignore[no-untyped-def]
+        start, bs = int(q_pos[0, 0]), q_pos.shape[1]
+        h = torch.zeros(1, bs, self.spec.hidden_size)
+        self.head.lm_head.zero_()
+        for i in range(1, bs):
+            k = start + i - self.P  # index in `plain` of the token slot i predicts
+            self.head.lm_head[self.plain[k] if k < len(self.plain) else 0, i - 1] = 1.0
+            h[0, i, i - 1] = 1.0
+        return h
+
+
+def test_a_stop_id_accepted_inside_a_block_ends_generation_there():
+    """The reference stops as soon as a stop id is among the accepted tokens: one verify
+    step here, not one per remaining token."""
+    cfg, t = _tiny_target()
+    spec = _spec(
+        hidden_size=t.hidden_size, num_layers=1, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim, intermediate_size=t.intermediate_size, vocab_size=t.vocab_size,
+        target_layer_ids=t.layer_ids, num_target_layers=t.num_layers, block_size=8,
+        mask_token_id=t.vocab_size - 1, layer_types=["full_attention"],
+    )  # fmt: skip
+    prompt = draw_prompts(cfg.data, t.vocab_size, 1, 5, spec.mask_token_id)[0]
+    plain = greedy_generate(t, prompt, 32, set())
+    k = next(i for i in range(2, 6) if plain[i] not in plain[:i])  # first occurrence, inside block 1
+    head = FrozenHead(t.embed_weight.clone(), t.lm_head_weight.clone())
+    d = _OracleDrafter(spec, head, plain, prompt.numel())
+    d.init_weights(torch.Generator().manual_seed(0))
+    free = speculative_generate(t, d, head, prompt, 32, set())
+    assert free.tokens == plain and free.accepted[0] == 7  # the oracle is accepted whole
+    out = speculative_generate(t, d, head, prompt, 32, {plain[k]})
+    assert out.tokens == plain[: k + 1]
+    assert out.accepted == [7], "steps after the stop token were counted"

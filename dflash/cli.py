@@ -143,7 +143,8 @@ def run(
 @main.command("eval")
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--drafter", "drafter_path", required=True, type=click.Path(path_type=Path),
-              help="an exported drafter folder (config.json + model.safetensors), e.g. runs/tiny/final")  # fmt: skip
+              help="an exported drafter folder (e.g. runs/tiny/final) or a checkpoint folder "
+                   "(e.g. runs/tiny/checkpoints/step_000040)")  # fmt: skip
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 @click.option("--prompts", type=click.IntRange(min=1), help="number of held-out prompts (eval.num_prompts)")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), help="tokens per prompt (eval.max_new_tokens)")
@@ -170,6 +171,29 @@ def eval_cmd(
         f"{record['spec_s']:.2f}s vs plain {record['plain_s']:.2f}s ({record['speedup']}x); "
         f"lossless: {record['lossless']}"
     )
+
+
+@main.command("export")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+def export_cmd(checkpoint: Path, out_dir: Path) -> None:
+    """Turn a checkpoint folder (mid-run, emergency or final), or a run folder's latest
+    complete checkpoint, into an exported drafter in OUT_DIR."""
+    from dflash.checkpoint import latest_checkpoint
+    from dflash.export import export_checkpoint, is_checkpoint
+
+    source = checkpoint
+    if checkpoint.is_dir() and not is_checkpoint(checkpoint) and (checkpoint / "checkpoints").is_dir():
+        found = latest_checkpoint(checkpoint)
+        if found is None:
+            msg = f"{checkpoint}: no complete checkpoint in {checkpoint / 'checkpoints'}"
+            raise DFlashError(msg)
+        source = found
+    out = export_checkpoint(source, out_dir)
+    click.echo(json.dumps({"event": "export", "checkpoint": str(source), "path": str(out)}))
+    from dflash import logs
+
+    logs.human(f"dflash export: {source} -> {out}")
 
 
 @main.command()

@@ -1,6 +1,8 @@
 """Export a drafter in the format the reference DFlash code and vLLM / SGLang load:
 a folder with a Qwen3-style `config.json` and `model.safetensors` (no embedding, no LM
-head), written atomically (`dflash.atomic.atomic_path`). `load_drafter` reads it back.
+head), written atomically (`dflash.atomic.atomic_path`). `load_drafter` reads it back, and
+reads a training checkpoint folder too; `export_checkpoint` turns any checkpoint (mid-run,
+emergency, final) into an export (`dflash export CHECKPOINT OUT_DIR`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dflash.atomic import atomic_path
 from dflash.errors import CheckpointError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 
-__all__ = ["drafter_config_json", "export_drafter", "load_drafter"]
+__all__ = ["drafter_config_json", "export_checkpoint", "export_drafter", "is_checkpoint", "load_drafter"]
 
 
 def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
@@ -90,17 +92,58 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
         raise CheckpointError(msg) from None
 
 
+def is_checkpoint(path: Path) -> bool:
+    """A training checkpoint folder (`<run>/checkpoints/step_N`), not an export."""
+    return (path / "state.json").is_file() and (path / "drafter.safetensors").is_file()
+
+
+def _from_checkpoint(path: Path) -> DFlashDrafter:
+    try:
+        state = json.loads((path / "state.json").read_text())
+        spec = DrafterSpec(**state["spec"])
+        weights = load_file(str(path / "drafter.safetensors"))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, SafetensorError, OSError) as err:
+        msg = f"{path}: unreadable checkpoint: {' '.join(str(err).split())[:200]}"
+        raise CheckpointError(msg) from None
+    model = DFlashDrafter(spec)
+    _load_weights(model, weights, path / "drafter.safetensors")
+    return model
+
+
+def _load_weights(model: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
+    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        msg = (
+            f"{where}: weights do not match the drafter's config "
+            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+        raise CheckpointError(msg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """A checkpoint folder → an export folder (bf16, like the end-of-run export)."""
+    p = Path(checkpoint)
+    if not p.is_dir() or not is_checkpoint(p):
+        msg = f"{p}: not a dflash checkpoint folder (needs state.json and drafter.safetensors)"
+        raise CheckpointError(msg)
+    return export_drafter(_from_checkpoint(p), out_dir)
+
+
 def load_drafter(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> DFlashDrafter:
-    """Load an exported drafter folder (config.json + model.safetensors)."""
+    """Load an exported drafter folder (config.json + model.safetensors), or the drafter of
+    a training checkpoint folder (state.json + drafter.safetensors, fp32)."""
     p = Path(path)
     cfg_file, weights = p / "config.json", p / "model.safetensors"
     if not p.is_dir():
         msg = f"drafter not found: {p} is not a folder"
         raise CheckpointError(msg)
+    if is_checkpoint(p):
+        return _from_checkpoint(p).to(device=device, dtype=dtype)
     if not cfg_file.is_file() or not weights.is_file():
-        msg = f"{p}: not an exported drafter (needs config.json and model.safetensors)"
+        msg = f"{p}: neither an exported drafter (config.json + model.safetensors) nor a checkpoint"
         raise CheckpointError(msg)
     try:
         cfg = json.loads(cfg_file.read_text())
@@ -113,12 +156,5 @@ def load_drafter(
     except (SafetensorError, OSError) as err:
         msg = f"{weights}: unreadable safetensors file: {err}"
         raise CheckpointError(msg) from None
-    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
-    if missing or unexpected:
-        msg = (
-            f"{weights}: weights do not match config.json "
-            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
-        )
-        raise CheckpointError(msg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    _load_weights(model, state, weights)
     return model.to(device=device, dtype=dtype)

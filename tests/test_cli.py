@@ -125,6 +125,33 @@ def test_short_run_writes_json_records_and_artifacts(cli_run: CliRun) -> None:
     assert parse_config(saved) == parse_config(records[0]["config"])  # the resolved config
 
 
+def test_export_turns_a_checkpoint_into_the_export_and_eval_reads_either(cli_run: CliRun, tmp_path: Path) -> None:
+    """`dflash export RUN_OR_CHECKPOINT OUT` writes the export format (equal to the run's own
+    final export, both bf16); `dflash eval --drafter` takes a checkpoint folder as well."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = cli_run.out / "tiny"
+    ckpt = sorted((run_dir / "checkpoints").iterdir())[-1]
+    proc = dflash("export", str(run_dir), str(tmp_path / "exp"))  # a run folder: its latest checkpoint
+    assert proc.returncode == 0, proc.stderr
+    assert json_lines(proc.stdout)[0]["checkpoint"] == str(ckpt)
+    a = load_file(str(tmp_path / "exp" / "model.safetensors"))
+    b = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "exp" / "config.json").read_text()) == json.loads(
+        (run_dir / "final" / "config.json").read_text()
+    )
+    bad = dflash("export", str(tmp_path), str(tmp_path / "x"))
+    assert bad.returncode != 0 and "not a dflash checkpoint folder" in bad.stderr
+    ev = dflash(
+        "eval", str(TINY), "--drafter", str(ckpt), "--set", f'run.output_dir="{cli_run.out}"',
+        "--set", 'data.source="random"', "--prompts", "1", "--max-new-tokens", "8",
+    )  # fmt: skip
+    assert ev.returncode == 0, ev.stderr
+    assert json_lines(ev.stdout)[-1]["lossless"] is True
+
+
 def test_profile_flag_wins_over_env(cli_run: CliRun) -> None:
     """With DFLASH_PROFILE_INTERVAL=0.25 and --profile-interval 0.5, the flag (0.5) is used."""
     proc = cli_run.proc

@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dflash-installed
 DEMO_STAMP := $(VENV)/.dflash-demo-installed
 
-.PHONY: setup demo tiny test lint clean
+.PHONY: setup demo tiny test lint clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -48,6 +48,13 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check dflash tests
+
+# Wheels for a GPU machine without internet: what dflash needs beyond torch, transformers,
+# click and uvloop, for CPython 3.11 on x86-64 Linux (another Python: GPU_PYTHON_VERSION=3.12).
+# bench/gpu_check.sh installs from wheels/ whatever its python lacks; carry wheels/ along.
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --only-binary=:all: --python-version $(or $(GPU_PYTHON_VERSION),3.11) \
+		--platform manylinux2014_x86_64 -d wheels/ structlog safetensors tokenizers pydantic tomli-w
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,47 +1,94 @@
 #!/usr/bin/env bash
-# On a CUDA machine: exercise every CUDA path (streams per stage, events, pinned D2H, flex
-# BlockMask with compiled flex_attention, bf16 autocast, CUDA memory in profiles) and measure
-# tokens/s with a Qwen3-8B-shaped random target and a 5-layer drafter, pipeline vs serial,
-# target and drafter on separate streams of one GPU. Prints the report of each run, then one
-# JSON line. Not yet run on a GPU: no CUDA machine has been available to the project.
-#   bash bench/gpu_check.sh            (from the repository root, after make setup / pip install -e .)
-#   DRY_RUN=1 bash bench/gpu_check.sh  (CPU, tiny shapes: checks the script itself, ~1 minute)
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# The GPU check (bench/gpu_check.py: what it checks and measures, its tolerances and targets):
+# every CUDA path of dflash against its CPU references, host syncs, races across streams, and
+# the figures of one GPU — at most 6 minutes on one H200, warm-up included. Prints one line
+# per check (PASS / FAIL / SKIP <name> <detail>) and per measure (MEASURE <name> <figures>),
+# then ONE JSON line {"bench": "gpu_check", ...}. Results go to $OUT if set, else
+# runs/gpu_check: gpu_check.json (also written as it goes), gpu_check.out (stdout),
+# gpu_check.stderr.log, runs/<name>/records.jsonl per run, bench_<mode>.report.txt / .trace.json.
+#
+# On a machine with internet, once (wheels of what the GPU machine's python may lack:
+# structlog, safetensors, tokenizers, pydantic, tomli-w and their dependencies; wheels/ is
+# ignored by git, so carry it along explicitly):
+#   make gpu-wheels                     # CPython 3.11; another: make gpu-wheels GPU_PYTHON_VERSION=3.12
+# On the GPU machine, from a fresh copy of the repository (its own torch and transformers,
+# no internet, no install of dflash: PYTHONPATH=.):
+#   bash bench/gpu_check.sh             # PYTHON=/path/to/python to choose the interpreter
+# (through the project's device tool: command "bash bench/gpu_check.sh", carry ["wheels"],
+# timeout_s 420; $OUT comes back.)
+# On CPU, with tiny shapes (the same code; the checks that need CUDA print SKIP; under a minute):
+#   DRY_RUN=1 bash bench/gpu_check.sh
+# Knobs: GPU_CHECK_BUDGET_S (320 s: a bench measure starts only if what it needs is left),
+# GPU_CHECK_TIMEOUT_S (350 s: the hard limit of the Python part), GPU_CHECK_BENCH_STEPS (12 per mode).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
 out="${OUT:-runs/gpu_check}"
-mkdir -p "$out"
-PY="${PYTHON:-python}"
-extra=()
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  extra=(--set 'pipeline.target_devices=["cpu"]' --set 'pipeline.drafter_devices=["cpu"]'
-         --set 'target.dtype="float32"' --set target.tiny.hidden_size=64 --set target.tiny.num_layers=4
-         --set target.tiny.num_heads=4 --set target.tiny.num_kv_heads=2 --set target.tiny.head_dim=16
-         --set target.tiny.intermediate_size=128 --set target.tiny.vocab_size=512 --set data.num_samples=64
-         --set data.prompt_len=32 --set data.gen_len=32 --set data.max_seq_len=64 --set drafter.max_anchors=8
-         --set drafter.sliding_window=32 --set train.max_steps=6 --set train.log_every=2
-         --set profile.interval_s=1.0)
+mkdir -p "$out" || exit 2
+out="$(cd "$out" && pwd)"
+if [[ -n "${PYTHON:-}" ]]; then
+  PY="$PYTHON"
+elif [[ "${DRY_RUN:-0}" == 1 && -x .venv/bin/python ]]; then
+  PY=.venv/bin/python
 else
-  "$PY" -c 'import sys, torch
-if not torch.cuda.is_available(): sys.exit("gpu_check: no CUDA device here (DRY_RUN=1 checks the script on CPU)")
-print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
-  "$PY" -m pytest -q tests/test_mask_loss_reference.py tests/test_eval.py  # CPU references still hold
+  PY=python3
 fi
-for mode in pipeline serial; do
-  bin/dflash run configs/gpu_bench.toml --set "run.output_dir=\"$out/$mode\"" \
-    --set "pipeline.mode=\"$mode\"" "${extra[@]}" --trace "$out/$mode.trace.json" > "$out/$mode.jsonl"
-  bin/dflash report "$out/$mode.jsonl" | tee "$out/$mode.report.txt"
-done
-"$PY" - "$out" <<'EOF'
-import json, sys
-out = sys.argv[1]
-res = {}
-for mode in ("pipeline", "serial"):
-    recs = [json.loads(l) for l in open(f"{out}/{mode}.jsonl")]
-    end = recs[-1]
-    prof = [r for r in recs if r["event"] == "profile" and not r["warmup"]]
-    res[mode] = {"tokens_per_s": end["tokens_per_s"], "steps": end["steps"],
-                 "device_ms": {k: v.get("device_mean_ms") for k, v in prof[-1]["stages"].items()} if prof else {},
-                 "cuda_memory": prof[-1]["memory"].get("cuda") if prof else None}
-res["ratio"] = res["pipeline"]["tokens_per_s"] / max(res["serial"]["tokens_per_s"], 1e-9)
-print(json.dumps({"bench": "gpu_check", **res}))
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+fail_json() {  # the one JSON line, when gpu_check.py could not write its own
+  local partial="null"
+  [[ -s "$out/gpu_check.json" ]] && partial="$(cat "$out/gpu_check.json")"
+  printf '{"bench": "gpu_check", "ok": false, "error": "%s", "partial": %s}\n' "$1" "$partial"
+}
+
+# What this python lacks of dflash's requirements (torch and transformers must be there).
+missing="$("$PY" - <<'EOF'
+import importlib.util
+need = {"torch": "torch", "transformers": "transformers", "click": "click", "structlog": "structlog",
+        "safetensors": "safetensors", "tokenizers": "tokenizers", "pydantic": "pydantic", "tomli_w": "tomli-w"}
+print(" ".join(dist for mod, dist in need.items() if importlib.util.find_spec(mod) is None))
 EOF
+)" || { echo "gpu_check: cannot run $PY" >&2; fail_json "cannot run $PY"; exit 2; }
+if [[ " $missing " == *" torch "* || " $missing " == *" transformers "* ]]; then
+  echo "gpu_check: $PY has no torch or transformers (missing: $missing); set PYTHON=" >&2
+  fail_json "no torch or transformers in $PY"
+  exit 2
+fi
+if [[ -n "$missing" ]]; then
+  echo "INFO gpu_check installing from wheels/: $missing"
+  if [[ ! -d wheels ]]; then
+    echo "gpu_check: $PY lacks $missing and there is no wheels/ folder (make gpu-wheels, then carry wheels/)" >&2
+    fail_json "missing $missing and no wheels/"
+    exit 2
+  fi
+  # shellcheck disable=SC2086  # one word per distribution
+  if ! "$PY" -m pip install -q --no-index --find-links wheels/ $missing >"$out/pip.log" 2>&1; then
+    # An externally managed or read-only python: install beside it. gpu_check.py puts this
+    # folder after the python's own packages, so nothing it has is shadowed.
+    export GPU_CHECK_SITE="$PWD/wheels/site"
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q --no-index --find-links wheels/ --target "$GPU_CHECK_SITE" $missing >>"$out/pip.log" 2>&1 \
+      || { echo "gpu_check: pip install from wheels/ failed (see $out/pip.log)" >&2; tail -n 5 "$out/pip.log" >&2
+           fail_json "pip install from wheels/ failed"; exit 2; }
+  fi
+fi
+
+if ! err="$("$PY" -c 'import os, sys
+if os.environ.get("GPU_CHECK_SITE"): sys.path.append(os.environ["GPU_CHECK_SITE"])
+import dflash.coordinator, dflash.setup' 2>&1)"; then
+  echo "gpu_check: dflash does not import with $PY: $(tail -n 1 <<<"$err")" >&2
+  fail_json "dflash does not import with $PY (see stderr)"
+  exit 2
+fi
+
+rm -f "$out/gpu_check.json"
+timeout -k 10 "${GPU_CHECK_TIMEOUT_S:-350}" "$PY" bench/gpu_check.py --out "$out" \
+  2>"$out/gpu_check.stderr.log" | tee "$out/gpu_check.out"
+rc=$?
+if ! tail -n 1 "$out/gpu_check.out" | grep -q '^{"bench": "gpu_check"'; then
+  echo "gpu_check: bench/gpu_check.py ended with status $rc before its JSON line; last of its stderr:" >&2
+  tail -n 30 "$out/gpu_check.stderr.log" >&2
+  fail_json "gpu_check.py ended with status $rc (124: timed out)" | tee -a "$out/gpu_check.out"
+  exit $(( rc ? rc : 1 ))
+fi
+exit "$rc"

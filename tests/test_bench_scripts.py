@@ -16,18 +16,66 @@ from tests.conftest import CLI_TIMEOUT_S, ROOT
 
 
 def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
-    """DRY_RUN=1 runs bench/gpu_check.sh end to end on CPU with tiny shapes: both modes, the
-    reports, and the final JSON line — so the script is sound before a GPU is at hand."""
+    """DRY_RUN=1 runs bench/gpu_check.sh end to end on CPU with tiny shapes: the checks run what
+    they can on CPU (those that need CUDA say SKIP; pipeline_equals_serial is judged on CPU
+    too), the measures run, one line each, then the JSON line — also written to $OUT — so
+    that the script is sound before a GPU is at hand."""
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert last["bench"] == "gpu_check" and last["ratio"] > 0
-    assert last["pipeline"]["steps"] == last["serial"]["steps"] == 6
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    last = json.loads(lines[-1])
+    assert last["bench"] == "gpu_check" and last["dry_run"] and last["ok"] and not last["partial"]
+    assert {line.split()[0] for line in lines[:-1]} <= {"INFO", "PASS", "SKIP", "MEASURE"}, lines
+    checks = last["checks"]
+    assert list(checks) == ["cuda_paths", "cpu_reference_losses", "no_unnamed_syncs", "pipeline_equals_serial"]
+    assert (
+        checks["pipeline_equals_serial"]["status"] == "PASS"
+        and "bit-identical" in checks["pipeline_equals_serial"]["detail"]
+    )
+    assert all(c["status"] == "SKIP" for n, c in checks.items() if n != "pipeline_equals_serial")
+    for name in ("cuda_paths", "cpu_reference_losses"):  # exercised on CPU, not only skipped
+        assert checks[name]["detail"].startswith("(no CUDA) ran on CPU"), checks[name]
+    measures = last["measures"]
+    for name in ("matmul_peak", "flex_compile", "bench_setup", "target_forward", "drafter_step", "pipeline_vs_serial"):
+        assert measures[name]["status"] == "OK", (name, measures[name])
+    assert (
+        measures["pipeline_vs_serial"]["pipeline"]["steady_steps"] > 0 and measures["pipeline_vs_serial"]["ratio"] > 0
+    )
+    assert measures["peak_memory"]["status"] == "SKIP"
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == last
     for mode in ("pipeline", "serial"):
-        assert (tmp_path / f"{mode}.trace.json").is_file() and (tmp_path / f"{mode}.report.txt").is_file()
+        assert (tmp_path / f"bench_{mode}.trace.json").is_file() and (tmp_path / f"bench_{mode}.report.txt").is_file()
+
+
+def _gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_reports_a_crash_as_one_fail_line_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A check or measure that raises prints one FAIL line with its one-line error (the
+    traceback goes to stderr), and the next one still runs; the JSON says which failed."""
+    gc = _gpu_check()
+    ctx = gc.Context(tmp_path, dry=False, dev="cpu", budget_s=60)
+
+    def crash() -> str:
+        raise RuntimeError("stage drafter.forward[0] failed:\n  out of memory")
+
+    ctx.check("first", crash)
+    ctx.check("second", lambda: "fine")
+    ctx.measure("third", lambda: (1 / 0, ""))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("FAIL first RuntimeError: stage drafter.forward[0] failed: out of memory [")
+    assert out[1].startswith("PASS second fine [") and out[2].startswith("FAIL third ZeroDivisionError")
+    res = ctx.result(partial=False)
+    assert res["failed"] == ["first", "third"] and not res["ok"]
 
 
 def _orchestration() -> ModuleType:

@@ -8,6 +8,7 @@ emergency, final) into an export (`dflash export CHECKPOINT OUT_DIR`).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from dflash.atomic import atomic_path
 from dflash.errors import CheckpointError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
+
+_MODELING = Path(__file__).parent / "model" / "modeling_dflash.py"
 
 __all__ = ["drafter_config_json", "export_checkpoint", "export_drafter", "is_checkpoint", "load_drafter"]
 
@@ -47,6 +50,7 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
         "layer_types": list(spec.layer_types),
         "sliding_window": spec.sliding_window,
         "use_sliding_window": "sliding_attention" in spec.layer_types,
+        "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
         "dflash_config": {
             "mask_token_id": spec.mask_token_id,
             "target_layer_ids": list(spec.target_layer_ids),
@@ -62,6 +66,8 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     with atomic_path(out, folder=True) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(drafter_config_json(model.spec), indent=2) + "\n")
+        # the self-contained modeling file AutoModel(..., trust_remote_code=True) loads
+        shutil.copyfile(_MODELING, tmp / "modeling_dflash.py")
     return out
 
 

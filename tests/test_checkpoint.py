@@ -316,3 +316,40 @@ def test_crash_in_the_optimizer_before_it_changes_anything_still_saves_the_last_
         run_records(cfg, into=records)
     (emergency,) = [r for r in records if r["event"] == "checkpoint" and r.get("emergency")]
     assert emergency["step"] == 3 and load_checkpoint(Path(emergency["path"])).step == 3
+
+
+def test_export_loads_through_automodel_with_trust_remote_code(tmp_path):
+    """The export carries `auto_map` and its own modeling file: transformers' AutoModel
+    builds the drafter with the trained weights, and its outputs (hence logits through the
+    target's LM head) equal `dflash.load_drafter`'s — without a mask (the reference's
+    inference: every slot sees all context and its whole block) and with one."""
+    from transformers import AutoModel
+
+    from dflash.model.drafter import DFlashDrafter, DrafterSpec
+
+    spec = DrafterSpec(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, target_layer_ids=[0, 2], num_target_layers=4,
+        block_size=4, mask_token_id=63, layer_types=["full_attention", "full_attention"], sliding_window=5,
+    )  # fmt: skip
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(1))
+    path = export_drafter(d, tmp_path / "exp", dtype=torch.float32)
+    assert json.loads((path / "config.json").read_text())["auto_map"] == {
+        "AutoModel": "modeling_dflash.DFlashDraftModel"
+    }
+    hf = AutoModel.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32)
+    ours = load_drafter(path)
+    R, T, Q = 2, 9, 4
+    g = torch.Generator().manual_seed(2)
+    emb, ctx = torch.randn(R, Q, 32, generator=g), torch.randn(R, T, 64, generator=g)
+    ctx_pos, q_pos = torch.arange(T).expand(R, T), (T + torch.arange(Q)).expand(R, Q)
+    lm_head = torch.randn(64, 32, generator=g)
+    full = torch.ones(R, 1, Q, T + Q, dtype=torch.bool)
+    some = torch.rand(R, 1, Q, T + Q, generator=g) > 0.3
+    with torch.no_grad():
+        for mask, hf_mask in ((full, None), (some, some)):
+            a = ours(emb, ctx, q_pos, ctx_pos, {"full_attention": mask})
+            pos = torch.cat([ctx_pos, q_pos], 1)
+            b = hf(position_ids=pos, attention_mask=hf_mask, noise_embedding=emb, target_hidden=ctx)
+            assert torch.allclose(a @ lm_head.T, b @ lm_head.T, atol=1e-5, rtol=0), (a - b).abs().max()

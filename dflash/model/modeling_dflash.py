@@ -1,0 +1,161 @@
+"""A DFlash drafter for `transformers.AutoModel.from_pretrained(path, trust_remote_code=True)`.
+
+dflash copies this file, unchanged, into every export as `modeling_dflash.py` and points the
+export's `config.json` (`auto_map`) at it. It is self-contained (torch and transformers
+only; dflash need not be installed) and computes what `dflash.load_drafter` computes:
+the parameter names are the export's, so the trained weights load into it.
+
+    model = AutoModel.from_pretrained("runs/demo/final", trust_remote_code=True)
+    hidden = model(position_ids=pos, noise_embedding=emb, target_hidden=feats)  # (B, Q, H)
+    logits = hidden @ target_lm_head.T
+
+`position_ids` (B, S+Q) are the absolute positions of the S context features, then of the
+Q block slots. `attention_mask` is optional: a boolean (B, 1, Q, S+Q) tensor (True = attend)
+for the block attending to [context | block]; without one every slot sees every context
+position and every slot of its block, as in the reference's inference code. Keys and
+values of earlier context can be kept in a `transformers` `Cache` (`past_key_values`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
+
+
+class DFlashRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, L, head_dim)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys and values from [context features | block], with the
+    same projections (KV injection); q/k RMS norms; RoPE at absolute positions."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or H // self.num_heads
+        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
+        self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, mask, cache):  # type: ignore[no-untyped-def]
+        B, Q, _ = x.shape
+        S = ctx.shape[1]
+        hd = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.num_heads, hd)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)
+        k = self.k_norm(self.k_proj(kv_in).view(B, S + Q, self.num_kv_heads, hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(B, S + Q, self.num_kv_heads, hd).transpose(1, 2)
+        cos, sin = rope
+        q = _rotate(q, cos[:, :, -Q:], sin[:, :, -Q:])
+        k = _rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        else:  # rows that see nothing (disabled blocks) give 0, not NaN
+            visible = mask.any(dim=-1, keepdim=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~visible, enable_gqa=True)
+            out = out * visible.to(out.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * hd))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, x, ctx, rope, mask, cache):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The drafter: fc + hidden_norm fuse the chosen target layers into one context feature;
+    each decoder layer attends from the block to [context | block]; a final norm. Logits are
+    the output through the target's LM head (not part of the drafter)."""
+
+    config_class = Qwen3Config
+    _no_split_modules = ("DFlashDecoderLayer",)
+    base_model_prefix = "dflash"
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        dflash = getattr(config, "dflash_config", None) or {}
+        self.target_layer_ids = list(dflash.get("target_layer_ids", []))
+        self.mask_token_id = dflash.get("mask_token_id")
+        self.block_size = getattr(config, "block_size", 16)
+        k = len(self.target_layer_ids)
+        self.fc = nn.Linear(k * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:  # weights come from the checkpoint
+        return None
+
+    def forward(
+        self,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        noise_embedding: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        past_key_values: object | None = None,
+        use_cache: bool = False,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        """Block states (B, Q, H) for block embeddings `noise_embedding` (B, Q, H) given
+        `target_hidden` (B, S, k·H), the chosen target layers concatenated."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+        rope = _rope(position_ids, head_dim, float(theta or 10000.0))
+        cache = past_key_values if use_cache or past_key_values is not None else None
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, ctx, rope, attention_mask, cache)
+        return self.norm(x)

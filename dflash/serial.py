@@ -2,7 +2,9 @@
 
 Every stage function the pipeline runs, called one after another, top to bottom: the
 pipeline (dflash/topology.py) computes exactly this — the same losses and the same
-weights for one target and one replica — only with the stages overlapped. Each call still
+weights for one target and one replica — only with the stages overlapped. (With a feature
+cache, which later batches find their features cached depends on timing, and cached
+features are bf16: then the two agree to rounding, not bit for bit.) Each call still
 goes through its stage's `Device` (so it runs off the event loop, is timed under the same
 stage names, and on CUDA on the same streams, each waiting on the `ready` event of the
 work it consumes), but nothing overlaps: the loop awaits each call before the next.

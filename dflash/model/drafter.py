@@ -116,7 +116,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torc
         safe = mask | ~visible
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, enable_gqa=True)
         return out * visible.to(out.dtype)
-    return _flex(q, k, v, mask)
+    # Under bf16 autocast the q/k RMS norms (fp32 weights) give fp32 q and k while v comes
+    # out of a Linear in bf16; flex wants one dtype.
+    return _flex(q.to(v.dtype), k.to(v.dtype), v, mask)
 
 
 class Attention(nn.Module):

@@ -172,14 +172,17 @@ class Target:
     ) -> list[torch.Tensor]:
         """The chosen layers' outputs, each (R, T, H), in `layer_ids` order.
 
-        `doc_ids` (R, T): -1 for padding. A row holding several documents (`packed`, which
-        the batch knows: pass it) gets a 4-D document-causal mask (documents never see each
-        other); otherwise a plain padding mask, which lets the model use its fastest
-        attention path. Without `packed` it is read off `doc_ids` — a host sync on a GPU.
+        `doc_ids` (R, T): -1 for padding, which is always at the end of a row (`collate`).
+        A row holding several documents (`packed`, which the batch knows: pass it) gets a
+        4-D document-causal mask (documents never see each other); otherwise no mask at all:
+        with causal attention, padding after a document cannot change its features, and
+        the model takes its fastest path — a 2-D padding mask would make transformers test
+        it on the host (a sync per forward on a GPU). Padding positions' features are never
+        read. Without `packed` it is read off `doc_ids` — a host sync on a GPU.
         """
         if packed is None:
             packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())  # sync: tests, eval
-        attention_mask = document_mask(doc_ids) if packed else (doc_ids >= 0).long()
+        attention_mask = document_mask(doc_ids) if packed else None
         base = getattr(self.model, "model", self.model)
         with self._capturing(stop=True) as layers:
             base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

@@ -153,7 +153,7 @@ class DFlashDraftModel(PreTrainedModel):
         cfg = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
-        rope = _rope(position_ids, head_dim, float(theta or 10000.0))
+        rope = _rope(position_ids, head_dim, float(theta or 10000.0))  # no-sync: a config value
         cache = past_key_values if use_cache or past_key_values is not None else None
         x = noise_embedding
         for layer in self.layers:

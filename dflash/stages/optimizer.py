@@ -136,7 +136,7 @@ def _across_ranks(world: World, grads: list[torch.Tensor], sums: tuple[Any, ...]
     weight comes back as a device tensor: the update divides by the global Σ w."""
     weight, loss, correct, count = sums
     B = correct.shape[0]
-    host = torch.cat([torch.tensor([float(weight)], dtype=torch.float64), count.double()])
+    host = torch.cat([torch.tensor([float(weight)], dtype=torch.float64), count.double()])  # no-sync: host values
     stats = torch.cat([upload(host, dev0), loss.double()[None], correct.double()])
     world.all_reduce([*grads, stats], "the gradient all-reduce")
     return stats[0], stats[1 + B].float(), stats[2 + B :].float(), stats[1 : 1 + B].round().long()
@@ -180,7 +180,7 @@ def apply_step(
             finite, weight_h = bool(host_sync(ok)), weight
         else:  # the global Σ w comes over in the same sync
             finite_h, weight_h = host_sync(torch.stack([ok.double(), weight])).tolist()  # no-sync: host now
-            finite = bool(finite_h)
+            finite = bool(finite_h)  # no-sync: a host float
         if grad_clip > 0 and finite:
             coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)  # stays a tensor: no sync
             torch._foreach_mul_(grads, coef)
@@ -245,7 +245,7 @@ async def run(
             if len(msgs) < len(active):  # a replica closed without a final message
                 finished |= active - {m.replica for m in msgs}
             done = max_steps is not None and book.progress.step >= max_steps  # resumed at the end
-            go, stop_all = bool(contribs) and not done, False
+            go, stop_all = bool(contribs) and not done, False  # no-sync: a list
             if world is not None:
                 mine = max([mine, *(c.last_batch for c in contribs)])
                 complete = len(contribs) == len(active) and all(c.micro_batches == grad_accum for c in contribs)

@@ -126,3 +126,21 @@ def test_orchestration_bench_measures_a_point(tmp_path: Path, monkeypatch: pytes
     assert row["limit"] == "target" and row["efficiency"] == 1.0 and row["efficiency_runs"] == [1.0]
     assert row["steady_batches_s"] == round(1 / dt, 2) and row["vs_serial"] == round((1 / dt) / (1000 / 196), 2)
     assert (row["fill_s"], row["drain_s"]) == (1.0, 0.5)
+
+
+def test_allreduce_bench_quick(tmp_path: Path) -> None:
+    """bench/allreduce.py --quick: two gloo processes time World.all_reduce over the tiny and
+    demo drafters' trainable parameter shapes (counted on the meta device); the sums come
+    out right, and a gradient over --max-bytes is measured over a prefix and extrapolated."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "allreduce.py"), "--quick", "--max-bytes", "16000000"],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["bench"] == "allreduce" and last["procs"] == 2 and last["runs"] == []
+    tiny, demo = last["allreduce"]
+    assert (tiny["case"], tiny["params"], demo["case"], demo["params"]) == ("tiny", 41_248, "demo", 3_873_152)
+    assert tiny["ok"] and demo["ok"] and tiny["ms"] > 0 and not tiny["extrapolated"]
+    assert demo["extrapolated"] and 2 * demo["measured_mib"] * 2**20 <= 16_000_000  # two fp32 copies
+    assert demo["ms"] > demo["measured_ms"] > 0

@@ -124,7 +124,7 @@ class Coordinator:
                 run_log.close()
         finally:
             if self.world is not None:
-                self.world.close(clean)
+                await asyncio.to_thread(self.world.close, clean)
 
     def _open_run_dir(self) -> RunLog:
         """The run folder, its resolved config and its copy of the records (a run folder is

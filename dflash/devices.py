@@ -140,15 +140,16 @@ class PinnedPool:
         nbytes = shape.numel() * dtype.itemsize
         with self._lock:
             fit = [i for i, (b, _) in enumerate(self._free) if b.numel() >= nbytes]
-            if fit:
-                buf, ready = self._free.pop(min(fit, key=lambda i: self._free[i][0].numel()))
+            if fit:  # the smallest that fits, preferring one whose last reader is done
+                done = [i for i in fit if self._free[i][1] is None or self._free[i][1].query()]
+                buf, ready = self._free.pop(min(done or fit, key=lambda i: self._free[i][0].numel()))
                 self.reused += 1
             elif self.made < self.size:
-                if self._free:  # too small for this shape: replace it (torch frees it safely)
-                    self._free.pop(0)
-                    self.made -= 1
                 buf, ready = self._alloc(nbytes), None
                 self.made += 1
+            elif self._free:  # all too small for this shape: replace the smallest (torch frees it safely)
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i][0].numel()))
+                buf, ready = self._alloc(nbytes), None
             else:
                 self.extra += 1
                 return self._alloc(nbytes)[:nbytes].view(dtype).view(shape), lambda _ready: None

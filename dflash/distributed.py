@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Agreement", "DistributedError", "SameWeights", "World", "join", "launched", "shard"]
 
-T = TypeVar("T")
 HEARTBEAT_S = 0.5
 
 
@@ -111,10 +110,14 @@ class World:
         """One small all-gather before step `step`'s update (see the module docstring);
         keeps the global data cursor (`cursor`, `cursors`) for the update and checkpoints."""
         self._store_set(f"dflash/at/{self.rank}", str(step))
-        mine = torch.tensor([int(has_data), int(complete), int(stop), last_batch], dtype=torch.int64)
+        mine = torch.tensor([int(has_data), int(complete), int(stop), last_batch, step], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
         self._collective(f"step {step}'s agreement", lambda: self._dist.all_gather(rows, mine, group=self.control))
         table = torch.stack(rows).tolist()  # no-sync: host tensors
+        if any(r[4] != step for r in table):  # e.g. resumed from different checkpoints
+            where = ", ".join(f"rank {i} at step {r[4]}" for i, r in enumerate(table))
+            msg = f"the ranks are at different steps ({where}); did they resume from the same checkpoint?"
+            raise DistributedError(msg)
         self.cursors = [r[3] for r in table]
         self.cursor = max(self.cursor, *self.cursors)
         return Agreement(
@@ -158,11 +161,6 @@ class World:
             shown = ", ".join(f"rank {i}: {s:.17g}" for i, s in enumerate(sums))
             msg = f"drafter weights differ across ranks after step {step} ({shown}); the ranks' updates diverged"
             raise DistributedError(msg)
-
-    def gather_objects(self, obj: T) -> list[T]:
-        out: list[Any] = [None] * self.size
-        self._collective("a gather", lambda: self._dist.all_gather_object(out, obj, group=self.control))
-        return out
 
     # -- faults ---------------------------------------------------------------------------
     def _collective(self, what: str, fn: Callable[[], Any]) -> None:
@@ -215,7 +213,10 @@ class World:
             return "lost the rendezvous store (its host, rank 0 or the torchrun agent, is gone)"
 
     def close(self, clean: bool) -> None:
+        """Stop the heartbeat (joined: a thread inside a store call at interpreter exit
+        aborts the process) and, after a clean run, leave the process group."""
         self._closing.set()
+        self._heart.join(timeout=5)
         if clean and self._dist.is_initialized():
             try:
                 self._dist.destroy_process_group()
@@ -233,6 +234,14 @@ def join(cfg: Config) -> World | None:
 
     rank, size = env
     cuda = all(d.startswith("cuda") for d in cfg.pipeline.drafter_devices)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    devices = [*cfg.pipeline.target_devices, *cfg.pipeline.drafter_devices]
+    if per_node > 1 and any(d.startswith("cuda") for d in devices):
+        msg = (
+            f"{per_node} processes on this node would share the GPUs the config lists: run one process "
+            "per node (torchrun --nproc-per-node 1); its config lists the node's GPUs"
+        )
+        raise ConfigError(msg)
     backend = "nccl" if cuda else "gloo"
     if cfg.pipeline.mode == "serial":
         msg = "pipeline.mode = 'serial' runs in one process; launch it without torchrun"
@@ -248,14 +257,16 @@ def join(cfg: Config) -> World | None:
 
 
 class SameWeights:
-    """A step hook: every `every` steps, the weights' checksum is compared across ranks
-    (`World.check_same`): replicas on all ranks must stay identical."""
+    """A step hook: after the first step and every `every` steps, the weights' checksum is
+    compared across ranks (`World.check_same`): replicas on all ranks must stay identical."""
 
     def __init__(self, world: World, params: list[torch.Tensor], every: int) -> None:
         self.world, self.params, self.every = world, params, every
+        self._first = True
 
     async def after_step(self, ctx: Any) -> None:
-        if ctx.step % self.every == 0:
+        if self._first or ctx.step % self.every == 0:
+            self._first = False
             await ctx.device.run(None, self.world.check_same, ctx.step, self.params, wait_for=[ctx.ready])
 
     async def at_end(self, ctx: Any) -> None:

@@ -112,3 +112,41 @@ def test_host_sync_and_event_waits_are_named(monkeypatch):
 def test_upload_leaves_a_tensor_already_there():
     t = torch.arange(4)
     assert devices.upload(t, torch.device("cpu")) is t
+
+
+def test_multi_gpu_reduce_takes_every_replica_even_without_gradients(monkeypatch):
+    """Replicas on distinct GPUs (faked on CPU): torch's reduce gets one input per replica —
+    zeros for one that sent nothing (reduce_add needs an input on the destination; a rank
+    with no data still all-reduces a whole gradient) — and the result goes back to all."""
+    from types import SimpleNamespace
+
+    from dflash.stages import optimizer
+
+    calls: list[int] = []
+
+    class FakeComm:
+        @staticmethod
+        def reduce_add_coalesced(inputs, destination):  # type: ignore[no-untyped-def]
+            calls.append(len(inputs))
+            assert len({len(x) for x in inputs}) == 1
+            return tuple(sum(ts) for ts in zip(*inputs, strict=True))
+
+        @staticmethod
+        def broadcast_coalesced(tensors, devices):  # type: ignore[no-untyped-def]
+            return [list(tensors)] + [[t.clone() for t in tensors] for _ in devices[1:]]
+
+    monkeypatch.setattr(optimizer, "comm", FakeComm)
+    monkeypatch.setattr(optimizer, "_multi_gpu", lambda replicas: True)
+    cpu = torch.device("cpu")
+    def replica(i: int) -> SimpleNamespace:
+        return SimpleNamespace(index=i, device=cpu, params=[torch.nn.Parameter(torch.zeros(3)) for _ in range(2)])
+
+    reps = [replica(i) for i in range(3)]
+    reps[1].params[0].grad = torch.ones(3)
+    reps[2].params[1].grad = torch.full((3,), 2.0)
+    got = optimizer._reduced(reps, {1, 2}, torch.device("cpu"))  # replica 0 sent nothing
+    assert calls == [3] and torch.equal(got[0], torch.ones(3)) and torch.equal(got[1], torch.full((3,), 2.0))
+    none = optimizer._reduced(reps, set(), torch.device("cpu"))  # no replica of this rank has data
+    assert len(none) == 2 and all(torch.equal(g, torch.zeros(3)) for g in none)
+    spread = optimizer._spread(reps, got)
+    assert len(spread) == 3 and all(torch.equal(s[1], got[1]) for s in spread)

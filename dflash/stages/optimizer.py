@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.cuda.comm as comm  # not imported by `import torch`
 
 from dflash import faults
 from dflash.channel import Channel, EndOfStream
@@ -76,10 +77,11 @@ def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch
     if len(replicas) == 1:
         return grads_of(replicas[0])
     if _multi_gpu(replicas):
-        inputs = [grads_of(r) for r in replicas if r.index in contributing]
-        if len(inputs) == 1 and inputs[0][0].device == dev0:
-            return inputs[0]
-        return list(torch.cuda.comm.reduce_add_coalesced(inputs, destination=dev0.index or 0))
+        # Every replica, zeros for one without a contribution: reduce_add wants an input on
+        # the destination, and the result must be the whole gradient even when no replica
+        # of this rank has data (its ranks' all-reduce then sums zeros from it).
+        inputs = [grads_of(r) if r.index in contributing else [torch.zeros_like(p) for p in r.params] for r in replicas]
+        return list(comm.reduce_add_coalesced(inputs, destination=dev0.index or 0))
     grads = []
     for i, p in enumerate(replicas[0].params):
         total = torch.zeros_like(p, device=dev0)
@@ -97,7 +99,7 @@ def _spread(replicas: list[DrafterReplica], grads: list[torch.Tensor]) -> list[l
     if len(replicas) == 1:
         return [grads]
     if _multi_gpu(replicas):
-        copies = torch.cuda.comm.broadcast_coalesced(grads, [r.device.index or 0 for r in replicas])
+        copies = comm.broadcast_coalesced(grads, [r.device.index or 0 for r in replicas])
         return [grads, *(list(c) for c in copies[1:])]
     copies = [[g.to(r.device, copy=True, non_blocking=True) for g in grads] for r in replicas[1:]]  # no-sync: d2d
     return [grads, *copies]
@@ -133,13 +135,14 @@ def _sums(contribs: list[StepGrads], dev0: torch.device, block_size: int) -> tup
 
 def _across_ranks(world: World, grads: list[torch.Tensor], sums: tuple[Any, ...], dev0: torch.device) -> tuple:
     """Gradients and the step's sums, summed over every rank (`drafter.allreduce`). The loss
-    weight comes back as a device tensor: the update divides by the global Σ w."""
+    weight and the per-slot counts come back as one device tensor `[Σ w, counts...]`: the
+    update divides by the global Σ w, and the step's one host sync brings both over."""
     weight, loss, correct, count = sums
     B = correct.shape[0]
     host = torch.cat([torch.tensor([float(weight)], dtype=torch.float64), count.double()])  # no-sync: host values
     stats = torch.cat([upload(host, dev0), loss.double()[None], correct.double()])
     world.all_reduce([*grads, stats], "the gradient all-reduce")
-    return stats[0], stats[1 + B].float(), stats[2 + B :].float(), stats[1 : 1 + B].round().long()
+    return stats[: 1 + B], stats[1 + B].float(), stats[2 + B :].float(), None
 
 
 def apply_step(
@@ -168,8 +171,8 @@ def apply_step(
     if world is not None:
         with device.span(Stage.ALLREDUCE):
             sums = _across_ranks(world, grads, sums, dev0)
-    weight, loss, correct, count = sums
-    scale = 1.0 / weight.clamp(min=1e-12) if world is not None else 1.0 / max(weight, 1e-12)
+    weight, loss, correct, count = sums  # with a world: weight = [Σ w, counts...] on the device
+    scale = (1.0 / weight[0].clamp(min=1e-12)).float() if world is not None else 1.0 / max(weight, 1e-12)
     torch._foreach_mul_(grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
     with device.span(Stage.GRAD_NORM_SYNC):
         norm = torch.nn.utils.get_total_norm(grads, foreach=dev0.type == "cuda")
@@ -178,9 +181,10 @@ def apply_step(
         ok = torch.isfinite(norm) & torch.isfinite(loss)
         if world is None:
             finite, weight_h = bool(host_sync(ok)), weight
-        else:  # the global Σ w comes over in the same sync
-            finite_h, weight_h = host_sync(torch.stack([ok.double(), weight])).tolist()  # no-sync: host now
-            finite = bool(finite_h)  # no-sync: a host float
+        else:  # the global Σ w and per-slot counts come over in the same sync
+            host = host_sync(torch.cat([ok.double()[None], weight]))
+            finite, weight_h = bool(host[0]), float(host[1])  # no-sync: host tensor
+            count = host[2:].round().long()
         if grad_clip > 0 and finite:
             coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)  # stays a tensor: no sync
             torch._foreach_mul_(grads, coef)
@@ -197,7 +201,7 @@ def apply_step(
     progress.finish(step, last)
     return StepResult(
         step=step,
-        loss=loss * (scale.float() if world is not None else scale),  # float32, as with one process
+        loss=loss * scale,  # float32 × float32 scale, as with one process
         grad_norm=norm,
         lr=lr,
         correct=correct,
@@ -251,6 +255,8 @@ async def run(
                 complete = len(contribs) == len(active) and all(c.micro_batches == grad_accum for c in contribs)
                 agreed, _ = await device.run(None, world.agree, book.next_step, go, stop.is_set(), mine, complete)
                 go, stop_all = agreed.any_data and not (agreed.stop and not agreed.all_complete), agreed.stop
+                if stop_all:  # asked on another rank: this one stops too (intake, the run's reason)
+                    stop.set()
             ready, updated = None, {}
             if go:
                 result, ready = await device.run(

@@ -16,6 +16,7 @@ broadcast index tensors, the dense boolean mask for SDPA (CPU, and tests' refere
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -78,17 +79,29 @@ def dense_mask(mask_mod: MaskMod, layout: BlockLayout) -> torch.Tensor:
     return mask_mod(b, h, q, kv)
 
 
+_compiled_block_mask: Any = None
+_block_mask_lock = threading.Lock()
+
+
 def flex_block_mask(mask_mod: MaskMod, layout: BlockLayout) -> object:
-    """The flex-attention BlockMask for the same mask_mod (GPU path). On CUDA its builder is
-    compiled (`_compile=True`: once per batch shape, then cached by torch.compile): eager,
-    it would evaluate the mask over the whole (Q, KV) grid, the dense cost flex avoids."""
+    """The flex-attention BlockMask for the same mask_mod (GPU path). On CUDA the builder is
+    one module-level `torch.compile(create_block_mask, dynamic=True)`: eager, it would
+    evaluate the mask over the whole (Q, KV) grid, the dense cost flex avoids; compiled with
+    dynamic shapes, one compile serves every batch shape. Dynamo is not thread-safe, and
+    every drafter replica builds masks in its own thread: the calls take a lock (a built
+    mask costs little; the first compile is the slow part)."""
+    global _compiled_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
     R, Q = layout.anchors.shape[0], layout.num_queries
     dev = layout.anchors.device
-    return create_block_mask(
-        mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=layout.ctx_len + Q, device=dev, _compile=dev.type == "cuda"
-    )
+    kwargs = {"B": R, "H": None, "Q_LEN": Q, "KV_LEN": layout.ctx_len + Q, "device": dev}
+    if dev.type != "cuda":
+        return create_block_mask(mask_mod, **kwargs)
+    with _block_mask_lock:
+        if _compiled_block_mask is None:
+            _compiled_block_mask = torch.compile(create_block_mask, dynamic=True)
+        return _compiled_block_mask(mask_mod, **kwargs)
 
 
 class LayerSpec(Protocol):

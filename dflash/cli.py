@@ -146,31 +146,59 @@ def run(
               help="an exported drafter folder (e.g. runs/tiny/final) or a checkpoint folder "
                    "(e.g. runs/tiny/checkpoints/step_000040)")  # fmt: skip
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
-@click.option("--prompts", type=click.IntRange(min=1), help="number of held-out prompts (eval.num_prompts)")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), help="tokens per prompt (eval.max_new_tokens)")
+@click.option("--prompts", "prompt_sets", multiple=True, metavar="NAME|FILE",
+              help="prompt set, repeatable: mtbench (80 two-turn questions), humaneval (164), heldout "
+                   "(the run's), or a chat JSONL; default: the run's held-out (or random) prompts")  # fmt: skip
+@click.option("--num-prompts", type=click.IntRange(min=1),
+              help="at most N prompts per set (default: all of a named set; eval.num_prompts otherwise)")  # fmt: skip
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="tokens per generation (eval.max_new_tokens)")
 def eval_cmd(
-    config: Path, drafter_path: Path, overrides: tuple[str, ...], prompts: int | None, max_new_tokens: int | None
+    config: Path,
+    drafter_path: Path,
+    overrides: tuple[str, ...],
+    prompt_sets: tuple[str, ...],
+    num_prompts: int | None,
+    max_new_tokens: int | None,
 ) -> None:
-    """Speculative decoding with a trained drafter: prints an `eval` JSON record (τ, lossless)."""
+    """Speculative decoding with a trained drafter, greedy (temperature 0), checked lossless
+    against the target's own output: one `eval` JSON record per prompt set (τ, acceptance per
+    position, speedup), and a table on stderr."""
     from dflash import logs
     from dflash.config import load_config
 
-    extra = [f"eval.num_prompts={prompts}"] if prompts else []
+    sets = list(prompt_sets)
+    if len(sets) == 1 and sets[0].isdigit():  # the old `--prompts N`
+        num_prompts, sets = int(sets[0]), []
+    extra = [f"eval.num_prompts={num_prompts}"] if num_prompts and not sets else []
     extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
     cfg = load_config(config, [*overrides, *extra])
     logs.configure(sys.stdout)
     from dflash.eval import run_eval
 
-    record = run_eval(cfg, drafter_path)
+    records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None)
     import structlog
 
-    structlog.get_logger("dflash").info("eval", **record)
-    logs.human(
-        f"dflash eval: tau {record['tau']:.3f} over {record['verify_steps']} verify steps, "
-        f"{record['tokens']} tokens from {record['prompts']} prompts; speculative "
-        f"{record['spec_s']:.2f}s vs plain {record['plain_s']:.2f}s ({record['speedup']}x); "
-        f"lossless: {record['lossless']}"
-    )
+    for record in records:
+        structlog.get_logger("dflash").info("eval", **record)
+    logs.human(_eval_table(records))
+
+
+def _eval_table(records: list[dict]) -> str:
+    """τ per prompt set, like the papers' tables."""
+    k = min(6, max(len(r["accept_per_position"]) for r in records))
+    head = f"{'prompt set':<14}{'prompts':>8}{'gens':>6}{'tau':>7}{'tau/gen':>9}  " + " ".join(
+        f"{'p' + str(i + 1):>5}" for i in range(k)
+    ) + f"{'speedup':>9}  lossless"
+    rows = [head]
+    for r in records:
+        acc = " ".join(f"{x:5.2f}" for x in r["accept_per_position"][:k])
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        taus = f"{r['tau']:>7.3f}{r['tau_per_generation']:>9.3f}"
+        rows.append(
+            f"{r['prompt_set']:<14}{r['prompts']:>8}{r['generations']:>6}{taus}  "
+            f"{acc}{speed:>9}  {'yes' if r['lossless'] else 'NO'}"
+        )
+    return "dflash eval (greedy; p_k: share of verify steps accepting at least k drafted tokens)\n" + "\n".join(rows)
 
 
 @main.command("export")

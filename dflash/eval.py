@@ -27,7 +27,7 @@ from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import Target
 
-__all__ = ["SpecOutput", "evaluate", "greedy_generate", "inference_masks", "speculative_generate"]
+__all__ = ["SpecOutput", "evaluate", "evaluate_chat", "greedy_generate", "inference_masks", "speculative_generate"]
 
 
 @dataclass
@@ -128,6 +128,68 @@ def speculative_generate(
     return SpecOutput(_truncate(tokens, max_new, stop_ids), accepted)
 
 
+class _Tally:
+    """What the `eval` record reports, summed over generations."""
+
+    def __init__(self, block_size: int) -> None:
+        self.B = block_size
+        self.hist = [0] * block_size
+        self.spec_s = self.plain_s = 0.0
+        self.mismatches = self.generated = 0
+        self.per_generation: list[float] = []  # each generation's own τ
+
+    def add(self, spec: SpecOutput, plain: list[int], spec_s: float, plain_s: float) -> None:
+        self.spec_s += spec_s
+        self.plain_s += plain_s
+        self.generated += len(spec.tokens)
+        self.mismatches += spec.tokens != plain
+        for a in spec.accepted:
+            self.hist[a] += 1
+        if spec.accepted:
+            self.per_generation.append(sum(a + 1 for a in spec.accepted) / len(spec.accepted))
+
+    def record(self, prompts: int) -> dict[str, Any]:
+        hist, steps = self.hist, sum(self.hist)
+        tau = sum((a + 1) * n for a, n in enumerate(hist)) / steps if steps else 0.0
+        per_position = [sum(hist[k:]) / steps if steps else 0.0 for k in range(1, self.B)]
+        gens = self.per_generation
+        return {
+            "tau": round(tau, 4),
+            # the reference benchmark's "average acceptance length": the mean of each generation's τ
+            "tau_per_generation": round(sum(gens) / len(gens), 4) if gens else 0.0,
+            "accept_hist": hist,
+            "accept_per_position": [round(x, 4) for x in per_position],
+            "verify_steps": steps,
+            "prompts": prompts,
+            "generations": len(gens),
+            "tokens": self.generated,
+            "spec_s": round(self.spec_s, 4),
+            "plain_s": round(self.plain_s, 4),
+            "speedup": round(self.plain_s / self.spec_s, 3) if self.spec_s > 0 else None,
+            "lossless": self.mismatches == 0,
+            "mismatched_prompts": self.mismatches,
+            "block_size": self.B,
+        }
+
+
+def _generate(
+    target: Target,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    ids: torch.Tensor,
+    max_new: int,
+    stop: set[int],
+    tally: _Tally,
+) -> SpecOutput:
+    """One speculative generation and the plain greedy one it must equal, both timed."""
+    t0 = time.perf_counter()
+    spec = speculative_generate(target, drafter, head, ids, max_new, stop)
+    t1 = time.perf_counter()
+    plain = greedy_generate(target, ids, max_new, stop)
+    tally.add(spec, plain, t1 - t0, time.perf_counter() - t1)
+    return spec
+
+
 def evaluate(
     target: Target,
     drafter: DFlashDrafter,
@@ -136,50 +198,51 @@ def evaluate(
     max_new: int,
     stop_ids: set[int] | None = None,
 ) -> dict[str, Any]:
-    """The `eval` record: τ, acceptance histogram / per position, speed, lossless."""
-    stop = stop_ids or set()
+    """The `eval` record over token-id prompts: τ, acceptance histogram / per position,
+    speed, lossless."""
+    tally = _Tally(drafter.spec.block_size)
     was_training = drafter.training
     drafter.eval()
-    B = drafter.spec.block_size
-    hist = [0] * B
-    spec_s = plain_s = 0.0
-    lossless = True
-    mismatches = 0
-    generated = 0
     try:
         for p in prompts:
-            t0 = time.perf_counter()
-            spec = speculative_generate(target, drafter, head, p, max_new, stop)
-            t1 = time.perf_counter()
-            plain = greedy_generate(target, p, max_new, stop)
-            t2 = time.perf_counter()
-            spec_s += t1 - t0
-            plain_s += t2 - t1
-            generated += len(spec.tokens)
-            if spec.tokens != plain:
-                lossless = False
-                mismatches += 1
-            for a in spec.accepted:
-                hist[a] += 1
+            _generate(target, drafter, head, p, max_new, stop_ids or set(), tally)
     finally:
         drafter.train(was_training)
-    steps = sum(hist)
-    tau = sum((a + 1) * n for a, n in enumerate(hist)) / steps if steps else 0.0
-    per_position = [sum(hist[k:]) / steps if steps else 0.0 for k in range(1, B)]
-    return {
-        "tau": round(tau, 4),
-        "accept_hist": hist,
-        "accept_per_position": [round(x, 4) for x in per_position],
-        "verify_steps": steps,
-        "prompts": len(prompts),
-        "tokens": generated,
-        "spec_s": round(spec_s, 4),
-        "plain_s": round(plain_s, 4),
-        "speedup": round(plain_s / spec_s, 3) if spec_s > 0 else None,
-        "lossless": lossless,
-        "mismatched_prompts": mismatches,
-        "block_size": B,
-    }
+    return tally.record(len(prompts))
+
+
+def evaluate_chat(
+    target: Target,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    max_new: int,
+    stop_ids: set[int] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `eval` record over chat prompts (`data.prompt_sets`): each prompt's turns in
+    order, each through the chat template after the target's reply to the one before (the
+    speculative output, which equals the plain one when lossless), as the reference's
+    benchmark does for MT-Bench."""
+    tally = _Tally(drafter.spec.block_size)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for turns in prompts:
+            messages: list[dict[str, str]] = []
+            for turn in turns:
+                messages = [*messages, *turn]
+                enc = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
+                )
+                ids = torch.tensor(list(enc["input_ids"]), dtype=torch.long)
+                spec = _generate(target, drafter, head, ids, max_new, stop_ids or set(), tally)
+                reply = tokenizer.decode(spec.tokens, skip_special_tokens=True)
+                messages = [*messages, {"role": "assistant", "content": reply}]
+    finally:
+        drafter.train(was_training)
+    return tally.record(len(prompts))
 
 
 def stop_ids_of(target: Target) -> set[int]:
@@ -250,8 +313,14 @@ def stop_ids(target: Target, tokenizer: Any) -> set[int]:
     return stop_ids_of(target)
 
 
-def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
-    """`dflash eval`: load the config's target and an exported drafter, evaluate."""
+def run_eval(
+    cfg: Any, drafter_path: Any, prompt_sets: Sequence[str] = (), limit: int | None = None
+) -> list[dict[str, Any]]:
+    """`dflash eval`: load the config's target and a drafter (export or checkpoint folder),
+    evaluate on each prompt set (`data.prompt_sets`: mtbench, humaneval, heldout, a file;
+    none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
+    record per set, with `prompt_set`. `limit`: at most this many prompts per set."""
+    from dflash.data.prompt_sets import load_prompt_set
     from dflash.devices import check_device
     from dflash.export import load_drafter
     from dflash.model.loading import load_tokenizer
@@ -259,12 +328,29 @@ def run_eval(cfg: Any, drafter_path: Any) -> dict[str, Any]:
 
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
+    sets = [load_prompt_set(name, cfg.heldout_prompts if cfg.eval.prompts or cfg.data.source == "files" else None)
+            for name in prompt_sets]  # fmt: skip
     drafter = load_drafter(drafter_path, d_dev)
-    require_eval_prompts(cfg)
+    if not sets:
+        require_eval_prompts(cfg)
     tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
     target = load_target(tcfg, t_dev, 1, cfg.data.cache_dir)
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     check_drafter_fits(drafter, target)
     head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
-    prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)
-    return evaluate(target, drafter, head, prompts, cfg.eval.max_new_tokens, stop_ids(target, tokenizer))
+    stop, max_new = stop_ids(target, tokenizer), cfg.eval.max_new_tokens
+    if not sets:
+        prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
+        chat = cfg.data.source == "files" or bool(cfg.eval.prompts)
+        record = evaluate(target, drafter, head, prompts, max_new, stop)
+        return [{"prompt_set": "heldout" if chat else "random", **record}]
+    if tokenizer is None:
+        from dflash.errors import DataError
+
+        msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
+        raise DataError(msg)
+    records = []
+    for ps in sets:
+        rec = evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], max_new, stop)
+        records.append({"prompt_set": ps.name, **rec})
+    return records

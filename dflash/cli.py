@@ -126,7 +126,7 @@ def run(
             return
         tau = (
             f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
-            f" ({'lossless' if summary['eval_lossless'] else 'NOT lossless'})"
+            f" ({ {True: 'lossless', False: 'NOT lossless', None: 'sampled'}[summary['eval_lossless']] })"
             if summary["eval_tau"] is not None
             else ""
         )
@@ -152,6 +152,9 @@ def run(
 @click.option("--num-prompts", type=click.IntRange(min=1),
               help="at most N prompts per set (default: all of a named set; eval.num_prompts otherwise)")  # fmt: skip
 @click.option("--max-new-tokens", type=click.IntRange(min=1), help="tokens per generation (eval.max_new_tokens)")
+@click.option("--temperature", type=click.FloatRange(min=0.0),
+              help="0 (default): greedy, checked lossless; > 0: sampled with speculative sampling's "
+                   "verification (eval.temperature)")  # fmt: skip
 def eval_cmd(
     config: Path,
     drafter_path: Path,
@@ -159,10 +162,11 @@ def eval_cmd(
     prompt_sets: tuple[str, ...],
     num_prompts: int | None,
     max_new_tokens: int | None,
+    temperature: float | None,
 ) -> None:
-    """Speculative decoding with a trained drafter, greedy (temperature 0), checked lossless
-    against the target's own output: one `eval` JSON record per prompt set (τ, acceptance per
-    position, speedup), and a table on stderr."""
+    """Speculative decoding with a trained drafter, greedy (temperature 0, checked lossless
+    against the target's own output) or sampled (--temperature): one `eval` JSON record per
+    prompt set (τ, acceptance per position, speedup), and a table on stderr."""
     from dflash import logs
     from dflash.config import load_config
 
@@ -171,6 +175,7 @@ def eval_cmd(
         num_prompts, sets = int(sets[0]), []
     extra = [f"eval.num_prompts={num_prompts}"] if num_prompts and not sets else []
     extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
+    extra += [f"eval.temperature={temperature!r}"] if temperature is not None else []
     cfg = load_config(config, [*overrides, *extra])
     logs.configure(sys.stdout)
     from dflash.eval import run_eval
@@ -196,9 +201,10 @@ def _eval_table(records: list[dict]) -> str:
         taus = f"{r['tau']:>7.3f}{r['tau_per_generation']:>9.3f}"
         rows.append(
             f"{r['prompt_set']:<14}{r['prompts']:>8}{r['generations']:>6}{taus}  "
-            f"{acc}{speed:>9}  {'yes' if r['lossless'] else 'NO'}"
+            f"{acc}{speed:>9}  {({True: 'yes', False: 'NO', None: 'sampled'})[r['lossless']]}"
         )
-    return "dflash eval (greedy; p_k: share of verify steps accepting at least k drafted tokens)\n" + "\n".join(rows)
+    mode = "greedy" if not records[0].get("temperature") else f"sampled at temperature {records[0]['temperature']}"
+    return f"dflash eval ({mode}; p_k: share of verify steps accepting at least k drafted tokens)\n" + "\n".join(rows)
 
 
 @main.command("export")

@@ -64,15 +64,50 @@ def _truncate(tokens: list[int], max_new: int, stop_ids: set[int]) -> list[int]:
     return out
 
 
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The next token from logits (V,): argmax at temperature 0, else a sample."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def verify_sampled(
+    props: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """Speculative sampling's verification (Leviathan et al. 2023; Chen et al. 2023), which
+    keeps the target's distribution exactly: proposal i (drawn from the drafter's q[i]) is
+    accepted with probability min(1, p[i][x] / q[i][x]); the first rejected one is replaced by
+    a draw from the normalised max(0, p[i] - q[i]); after all are accepted, a bonus token from
+    p[n]. `q` (n, V), `p` (n+1, V): probabilities. Returns (accepted, next token)."""
+    for i, x in enumerate(props):
+        u = float(torch.rand((), generator=generator))
+        if u * float(q[i, x]) <= float(p[i, x]):  # accept: u < p/q without dividing by 0
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[i]
+        return i, int(torch.multinomial(dist, 1, generator=generator))
+    return len(props), int(torch.multinomial(p[len(props)], 1, generator=generator))
+
+
 @torch.no_grad()
-def greedy_generate(target: Target, prompt: torch.Tensor, max_new: int, stop_ids: set[int]) -> list[int]:
+def greedy_generate(
+    target: Target,
+    prompt: torch.Tensor,
+    max_new: int,
+    stop_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The target alone (greedy: the lossless reference; with a temperature: sampled)."""
     model, key = target.model, cache_kwarg(target.model)
     out = model(input_ids=prompt[None].to(target.device), use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [_pick(out.logits[0, -1], temperature, generator)]
     while len(tokens) < max_new and tokens[-1] not in stop_ids:
         nxt = torch.tensor([[tokens[-1]]], device=target.device)
         out = model(input_ids=nxt, use_cache=True, **{key: output_cache(out)})
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(_pick(out.logits[0, -1], temperature, generator))
     return _truncate(tokens, max_new, stop_ids)
 
 
@@ -84,7 +119,11 @@ def speculative_generate(
     prompt: torch.Tensor,
     max_new: int,
     stop_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> SpecOutput:
+    """Greedy (temperature 0: output equal to `greedy_generate`'s), or sampled with
+    speculative sampling's verification (`verify_sampled`: the target's distribution)."""
     key = cache_kwarg(target.model)
     dev = target.device
     ddev = next(drafter.parameters()).device
@@ -96,7 +135,7 @@ def speculative_generate(
     tcache = output_cache(out)
     dcache = DrafterCache(len(drafter.layers))
     drafter.extend_context(dcache, feats.to(ddev, pdtype), torch.arange(P, device=ddev)[None])
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [_pick(out.logits[0, -1], temperature, generator)]
     accepted: list[int] = []
     while len(tokens) < max_new and tokens[-1] not in stop_ids:
         start = P + len(tokens) - 1  # absolute position of the last token: the anchor
@@ -107,18 +146,28 @@ def speculative_generate(
         masks = inference_masks(drafter, dcache.length, bs, ddev)
         emb = F.embedding(block, head.embed).to(pdtype)
         h = drafter.forward_block(dcache, emb, q_pos, masks)  # (1, bs, H)
-        proposals = (h[0, 1:].to(head.lm_head.dtype).contiguous() @ head.lm_head.t()).argmax(dim=-1)
+        draft_logits = h[0, 1:].to(head.lm_head.dtype).contiguous() @ head.lm_head.t()  # (bs-1, V)
+        if temperature > 0:
+            q = torch.softmax(draft_logits.float().cpu() / temperature, dim=-1)
+            proposals = torch.multinomial(q, 1, generator=generator).flatten().to(ddev)
+        else:
+            proposals = draft_logits.argmax(dim=-1)
         verify = torch.cat([block[0, :1], proposals]).to(dev)[None]
         vout, vfeats = target.forward_with_features(
             input_ids=verify, position_ids=q_pos.to(dev), use_cache=True, **{key: tcache}
         )
         tcache = output_cache(vout)
-        post = vout.logits[0].argmax(dim=-1).tolist()  # target's next token after each slot
         props = proposals.tolist()
-        acc = 0
-        while acc < bs - 1 and props[acc] == post[acc]:
-            acc += 1
-        new = [*props[:acc], post[acc]]
+        if temperature > 0:
+            p = torch.softmax(vout.logits[0].float().cpu() / temperature, dim=-1)  # (bs, V)
+            acc, nxt = verify_sampled(props, q, p, generator)
+        else:
+            post = vout.logits[0].argmax(dim=-1).tolist()  # target's next token after each slot
+            acc = 0
+            while acc < bs - 1 and props[acc] == post[acc]:
+                acc += 1
+            nxt = post[acc]
+        new = [*props[:acc], nxt]
         tokens += new
         accepted.append(acc)
         if not stop_ids.isdisjoint(new):  # a stop id anywhere in the accepted tokens ends it (as the reference)
@@ -131,8 +180,9 @@ def speculative_generate(
 class _Tally:
     """What the `eval` record reports, summed over generations."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, temperature: float = 0.0) -> None:
         self.B = block_size
+        self.temperature = temperature
         self.hist = [0] * block_size
         self.spec_s = self.plain_s = 0.0
         self.mismatches = self.generated = 0
@@ -142,7 +192,7 @@ class _Tally:
         self.spec_s += spec_s
         self.plain_s += plain_s
         self.generated += len(spec.tokens)
-        self.mismatches += spec.tokens != plain
+        self.mismatches += self.temperature <= 0 and spec.tokens != plain
         for a in spec.accepted:
             self.hist[a] += 1
         if spec.accepted:
@@ -166,9 +216,11 @@ class _Tally:
             "spec_s": round(self.spec_s, 4),
             "plain_s": round(self.plain_s, 4),
             "speedup": round(self.plain_s / self.spec_s, 3) if self.spec_s > 0 else None,
-            "lossless": self.mismatches == 0,
+            # sampled: outputs differ from a plain sample by chance; exactness is in distribution
+            "lossless": self.mismatches == 0 if self.temperature <= 0 else None,
             "mismatched_prompts": self.mismatches,
             "block_size": self.B,
+            "temperature": self.temperature,
         }
 
 
@@ -180,12 +232,14 @@ def _generate(
     max_new: int,
     stop: set[int],
     tally: _Tally,
+    generator: torch.Generator | None = None,
 ) -> SpecOutput:
-    """One speculative generation and the plain greedy one it must equal, both timed."""
+    """One speculative generation and the plain one (greedy: it must equal it), both timed."""
+    T = tally.temperature
     t0 = time.perf_counter()
-    spec = speculative_generate(target, drafter, head, ids, max_new, stop)
+    spec = speculative_generate(target, drafter, head, ids, max_new, stop, T, generator)
     t1 = time.perf_counter()
-    plain = greedy_generate(target, ids, max_new, stop)
+    plain = greedy_generate(target, ids, max_new, stop, T, generator)
     tally.add(spec, plain, t1 - t0, time.perf_counter() - t1)
     return spec
 
@@ -197,15 +251,18 @@ def evaluate(
     prompts: Sequence[torch.Tensor],
     max_new: int,
     stop_ids: set[int] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """The `eval` record over token-id prompts: τ, acceptance histogram / per position,
-    speed, lossless."""
-    tally = _Tally(drafter.spec.block_size)
+    speed, lossless (greedy; with a temperature, sampled: exact in distribution)."""
+    tally = _Tally(drafter.spec.block_size, temperature)
+    gen = torch.Generator().manual_seed(seed)
     was_training = drafter.training
     drafter.eval()
     try:
         for p in prompts:
-            _generate(target, drafter, head, p, max_new, stop_ids or set(), tally)
+            _generate(target, drafter, head, p, max_new, stop_ids or set(), tally, gen)
     finally:
         drafter.train(was_training)
     return tally.record(len(prompts))
@@ -220,12 +277,15 @@ def evaluate_chat(
     max_new: int,
     stop_ids: set[int] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """The `eval` record over chat prompts (`data.prompt_sets`): each prompt's turns in
     order, each through the chat template after the target's reply to the one before (the
     speculative output, which equals the plain one when lossless), as the reference's
     benchmark does for MT-Bench."""
-    tally = _Tally(drafter.spec.block_size)
+    tally = _Tally(drafter.spec.block_size, temperature)
+    gen = torch.Generator().manual_seed(seed)
     was_training = drafter.training
     drafter.eval()
     try:
@@ -237,7 +297,7 @@ def evaluate_chat(
                     messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
                 )
                 ids = torch.tensor(list(enc["input_ids"]), dtype=torch.long)
-                spec = _generate(target, drafter, head, ids, max_new, stop_ids or set(), tally)
+                spec = _generate(target, drafter, head, ids, max_new, stop_ids or set(), tally, gen)
                 reply = tokenizer.decode(spec.tokens, skip_special_tokens=True)
                 messages = [*messages, {"role": "assistant", "content": reply}]
     finally:
@@ -342,7 +402,7 @@ def run_eval(
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
         chat = cfg.data.source == "files" or bool(cfg.eval.prompts)
-        record = evaluate(target, drafter, head, prompts, max_new, stop)
+        record = evaluate(target, drafter, head, prompts, max_new, stop, cfg.eval.temperature, cfg.run.seed)
         return [{"prompt_set": "heldout" if chat else "random", **record}]
     if tokenizer is None:
         from dflash.errors import DataError
@@ -351,6 +411,9 @@ def run_eval(
         raise DataError(msg)
     records = []
     for ps in sets:
-        rec = evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], max_new, stop)
+        rec = evaluate_chat(
+            target, drafter, head, tokenizer, ps.prompts[:limit], max_new, stop,
+            temperature=cfg.eval.temperature, seed=cfg.run.seed,
+        )  # fmt: skip
         records.append({"prompt_set": ps.name, **rec})
     return records

@@ -172,7 +172,9 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
 
     def run(step: int) -> dict[str, Any]:
         faults.check(Stage.EVAL)
-        rec = evaluate(target, replica.model, replica.head, prompts, cfg.eval.max_new_tokens, stops)
+        e = cfg.eval
+        model, head = replica.model, replica.head
+        rec = evaluate(target, model, head, prompts, e.max_new_tokens, stops, e.temperature, cfg.run.seed)
         return {"step": step, **rec}
 
     return run

@@ -202,3 +202,62 @@ def test_a_stop_id_accepted_inside_a_block_ends_generation_there():
     out = speculative_generate(t, d, head, prompt, 32, {plain[k]})
     assert out.tokens == plain[: k + 1]
     assert out.accepted == [7], "steps after the stop token were counted"
+
+
+def test_speculative_sampling_verification_is_exact_in_distribution():
+    """The verification rule alone (`verify_sampled`), on fixed distributions: the first
+    token it emits — the drafted one when accepted, else the draw from max(0, p - q) — is
+    distributed as the target's p, whatever the drafter's q."""
+    from dflash.eval import verify_sampled
+
+    g = torch.Generator().manual_seed(0)
+    V, n = 6, 30_000
+    p = torch.softmax(torch.randn(2, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(1, V, generator=g) * 2, -1)
+    counts = torch.zeros(V)
+    accepted = 0
+    for _ in range(n):
+        x = int(torch.multinomial(q[0], 1, generator=g))
+        acc, nxt = verify_sampled([x], q, p, g)
+        counts[x if acc == 1 else nxt] += 1
+        accepted += acc
+    assert 0.1 * n < accepted < 0.9 * n
+    assert 0.5 * (counts / n - p[0]).abs().sum() < 0.015, (counts / n, p[0])
+    # the rule is what makes it exact: the drafter's own samples are far from p
+    assert 0.5 * (q[0] - p[0]).abs().sum() > 0.2
+
+
+def test_sampled_speculative_decoding_follows_the_target_distribution():
+    """End to end with real models, temperature 1: the first two tokens (the second drafted,
+    verified) follow the target's joint p(t1) p(t2 | t1), computed exactly; the drafter reads
+    a flattened LM head, so its proposals are often wrong and sometimes right."""
+    V, scale = 16, 60.0
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f"target.tiny.vocab_size={V}"])
+    t = load_target(cfg.target, torch.device("cpu"), 1)
+    with torch.no_grad():
+        t.model.lm_head.weight.mul_(scale)  # a peaked target distribution
+    spec = _spec(
+        hidden_size=t.hidden_size, num_layers=1, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim, intermediate_size=t.intermediate_size, vocab_size=V,
+        target_layer_ids=t.layer_ids, num_target_layers=t.num_layers, block_size=4,
+        mask_token_id=V - 1, layer_types=["full_attention"],
+    )  # fmt: skip
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(3))
+    head = FrozenHead(t.embed_weight, t.lm_head_weight / scale)
+    prompt = torch.tensor([1, 2, 3, 4])
+    with torch.no_grad():
+        p1 = torch.softmax(t.model(input_ids=prompt[None]).logits[0, -1], -1)
+        exact = torch.stack([
+            p1[a] * torch.softmax(t.model(input_ids=torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], -1)
+            for a in range(V)
+        ])  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V, V)
+    n, rejected = 400, 0
+    for _ in range(n):
+        out = speculative_generate(t, d, head, prompt, 2, set(), temperature=1.0, generator=g)
+        counts[out.tokens[0], out.tokens[1]] += 1
+        rejected += out.accepted == [0]
+    assert 0.1 * n < rejected < 0.95 * n, rejected
+    assert 0.5 * (counts / n - exact).abs().sum() < 0.1

@@ -295,6 +295,11 @@ class EvalConfig(_Section):
         "", description="chat JSONL of held-out prompts; default: regen's holdout file (files) or random (synthetic)"
     )
     max_new_tokens: int = Field(64, ge=1, le=65_536)
+    temperature: float = Field(
+        0.0, ge=0.0, le=100.0,
+        description="0: greedy, checked lossless against the target; > 0: sampled, verified by speculative "
+        "sampling (exact in distribution; `lossless` is then null)",
+    )  # fmt: skip
     every_steps: int = Field(0, ge=0, description="eval every N optimizer steps; 0 = never")
     at_end: bool = Field(True, description="evaluate the trained drafter when training ends")
 

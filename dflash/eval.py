@@ -361,7 +361,9 @@ def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list
     require_eval_prompts(cfg)
     out = []
     for p in jsonl_prompts(cfg.heldout_prompts)[:n]:
-        enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+        enc = tokenizer.apply_chat_template(
+            p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
+        )
         out.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
     return out
 
@@ -413,7 +415,7 @@ def run_eval(
     for ps in sets:
         rec = evaluate_chat(
             target, drafter, head, tokenizer, ps.prompts[:limit], max_new, stop,
-            temperature=cfg.eval.temperature, seed=cfg.run.seed,
+            template_kwargs=cfg.data.chat_template_kwargs, temperature=cfg.eval.temperature, seed=cfg.run.seed,
         )  # fmt: skip
         records.append({"prompt_set": ps.name, **rec})
     return records

@@ -570,3 +570,29 @@ def test_progress_without_tqdm_prints_plain_lines(word_tok: Any, tmp_path: Path,
     monkeypatch.setattr(tokenize_mod, "_PLAIN_PROGRESS_EVERY", 2)
     load_samples(data_cfg(path), word_tok, cache_dir=tmp_path / "c", progress=True)
     assert tty.getvalue().splitlines() == [f"tokenizing {path}: 2 records", f"tokenizing {path}: 4 records"]
+
+
+def test_chat_template_options_reach_the_template_and_the_cache_key(word_tok: Any, tmp_path: Path) -> None:
+    """`data.chat_template_kwargs` (e.g. a thinking switch) is passed to the template when
+    rendering — here an option that adds a system preamble — and is part of the
+    tokenization cache's key (a run with other options never reads the old cache)."""
+    import copy
+
+    from dflash.config import DataConfig, DataFile
+    from dflash.data.token_cache import cache_key
+
+    tok = copy.copy(word_tok)
+    tok.chat_template = (
+        "{% if terse is defined and terse %}{{ '<|im_start|>system\nyou are terse<|im_end|>\n' }}{% endif %}" + CHATML
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    plain_ids, plain_mask = tokenize_conversation(tok, messages)
+    ids, mask = tokenize_conversation(tok, messages, {"terse": True})
+    preamble = tok.convert_tokens_to_ids(["<|im_start|>", "system", "\n", "you", "are", "terse", "<|im_end|>", "\n"])
+    assert ids == preamble + plain_ids and mask == [False] * len(preamble) + plain_mask
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True, terse=True)["input_ids"]
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    f = DataFile(path=str(data))
+    assert cache_key(f, DataConfig(), "fp") != cache_key(f, DataConfig(chat_template_kwargs={"terse": True}), "fp")
+    assert cache_key(f, DataConfig(), "fp") == cache_key(f, DataConfig(chat_template_kwargs={}), "fp")

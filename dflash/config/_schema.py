@@ -66,6 +66,11 @@ class DataConfig(_Section):
         0, ge=0, description="keep target features of seen samples in memory (MiB); later epochs skip the target"
     )
     cache_dir: str = Field("", description="tokenization / model cache; default ~/.cache/dflash")
+    chat_template_kwargs: dict[str, bool | int | float | str] = Field(
+        default_factory=dict,
+        description="options of the tokenizer's chat template, e.g. {enable_thinking = false}; used alike by "
+        "regen, training and eval (a mismatch is a known cause of low served acceptance)",
+    )
 
     @model_validator(mode="after")
     def _files(self) -> DataConfig:

@@ -19,7 +19,7 @@ chat data.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dflash.data.conversation import Message
 from dflash.errors import DataError
@@ -34,9 +34,9 @@ class _Invalid(Exception):
     """A record-level problem found while tokenizing; the message is the reason."""
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], gen: bool) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], gen: bool, kwargs: dict[str, Any]) -> str:
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kwargs)
     except Exception as err:  # jinja's raise_exception (roles must alternate, ...) and the like
         detail = " ".join(str(err).split()) or type(err).__name__
         msg = f"chat template refused the conversation: {detail}"
@@ -45,10 +45,12 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], gen: bo
     return text
 
 
-def _plan(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[tuple[int, str, str]]:
+def _plan(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], kw: dict[str, Any]
+) -> list[tuple[int, str, str]]:
     """Per supervised assistant message i: (i, prompt text up to its header, text through it)."""
     return [
-        (i, _render(tokenizer, messages[:i], gen=True), _render(tokenizer, messages[: i + 1], gen=False))
+        (i, _render(tokenizer, messages[:i], gen=True, kwargs=kw), _render(tokenizer, messages[: i + 1], False, kw))
         for i, m in enumerate(messages)
         if m["role"] == "assistant" and i > 0  # an opening assistant turn has no prompt to render
     ]
@@ -81,14 +83,18 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> dict[str, l
 
 
 def tokenize_many(
-    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[list[Message]]
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Sequence[list[Message]],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[tuple[list[int], list[bool]] | str]:
     """(ids, loss mask) per conversation, or the reason it cannot be used; one batched
-    encode for all of them."""
+    encode for all of them. `template_kwargs`: the chat template's options
+    (`data.chat_template_kwargs`, e.g. enable_thinking)."""
+    kw = dict(template_kwargs or {})
     plans: list[tuple[str, list[tuple[int, str, str]]] | str] = []
     for messages in conversations:
         try:
-            plans.append((_render(tokenizer, messages, gen=False), _plan(tokenizer, messages)))
+            plans.append((_render(tokenizer, messages, False, kw), _plan(tokenizer, messages, kw)))
         except _Invalid as err:
             plans.append(str(err))
     texts = [t for p in plans if not isinstance(p, str) for t in (p[0], *(x for s in p[1] for x in s[1:]))]
@@ -106,11 +112,13 @@ def tokenize_many(
     return out
 
 
-def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[list[int], list[bool]]:
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], template_kwargs: dict[str, Any] | None = None
+) -> tuple[list[int], list[bool]]:
     """Token ids of one conversation rendered with the tokenizer's chat template, and its
     loss mask (True on assistant content and end-of-turn tokens only). Raises DataError
     with the reason if it cannot be done. No length limit is applied."""
-    (got,) = tokenize_many(tokenizer, [messages])
+    (got,) = tokenize_many(tokenizer, [messages], template_kwargs)
     if isinstance(got, str):
         raise DataError(got)
     return got

@@ -206,7 +206,9 @@ def _regenerate(
     for i, p in enumerate(train):
         if _prompt_key(p) in done:
             continue
-        ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = tokenizer.apply_chat_template(
+            p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
+        )
         todo.append((i, list(ids["input_ids"])))
     todo.sort(key=lambda x: len(x[1]))  # like lengths together: little padding
     already = len(train) - len(todo)

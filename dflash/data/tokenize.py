@@ -110,7 +110,7 @@ def _tokenize_file(file: DataFile, cfg: DataConfig, tokenizer: PreTrainedTokeniz
             first_skipped.append(f"{where}: {reason}")
 
     def flush() -> None:
-        results = tokenize_many(tokenizer, [c.messages for c in pending])
+        results = tokenize_many(tokenizer, [c.messages for c in pending], cfg.chat_template_kwargs)
         for conv, got in zip(pending, results, strict=True):
             if isinstance(got, str):
                 invalid(conv.where, got)

@@ -353,3 +353,35 @@ def test_export_loads_through_automodel_with_trust_remote_code(tmp_path):
             pos = torch.cat([ctx_pos, q_pos], 1)
             b = hf(position_ids=pos, attention_mask=hf_mask, noise_embedding=emb, target_hidden=ctx)
             assert torch.allclose(a @ lm_head.T, b @ lm_head.T, atol=1e-5, rtol=0), (a - b).abs().max()
+
+
+def test_automodel_default_masks_are_the_engines_and_training_semantics(tmp_path):
+    """Without a mask, the exported model computes what vLLM / SGLang / SpecForge compute and
+    what dflash trains: full layers bidirectional over context and block; sliding layers
+    causal inside the block and windowed (W positions, itself included)."""
+    from transformers import AutoModel
+
+    from dflash.model.drafter import DFlashDrafter, DrafterSpec
+
+    W = 5
+    spec = DrafterSpec(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, target_layer_ids=[0, 2], num_target_layers=4,
+        block_size=4, mask_token_id=63, layer_types=["full_attention", "sliding_attention"], sliding_window=W,
+    )  # fmt: skip
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(4))
+    path = export_drafter(d, tmp_path / "exp", dtype=torch.float32)
+    hf = AutoModel.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32)
+    R, T, Q = 1, 9, 4
+    g = torch.Generator().manual_seed(5)
+    emb, ctx = torch.randn(R, Q, 32, generator=g), torch.randn(R, T, 64, generator=g)
+    ctx_pos, q_pos = torch.arange(T)[None], (T + torch.arange(Q))[None]
+    k_pos = torch.cat([ctx_pos, q_pos], 1)
+    diff = q_pos[:, None, :, None] - k_pos[:, None, None, :]
+    full = torch.ones(R, 1, Q, T + Q, dtype=torch.bool)
+    masks = {"full_attention": full, "sliding_attention": (diff >= 0) & (diff < W)}
+    with torch.no_grad():
+        a = load_drafter(path)(emb, ctx, q_pos, ctx_pos, masks)
+        b = hf(position_ids=k_pos, noise_embedding=emb, target_hidden=ctx)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()

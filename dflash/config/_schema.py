@@ -158,7 +158,9 @@ class DrafterConfig(_Section):
     layer_types: list[LayerType] | None = Field(None, description="per draft layer; default all full_attention")
     sliding_window: int = Field(2048, ge=1, le=1_048_576)
     sliding_causal_block: bool = Field(
-        True, description="sliding layers: causal inside a block (SpecForge, z-lab reference)"
+        True,
+        description="sliding layers: causal inside a block, as vLLM, SGLang and SpecForge run them (the "
+        "z-lab reference's HF code runs them bidirectional); false only for a drafter served that way",
     )
     intermediate_size: int | None = Field(None, ge=1, description="default: the target's")
     init_from_target: bool = Field(

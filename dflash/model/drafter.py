@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.model.modeling_dflash import DFlashMLP, DFlashRMSNorm, _rope, _rotate
+
 __all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers"]
 
 
@@ -61,34 +63,12 @@ class DrafterSpec:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (R, 1, L, head_dim) for absolute positions (R, L)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions.float()[..., None] * inv  # (R, L, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (R, 1, L, hd)
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+# The building blocks are the export's own (`modeling_dflash.py`, the file AutoModel loads
+# with trust_remote_code): one definition, so training and every export compute alike.
+RMSNorm = DFlashRMSNorm
+MLP = DFlashMLP
+rope = _rope  # cos, sin of shape (R, 1, L, head_dim) for absolute positions (R, L)
+_apply_rope = _rotate
 
 
 _compiled_flex: Any = None
@@ -179,17 +159,6 @@ class Attention(nn.Module):
         v = torch.cat([cache[1], vb], dim=2)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, spec: DrafterSpec) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

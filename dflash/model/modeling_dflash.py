@@ -11,9 +11,12 @@ the parameter names are the export's, so the trained weights load into it.
 
 `position_ids` (B, S+Q) are the absolute positions of the S context features, then of the
 Q block slots. `attention_mask` is optional: a boolean (B, 1, Q, S+Q) tensor (True = attend)
-for the block attending to [context | block]; without one every slot sees every context
-position and every slot of its block, as in the reference's inference code. Keys and
-values of earlier context can be kept in a `transformers` `Cache` (`past_key_values`).
+for the block attending to [context | block]. Without one, each layer does what vLLM,
+SGLang and SpecForge do (and what dflash trains): a full-attention layer lets every slot see
+all context and its whole block; a sliding layer (`layer_types`, `sliding_window` W) is
+causal inside the block and sees the last W positions, itself included. Keys and values
+of earlier context can be kept in a `transformers` `Cache` (`past_key_values`; positions
+are then taken as contiguous).
 """
 
 from __future__ import annotations
@@ -65,8 +68,18 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
         self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+        types = getattr(config, "layer_types", None) or []
+        sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
+        self.window = int(config.sliding_window) if sliding and getattr(config, "sliding_window", None) else None
 
-    def forward(self, x, ctx, rope, mask, cache):  # type: ignore[no-untyped-def]
+    def default_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """No mask for a full layer; causal and windowed for a sliding one: (B, 1, Q, K)."""
+        if self.window is None:
+            return None
+        d = q_pos[:, None, :, None] - k_pos[:, None, None, :]
+        return (d >= 0) & (d < self.window)
+
+    def forward(self, x, ctx, rope, mask, cache, positions):  # type: ignore[no-untyped-def]
         B, Q, _ = x.shape
         S = ctx.shape[1]
         hd = self.head_dim
@@ -79,6 +92,11 @@ class DFlashAttention(nn.Module):
         k = _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if mask is None:
+            q_pos = positions[:, -Q:]
+            K = k.shape[2]  # with a cache, earlier keys are taken to sit right before these
+            k_pos = positions if K == S + Q else positions[:, -1:] - (K - 1) + torch.arange(K, device=x.device)
+            mask = self.default_mask(q_pos, k_pos)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         else:  # rows that see nothing (disabled blocks) give 0, not NaN
@@ -107,8 +125,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, ctx, rope, mask, cache):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, mask, cache)
+    def forward(self, x, ctx, rope, mask, cache, positions):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, mask, cache, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,5 +175,5 @@ class DFlashDraftModel(PreTrainedModel):
         cache = past_key_values if use_cache or past_key_values is not None else None
         x = noise_embedding
         for layer in self.layers:
-            x = layer(x, ctx, rope, attention_mask, cache)
+            x = layer(x, ctx, rope, attention_mask, cache, position_ids)
         return self.norm(x)

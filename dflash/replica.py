@@ -15,12 +15,21 @@ from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 __all__ = ["DrafterReplica", "build_replicas", "lr_lambda"]
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
+def lr_lambda(
+    total_steps: int, warmup_ratio: float, min_ratio: float, schedule: str = "cosine", decay_ratio: float = 0.2
+):
+    """LR factor after `step` optimizer steps: linear warmup, then `cosine` decay to
+    `min_ratio` over the rest, or `wsd` (warmup-stable-decay): constant, then a linear decay to
+    `min_ratio` over the last `decay_ratio` of the steps."""
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+    decay = max(1, round(total_steps * decay_ratio))
 
     def f(step: int) -> float:  # step = number of optimizer steps already taken
         if step < warmup:
             return (step + 1) / warmup
+        if schedule == "wsd":
+            into = step - (total_steps - decay)
+            return 1.0 if into <= 0 else max(min_ratio, 1 - (1 - min_ratio) * min(1.0, into / decay))
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -69,6 +78,7 @@ def build_replicas(
             weight_decay=train.weight_decay,
             foreach=dev.type == "cuda",
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio))
+        f = lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio, train.schedule, train.decay_ratio)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched))
     return out

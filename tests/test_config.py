@@ -407,3 +407,20 @@ def test_several_errors_are_reported_on_one_line(tmp_path: Path) -> None:
     assert "drafter.num_layers" in msg
     assert "drafter.bogus" in msg
     assert "train.lr" in msg
+
+
+def test_lr_schedules_cosine_and_warmup_stable_decay():
+    """`train.schedule`: cosine decays from the end of warmup; wsd holds the peak, then decays
+    linearly to min_lr_ratio over the last decay_ratio of the steps."""
+    from dflash.replica import lr_lambda
+
+    cos = lr_lambda(100, 0.1, 0.1, "cosine")
+    wsd = lr_lambda(100, 0.1, 0.1, "wsd", 0.2)
+    assert cos(0) == wsd(0) == 0.1 and cos(9) == wsd(9) == 1.0  # the same warmup
+    assert cos(50) < 0.8 and wsd(50) == 1.0 and wsd(80) == 1.0  # stable until the decay starts
+    assert abs(wsd(90) - 0.55) < 1e-9 and wsd(100) == wsd(200) == 0.1  # linear, then the floor
+    assert abs(cos(100) - 0.1) < 1e-9
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='wsd'", "train.decay_ratio=0.3"])
+    assert (cfg.train.schedule, cfg.train.decay_ratio) == ("wsd", 0.3)
+    with pytest.raises(ConfigError, match="train.schedule"):
+        load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='linear'"])

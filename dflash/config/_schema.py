@@ -199,7 +199,11 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1, le=10_000)
     lr: float = Field(6e-4, gt=0, le=1.0)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decays to lr * this")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the schedule decays to lr * this")
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine", description="after warmup: cosine decay, or wsd (warmup-stable-decay: constant, then linear decay)"
+    )
+    decay_ratio: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying, at the end")
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
     grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per replica per step")

@@ -422,5 +422,5 @@ def test_lr_schedules_cosine_and_warmup_stable_decay():
     assert abs(cos(100) - 0.1) < 1e-9
     cfg = load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='wsd'", "train.decay_ratio=0.3"])
     assert (cfg.train.schedule, cfg.train.decay_ratio) == ("wsd", 0.3)
-    with pytest.raises(ConfigError, match="train.schedule"):
+    with pytest.raises(ConfigError, match=r"train\.schedule"):
         load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='linear'"])

@@ -38,7 +38,7 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
         "vocab_size": spec.vocab_size,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": dict(spec.rope_scaling) if spec.rope_scaling else None,
         "max_position_embeddings": spec.max_position_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -92,6 +92,7 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
             sliding_window=int(cfg.get("sliding_window") or 2048),
             sliding_causal_block=bool(d.get("sliding_causal_block", True)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            rope_scaling=dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None,
         )
     except (KeyError, TypeError, ValueError) as err:
         msg = f"drafter config.json is missing or has a bad field: {err}"

@@ -152,6 +152,7 @@ def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
         vocab_size=t0.vocab_size,
         rms_norm_eps=t0.rms_norm_eps,
         rope_theta=t0.rope_theta,
+        rope_scaling=t0.rope_scaling,
         target_layer_ids=t0.layer_ids,
         num_target_layers=t0.num_layers,
         block_size=cfg.drafter.block_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -385,3 +386,46 @@ def test_automodel_default_masks_are_the_engines_and_training_semantics(tmp_path
         a = load_drafter(path)(emb, ctx, q_pos, ctx_pos, masks)
         b = hf(position_ids=k_pos, noise_embedding=emb, target_hidden=ctx)
     assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+
+
+def test_rope_scaling_is_the_targets_in_training_and_in_the_export(tmp_path):
+    """A target with scaled RoPE (Llama-3.1 style): the drafter uses the same inverse
+    frequencies as the target's own rotary embedding, writes `rope_scaling` into the export,
+    and AutoModel computes the same outputs from it."""
+    from transformers import AutoModel, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from dflash.model.drafter import DFlashDrafter, DrafterSpec
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+    spec = DrafterSpec(
+        hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, rms_norm_eps=1e-6, rope_theta=500000.0, target_layer_ids=[0], num_target_layers=2,
+        block_size=4, mask_token_id=63, layer_types=["full_attention"], sliding_window=5, rope_scaling=scaling,
+    )  # fmt: skip
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(6))
+    target_rope = LlamaRotaryEmbedding(
+        LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8, rope_theta=500000.0, rope_scaling=dict(scaling))
+    )
+    assert d.scaled_rope is not None and torch.equal(d.scaled_rope[0], target_rope.inv_freq)
+    plain = DFlashDrafter(dataclasses.replace(spec, rope_scaling=None))
+    assert plain.scaled_rope is None
+    path = export_drafter(d, tmp_path / "exp", dtype=torch.float32)
+    assert json.loads((path / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    back = load_drafter(path)
+    assert back.spec.rope_scaling == scaling
+    hf = AutoModel.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32)
+    R, T, Q = 1, 40, 4  # positions past original_max_position_embeddings, where scaling matters
+    g = torch.Generator().manual_seed(7)
+    emb, ctx = torch.randn(R, Q, 32, generator=g), torch.randn(R, T, 32, generator=g)
+    ctx_pos, q_pos = torch.arange(T)[None], (T + torch.arange(Q))[None]
+    full = {"full_attention": torch.ones(R, 1, Q, T + Q, dtype=torch.bool)}
+    with torch.no_grad():
+        a = back(emb, ctx, q_pos, ctx_pos, full)
+        b = hf(position_ids=torch.cat([ctx_pos, q_pos], 1), noise_embedding=emb, target_hidden=ctx)
+        plain.load_state_dict(d.state_dict())
+        unscaled = plain(emb, ctx, q_pos, ctx_pos, full)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    assert not torch.allclose(a, unscaled, atol=1e-4), "scaling made no difference: the test would not see it"

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.modeling_dflash import DFlashMLP, DFlashRMSNorm, _rope, _rotate
+from dflash.model.modeling_dflash import DFlashMLP, DFlashRMSNorm, _rope, _rotate, scaled_rope
 
 __all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers"]
 
@@ -57,6 +57,7 @@ class DrafterSpec:
     sliding_window: int
     sliding_causal_block: bool = True
     max_position_embeddings: int = 32768
+    rope_scaling: dict[str, Any] | None = None  # the target's (llama3, yarn, ...); None: plain RoPE
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +185,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(spec, t) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        scaled = scaled_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        # A buffer (not saved: the config says how to compute it), so it moves with the module.
+        self.register_buffer("rope_inv_freq", scaled[0] if scaled else None, persistent=False)
+        self.rope_factor = scaled[1] if scaled else 1.0
+
+    @property
+    def scaled_rope(self) -> tuple[torch.Tensor, float] | None:
+        return None if self.rope_inv_freq is None else (self.rope_inv_freq, self.rope_factor)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         with torch.no_grad():
@@ -236,8 +245,8 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         ctx = self.hidden_norm(self.fc(context))  # (R, T, H): one feature for all layers
         hd, theta = self.spec.head_dim, self.spec.rope_theta
-        rope_q = rope(q_pos, hd, theta)
-        rope_k = rope(torch.cat([ctx_pos, q_pos], dim=1), hd, theta)
+        rope_q = rope(q_pos, hd, theta, self.scaled_rope)
+        rope_k = rope(torch.cat([ctx_pos, q_pos], dim=1), hd, theta, self.scaled_rope)
         x = block_emb
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
@@ -247,7 +256,7 @@ class DFlashDrafter(nn.Module):
     def extend_context(self, cache: DrafterCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Append context features (R, S, k·H) at absolute `positions` (R, S) to the cache."""
         ctx = self.hidden_norm(self.fc(feats))
-        rope_c = rope(positions, self.spec.head_dim, self.spec.rope_theta)
+        rope_c = rope(positions, self.spec.head_dim, self.spec.rope_theta, self.scaled_rope)
         for i, layer in enumerate(self.layers):
             cache.append(i, *layer.self_attn.context_kv(ctx, rope_c))
         cache.length += feats.shape[1]
@@ -256,7 +265,7 @@ class DFlashDrafter(nn.Module):
         self, cache: DrafterCache, block_emb: torch.Tensor, q_pos: torch.Tensor, masks: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """Block states (R, Q, H) reading the cached context; masks are (R, 1, Q, S+Q)."""
-        rope_q = rope(q_pos, self.spec.head_dim, self.spec.rope_theta)
+        rope_q = rope(q_pos, self.spec.head_dim, self.spec.rope_theta, self.scaled_rope)
         x = block_emb
         for i, layer in enumerate(self.layers):
             kv = cache.kv[i]

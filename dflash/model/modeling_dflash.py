@@ -40,11 +40,34 @@ class DFlashRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+def _rope(
+    positions: torch.Tensor, head_dim: int, theta: float, scaled: tuple[torch.Tensor, float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, 1, L, head_dim) at absolute positions (B, L). `scaled`: (inverse
+    frequencies, attention factor) of a scaled RoPE (`scaled_rope`); None: plain RoPE."""
+    if scaled is None:
+        inv, factor = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)), 1.0
+    else:
+        inv, factor = scaled[0].float(), scaled[1]  # on positions' device already
     freqs = positions.float()[..., None] * inv
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, L, head_dim)
-    return emb.cos(), emb.sin()
+    if factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * factor, emb.sin() * factor
+
+
+def scaled_rope(head_dim: int, theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float] | None:
+    """Inverse frequencies and attention factor of a scaled RoPE (llama3, yarn, linear, ...),
+    computed by transformers from a config, as the target computes its own; None when
+    `rope_scaling` is empty or the default."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+        return None
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    cfg = Qwen3Config(head_dim=head_dim, rope_theta=theta, rope_scaling=dict(rope_scaling))
+    emb = Qwen3RotaryEmbedding(cfg)
+    return emb.inv_freq.detach().clone(), float(emb.attention_scaling)  # no-sync: built on the host
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,7 +93,8 @@ class DFlashAttention(nn.Module):
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
         types = getattr(config, "layer_types", None) or []
         sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
-        self.window = int(config.sliding_window) if sliding and getattr(config, "sliding_window", None) else None
+        window = getattr(config, "sliding_window", None)
+        self.window = int(window) if sliding and window else None  # no-sync: a config value
 
     def default_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         """No mask for a full layer; causal and windowed for a sliding one: (B, 1, Q, K)."""
@@ -150,6 +174,11 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
+        self.rope_theta = float(theta)  # no-sync: a config value
+        self.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        self._scaled: tuple[torch.Tensor, float] | bool | None = False  # computed at the first forward (not on meta)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:  # weights come from the checkpoint
@@ -170,8 +199,11 @@ class DFlashDraftModel(PreTrainedModel):
         ctx = self.hidden_norm(self.fc(target_hidden))
         cfg = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
-        rope = _rope(position_ids, head_dim, float(theta or 10000.0))  # no-sync: a config value
+        if self._scaled is False:
+            got = scaled_rope(head_dim, self.rope_theta, self.rope_scaling)
+            dev = position_ids.device
+            self._scaled = (got[0].to(dev), got[1]) if got else None  # no-sync: once, at the first forward
+        rope = _rope(position_ids, head_dim, self.rope_theta, self._scaled)  # type: ignore[arg-type]
         cache = past_key_values if use_cache or past_key_values is not None else None
         x = noise_embedding
         for layer in self.layers:

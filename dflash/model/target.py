@@ -113,6 +113,10 @@ class Target:
         self.rms_norm_eps = float(_config_value(cfg, "rms_norm_eps", default=1e-6))
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
+        # The scaled-RoPE parameters (llama3, yarn, ...): transformers 5's rope_parameters, or 4's rope_scaling.
+        given = rope_params or getattr(cfg, "rope_scaling", None) or {}
+        scaling = {k: v for k, v in given.items() if k != "rope_theta"}
+        self.rope_scaling = scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
         self.name = str(_config_value(cfg, "_name_or_path", default="")) or type(model).__name__
         # Thread-local (what is being captured, and whether to stop after the last layer):
         # eval may run forwards while a pipeline thread captures.

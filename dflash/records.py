@@ -28,11 +28,17 @@ class Batch:
     packed: bool  # some row holds several documents (known on the host: no sync to find out)
 
 
+# The target's next-token distribution at every position, for distillation: top-k logits
+# (R, T, k) float32 and their token ids (R, T, k) int64.
+Teacher = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class TargetFeatures:
     batch: Batch
     layers: list[torch.Tensor]  # per chosen layer (R, T, H), on the target device
     ready: Any  # CUDA event or None
+    teacher: Teacher | None = None  # with train.distill > 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class PackedFeatures:
     batch: Batch
     hidden: torch.Tensor  # (R, T, k·H) one contiguous buffer, on the target device
     ready: Any
+    teacher: Teacher | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class HostFeatures:
     source: int  # target replica that produced it
     ready: Any = None  # CUDA event: `hidden` is complete (device features only)
     release: Callable[[Any], None] | None = None  # a pooled pinned buffer: give it back after its upload
+    teacher: Teacher | None = None  # with train.distill > 0: on the host, or with `hidden` on the GPU
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,9 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         )
         raise ConfigError(msg)
     ranks = world.size if world is not None else 1
+    if cfg.train.distill > 0 and cfg.data.feature_cache_mb:
+        msg = "train.distill needs data.feature_cache_mb = 0: cached features carry no target logits"
+        raise ConfigError(msg)
     loaded = _resume(cfg, resume, ranks)  # before loading any model: a bad checkpoint fails in a second
     if cfg.data.source == "files":  # likewise a missing data file
         for i, f in enumerate(cfg.data.files):
@@ -207,6 +210,8 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     found: list[str] = []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]
+    for tgt in targets:  # distillation: target forwards also give their top-k next-token logits
+        tgt.teacher_topk = cfg.train.distill_topk if cfg.train.distill > 0 else 0
     t0 = targets[0]
     head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
     mask_id = _mask_id(cfg, t0, head, found.append)
@@ -233,7 +238,7 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         replicas=replicas,
         plan=plan,
         spec=spec,
-        micro=MicroStep(cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise),
+        micro=MicroStep(cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise, t.distill, t.distill_temperature),
         apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world),
         grad_accum=t.grad_accum,
         max_steps=t.max_steps,

@@ -643,3 +643,41 @@ def test_flex_backward_matches_dense_sdpa():
     for a, b in zip(gf, gr, strict=True):
         assert torch.isfinite(a).all()
         assert torch.allclose(a, b, atol=1e-4, rtol=0), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_distillation_with_a_one_hot_teacher_is_cross_entropy(chunk):
+    """`train.distill`: with a teacher whose top-1 is the label, the soft loss equals the hard
+    cross-entropy (any distill weight, through the chunked path too); with a real top-k
+    teacher it differs, and moves the drafter's distribution toward the teacher's."""
+    import dataclasses
+
+    from dflash.model.loss import BlockTargets
+
+    g = torch.Generator().manual_seed(0)
+    M, H, V, B = 7, 8, 11, 4
+    hidden = torch.randn(1, M, H, generator=g, requires_grad=True)
+    head = torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (M,), generator=g)
+    targets = BlockTargets(
+        sel=torch.arange(M), labels=labels, weights=torch.rand(M, generator=g), slot=torch.arange(M) % B,
+        weight_sum=1.0, count_per_slot=torch.bincount(torch.arange(M) % B, minlength=B),
+    )  # fmt: skip
+    hard = block_loss(hidden, head, targets, B, chunk).loss_sum
+    one_hot = dataclasses.replace(targets, teacher=(torch.randn(M, 1, generator=g), labels[:, None]))
+    for alpha in (0.3, 1.0):
+        soft = block_loss(hidden, head, one_hot, B, chunk, distill=alpha).loss_sum
+        assert torch.allclose(soft, hard, rtol=1e-6), (alpha, soft, hard)
+    vals, idx = torch.randn(M, 5, generator=g) * 3, torch.stack([torch.randperm(V, generator=g)[:5] for _ in range(M)])
+    teacher = dataclasses.replace(targets, teacher=(vals, idx))
+    soft = block_loss(hidden, head, teacher, B, chunk, distill=1.0).loss_sum
+    assert not torch.allclose(soft, hard)
+    # one gradient step on the hidden states lowers the KL to the teacher's top-k distribution
+    (grad,) = torch.autograd.grad(soft, hidden)
+    with torch.no_grad():
+        def kl(h: torch.Tensor) -> torch.Tensor:
+            logp = torch.log_softmax(h[0] @ head.T, -1).gather(1, idx)
+            p = torch.softmax(vals, -1)
+            return (p * (p.log() - logp)).sum()
+
+        assert kl(hidden - 0.05 * grad) < kl(hidden)

@@ -102,3 +102,37 @@ def test_packed_row_features_equal_separate_documents():
     (alone_b,) = t.capture(b[None], torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None])
     torch.testing.assert_close(packed[0, :5], alone_a[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[0, 5:9], alone_b[0], atol=1e-5, rtol=1e-5)
+
+
+def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
+    """`train.distill`: the target's top-k travels with the features, and for slot k of a
+    block at anchor a the drafter gets the target's prediction made at position a + k − 1.
+    On self-distilled data (the target's own greedy replies) its top-1 is the label itself."""
+    import math
+
+    from dflash.devices import Device
+    from dflash.errors import ConfigError
+    from dflash.records import HostFeatures
+    from dflash.setup import prepare
+    from dflash.stages import drafter_step, target_forward
+    from dflash.stages.prefetch import next_batch
+
+    cfg = tiny_config(**{"train.distill": 0.5, "train.distill_topk": 4, "data.num_samples": 16})
+    t = prepare(cfg)
+    batch = next_batch(iter(t.plan), False)
+    layers, teacher = target_forward.forward(t.targets[0], batch, t.targets[0].teacher_topk)
+    assert teacher is not None and teacher[0].shape == (*batch.input_ids.shape, 4)
+    assert torch.equal(torch.cat(layers, -1), torch.cat(t.targets[0].capture(
+        batch.input_ids, batch.doc_ids, batch.positions, batch.packed), -1))  # fmt: skip
+    feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
+    dev = Device("cpu", "d")
+    p = asyncio.run(drafter_step.prepared(t.replicas[0], t.micro, dev, feats, 0))
+    dev.close()
+    vals, ids = p.targets.teacher
+    assert ids.shape == (p.targets.labels.shape[0], 4) and bool((vals[:, 0] >= vals[:, 1]).all())
+    assert torch.equal(ids[:, 0], p.targets.labels)  # greedy replies: the target's top-1 is the label
+    records = run_records(tiny_config(**{"train.distill": 0.5, "train.max_steps": 3, "eval.at_end": "false"}))
+    losses = [r["loss"] for r in records if r["event"] == "train_step"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    with pytest.raises(ConfigError, match="feature_cache_mb"):
+        prepare(tiny_config(**{"train.distill": 0.5, "data.feature_cache_mb": 8}))

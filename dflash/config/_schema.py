@@ -215,6 +215,13 @@ class TrainConfig(_Section):
         0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
     )
     noise_reveal_end: float = Field(0.0, ge=0, le=1, description="... at the last step (linear)")
+    distill: float = Field(
+        0.0, ge=0, le=1,
+        description="weight of distillation from the target's next-token distribution (its top-k logits at each "
+        "label position) against the hard labels; 0 = hard labels only",
+    )  # fmt: skip
+    distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
+    distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
 
     @field_validator("betas", mode="before")
     @classmethod

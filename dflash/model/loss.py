@@ -38,6 +38,7 @@ class BlockTargets:
     slot: torch.Tensor  # (M,) int64 block offset k of each selected slot
     weight_sum: float  # Σ w over the selected slots
     count_per_slot: torch.Tensor  # (B,) int64 how many slots of each offset count
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # (M, k) top-k target logits and ids, distillation
 
 
 def block_targets(
@@ -108,10 +109,23 @@ class LossParts:
 
 
 def _chunk_loss(
-    h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    h: torch.Tensor,
+    head: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    t_vals: torch.Tensor | None = None,
+    t_idx: torch.Tensor | None = None,
+    distill: float = 0.0,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = (h @ head.t()).float()  # (chunk, V)
     ce = F.cross_entropy(logits, labels, reduction="none")
+    if t_vals is not None and t_idx is not None and distill > 0:
+        # Cross-entropy to the target's top-k distribution (= KL to it plus its entropy, a
+        # constant): same gradient as the KL, over the k tokens the target thinks likely.
+        logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
+        soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1)
+        ce = (1 - distill) * ce + distill * soft
     correct = (logits.argmax(dim=-1) == labels).float()
     return (ce * weights).sum(), correct
 
@@ -122,7 +136,11 @@ def block_loss(
     targets: BlockTargets,
     block_size: int,
     chunk: int,
+    distill: float = 0.0,
+    temperature: float = 1.0,
 ) -> LossParts:
+    """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
+    `distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`)."""
     dev = hidden.device
     H = hidden.shape[-1]
     # The drafter step uploads the targets while preparing (these are then no-ops); from
@@ -135,14 +153,17 @@ def block_loss(
     # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
     total = hidden.sum().float() * 0.0
     correct = torch.zeros(block_size, device=dev)
+    tv, ti = targets.teacher if targets.teacher is not None and distill > 0 else (None, None)
     several = h.shape[0] > chunk
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
+        soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
+        args = (h[s:e], lm_head, labels[s:e], weights[s:e], *soft, distill, temperature)
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
-            part, ok = checkpoint(_chunk_loss, h[s:e], lm_head, labels[s:e], weights[s:e], use_reentrant=False)
+            part, ok = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:  # a single chunk: keeping its logits stays within the bound; skip the recompute
-            part, ok = _chunk_loss(h[s:e], lm_head, labels[s:e], weights[s:e])
+            part, ok = _chunk_loss(*args)
         total = total + part
         correct.index_add_(0, slot[s:e], ok.detach())
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

@@ -111,6 +111,7 @@ class Target:
         self.head_dim = int(_config_value(cfg, "head_dim", default=self.hidden_size // self.num_heads))
         self.intermediate_size = int(cfg.intermediate_size)
         self.rms_norm_eps = float(_config_value(cfg, "rms_norm_eps", default=1e-6))
+        self.teacher_topk = 0  # > 0: forwards in training also give the top-k next-token logits (distillation)
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
         # The scaled-RoPE parameters (llama3, yarn, ...): transformers 5's rope_parameters, or 4's rope_scaling.
@@ -169,6 +170,35 @@ class Target:
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def teacher(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        packed: bool,
+        k: int,
+        chunk: int = 1024,
+    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """`capture`'s layers, and the target's next-token distribution at every position as
+        its top-k logits: values (R, T, k) float32 and token ids (R, T, k) int64 — what
+        distillation needs, k·(4+8) bytes a position instead of the vocabulary. The whole
+        model runs (the LM head in chunks of `chunk` positions)."""
+        attention_mask = document_mask(doc_ids) if packed else None
+        base = getattr(self.model, "model", self.model)
+        with self._capturing(stop=False) as layers:
+            out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        h = out.last_hidden_state  # (R, T, H), after the final norm
+        head = self.model.get_output_embeddings()
+        flat = h.reshape(-1, h.shape[-1])
+        vals, idx = [], []
+        for s in range(0, flat.shape[0], chunk):
+            top = head(flat[s : s + chunk]).float().topk(k, dim=-1)
+            vals.append(top.values)
+            idx.append(top.indices)
+        R, T = input_ids.shape
+        return layers, (torch.cat(vals).view(R, T, k), torch.cat(idx).view(R, T, k))
 
     @torch.no_grad()
     def capture(

@@ -89,14 +89,39 @@ def prepare(
         layout = BlockLayout(upload(anchors, dev), upload(valid, dev), upload(b.doc_ids, dev), B)
         masks = layer_masks(layout, spec, use_flex)
     ids, q = upload(block_ids.view(R, N * B), dev), upload(q_pos, dev)
+    teacher = _teacher_at_labels(feats, anchors, targets.sel, B, dev)
     targets = dataclasses.replace(
         targets, sel=upload(targets.sel, dev), labels=upload(targets.labels, dev),
-        weights=upload(targets.weights.float(), dev), slot=upload(targets.slot, dev),
+        weights=upload(targets.weights.float(), dev), slot=upload(targets.slot, dev), teacher=teacher,
     )  # fmt: skip
     return Prepared(b, context, positions, ids, q, masks, targets)
 
 
-def compute(rep: DrafterReplica, device: Device, p: Prepared, *, loss_chunk: int) -> LossParts:
+def _teacher_at_labels(
+    feats: HostFeatures, anchors: torch.Tensor, sel: torch.Tensor, B: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's top-k (M, k) for each supervised slot: slot k of the block at anchor a
+    predicts the token at a + k, which the target predicted at position a + k − 1."""
+    if feats.teacher is None:
+        return None
+    vals, idx = feats.teacher
+    N = anchors.shape[1]
+    where = (anchors[:, :, None] + torch.arange(B) - 1).clamp(min=0).reshape(-1)[sel]  # (M,) positions
+    rows = sel // (N * B)
+    if vals.device.type == "cuda":  # still on the target's GPU (shared with this replica)
+        rows, where = upload(rows, vals.device), upload(where, vals.device)
+    return upload(vals[rows, where], dev), upload(idx[rows, where], dev)
+
+
+def compute(
+    rep: DrafterReplica,
+    device: Device,
+    p: Prepared,
+    *,
+    loss_chunk: int,
+    distill: float = 0.0,
+    distill_temperature: float = 1.0,
+) -> LossParts:
     """Forward + chunked loss + backward of a prepared batch (in the replica's worker thread)."""
     B = rep.model.spec.block_size
     cuda = rep.device.type == "cuda"
@@ -104,7 +129,7 @@ def compute(rep: DrafterReplica, device: Device, p: Prepared, *, loss_chunk: int
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         emb = F.embedding(p.block_ids, rep.head.embed)
         hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks)  # (R, N·B, H)
-        parts = block_loss(hidden, rep.head.lm_head, p.targets, B, loss_chunk)
+        parts = block_loss(hidden, rep.head.lm_head, p.targets, B, loss_chunk, distill, distill_temperature)
     faults.check(Stage.DRAFTER_FORWARD)
     if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied
         parts.loss_sum = parts.loss_sum * float("nan")
@@ -126,6 +151,8 @@ class MicroStep:
     loss_chunk: int
     use_flex: bool
     noise: Callable[[int], float] = lambda _step: 0.0  # reveal probability at a step
+    distill: float = 0.0  # weight of the target's top-k distribution in the loss
+    distill_temperature: float = 1.0
     prepare_fn: Callable[..., Any] = prepare
     compute_fn: Callable[..., LossParts] = compute
 
@@ -135,6 +162,11 @@ class MicroStep:
         )
 
     def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:
+        if self.distill > 0:
+            return self.compute_fn(
+                rep, device, prepared, loss_chunk=self.loss_chunk,
+                distill=self.distill, distill_temperature=self.distill_temperature,
+            )  # fmt: skip
         return self.compute_fn(rep, device, prepared, loss_chunk=self.loss_chunk)
 
 
@@ -196,7 +228,7 @@ async def prepared(rep: DrafterReplica, micro: MicroStep, device: Device, feats:
     """The prepare phase of one batch: after the features' event when they are still on the
     target's GPU (and holding their memory for this stream); a pooled pinned buffer goes
     back to its pool with the event after its upload."""
-    on_device = [feats.hidden] if feats.hidden.device.type == "cuda" else []
+    on_device = [t for t in (feats.hidden, *(feats.teacher or ())) if t.device.type == "cuda"]
     out, ready = await device.run(None, micro.prepare, rep, device, feats, step, wait_for=[feats.ready], uses=on_device)
     if feats.release is not None:  # (after a failure it stays out: the pool makes another)
         feats.release(ready)

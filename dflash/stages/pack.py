@@ -26,7 +26,7 @@ def pack(layers: list[torch.Tensor]) -> torch.Tensor:
 
 async def packed(device: Device, f: TargetFeatures) -> PackedFeatures:
     hidden, ready = await device.run(Stage.TARGET_PACK, pack, f.layers, wait_for=[f.ready], uses=f.layers)
-    return PackedFeatures(f.batch, hidden, ready)
+    return PackedFeatures(f.batch, hidden, ready, f.teacher)
 
 
 async def run(device: Device, inbox: Channel[TargetFeatures], outbox: Channel[PackedFeatures]) -> None:

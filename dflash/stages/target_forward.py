@@ -15,18 +15,21 @@ from dflash.devices import Device, upload
 from dflash.feature_cache import FeatureCache
 from dflash.model.target import Target
 from dflash.profile import Profiler, Stage
-from dflash.records import Batch, TargetFeatures
+from dflash.records import Batch, TargetFeatures, Teacher
 from dflash.stages._link import relay
 
 __all__ = ["forward", "run"]
 
 
-def forward(target: Target, batch: Batch) -> list[torch.Tensor]:
-    """The target up to its last chosen layer (in the target's worker thread)."""
+def forward(target: Target, batch: Batch, teacher_topk: int = 0) -> tuple[list[torch.Tensor], Teacher | None]:
+    """The target up to its last chosen layer (in the target's worker thread); with
+    `teacher_topk` (distillation) the whole target, and its top-k next-token logits."""
     faults.check(Stage.TARGET_FORWARD)
     dev = target.device
     ids, docs, pos = (upload(t, dev) for t in (batch.input_ids, batch.doc_ids, batch.positions))  # (R, T) each
-    return target.capture(ids, docs, pos, packed=batch.packed)  # k × (R, T, H)
+    if teacher_topk:
+        return target.teacher(ids, docs, pos, batch.packed, teacher_topk)
+    return target.capture(ids, docs, pos, packed=batch.packed), None  # k × (R, T, H)
 
 
 async def features(
@@ -39,9 +42,9 @@ async def features(
         hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype, pin)
         if hit is not None:
             return TargetFeatures(batch, [hit], None)
-    layers, ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch)
+    (layers, teacher), ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch, target.teacher_topk)
     profiler.count("target_tokens", batch.num_tokens)
-    return TargetFeatures(batch, layers, ready)
+    return TargetFeatures(batch, layers, ready, teacher)
 
 
 async def run(

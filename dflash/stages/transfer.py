@@ -17,25 +17,34 @@ from dflash.channel import Channel
 from dflash.devices import Device, PinnedPool
 from dflash.feature_cache import FeatureCache
 from dflash.profile import Profiler, Stage
-from dflash.records import HostFeatures, PackedFeatures
+from dflash.records import HostFeatures, PackedFeatures, Teacher
 from dflash.stages._link import linked
 
 __all__ = ["host_features", "run", "to_host"]
 
 
-def to_host(hidden: torch.Tensor, pool: PinnedPool | None = None) -> tuple[torch.Tensor, object]:
-    """(host tensor, its release callback or None). Queued on the D2H stream; the host must
-    wait for the returned event before it reads."""
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def to_host(
+    hidden: torch.Tensor, pool: PinnedPool | None = None, teacher: Teacher | None = None
+) -> tuple[torch.Tensor, object, Teacher | None]:
+    """(host tensor, its release callback or None, the teacher's top-k on the host). Queued
+    on the D2H stream; the host must wait for the returned event before it reads."""
     faults.check(Stage.TARGET_D2H)
     if hidden.device.type == "cpu":
-        return hidden, None
+        return hidden, None, teacher
+    teacher_host = (_pinned_copy(teacher[0]), _pinned_copy(teacher[1])) if teacher is not None else None
     # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.
     if pool is not None:
         host, release = pool.take(hidden.shape, hidden.dtype)
     else:
         host, release = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True), None
     host.copy_(hidden, non_blocking=True)
-    return host, release
+    return host, release, teacher_host
 
 
 async def host_features(
@@ -49,14 +58,14 @@ async def host_features(
     """The copy, waited for off the loop (the host must not read before it lands), and
     stored in the feature cache. `keep_on_device`: no copy; the consumer waits on the event."""
     if keep_on_device and f.hidden.device.type == "cuda":
-        return HostFeatures(f.batch, f.hidden, source, ready=f.ready)
-    (host, release), ready = await device.run(
-        Stage.TARGET_D2H, to_host, f.hidden, pool, wait_for=[f.ready], uses=[f.hidden]
+        return HostFeatures(f.batch, f.hidden, source, ready=f.ready, teacher=f.teacher)
+    (host, release, teacher), ready = await device.run(
+        Stage.TARGET_D2H, to_host, f.hidden, pool, f.teacher, wait_for=[f.ready], uses=[f.hidden, *(f.teacher or ())]
     )
     await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:
         await device.run(None, cache.put, f.batch, host)
-    return HostFeatures(f.batch, host, source, release=release)  # type: ignore[arg-type]
+    return HostFeatures(f.batch, host, source, release=release, teacher=teacher)  # type: ignore[arg-type]
 
 
 async def run(

@@ -144,3 +144,20 @@ def test_allreduce_bench_quick(tmp_path: Path) -> None:
     assert tiny["ok"] and demo["ok"] and tiny["ms"] > 0 and not tiny["extrapolated"]
     assert demo["extrapolated"] and 2 * demo["measured_mib"] * 2**20 <= 16_000_000  # two fp32 copies
     assert demo["ms"] > demo["measured_ms"] > 0
+
+
+def test_ablation_script_trains_variants_and_writes_a_table(tmp_path: Path) -> None:
+    """bench/ablation.py on the tiny config: two variants, a few steps each, one markdown row
+    per variant and the JSON line."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ablation.py"), "--config", str(ROOT / "configs" / "tiny.toml"),
+         "--variants", "baseline,wsd", "--steps", "4", "--mtbench", "0",
+         "--set", f"run.output_dir='{tmp_path}'", "--set", "data.num_samples=32", "--set", "eval.max_new_tokens=8"],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert [r["variant"] for r in result["rows"]] == ["baseline", "wsd"]
+    assert all(r["steps"] == 4 and r["heldout_tau"] >= 1.0 and r["lossless"] for r in result["rows"])
+    assert lines[0].startswith("| variant |") and sum(line.startswith("| baseline") for line in lines) == 1

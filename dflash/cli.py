@@ -172,6 +172,9 @@ def eval_cmd(
 
     sets = list(prompt_sets)
     if len(sets) == 1 and sets[0].isdigit():  # the old `--prompts N`
+        if num_prompts is not None or int(sets[0]) < 1:
+            msg = "--prompts N (a count) is the old spelling of --num-prompts N (N >= 1); give one of them"
+            raise ConfigError(msg)
         num_prompts, sets = int(sets[0]), []
     extra = [f"eval.num_prompts={num_prompts}"] if num_prompts and not sets else []
     extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []

@@ -412,10 +412,11 @@ def run_eval(
         msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
         raise DataError(msg)
     records = []
+    kwargs = dict(cfg.data.chat_template_kwargs)
     for ps in sets:
         rec = evaluate_chat(
             target, drafter, head, tokenizer, ps.prompts[:limit], max_new, stop,
             template_kwargs=cfg.data.chat_template_kwargs, temperature=cfg.eval.temperature, seed=cfg.run.seed,
         )  # fmt: skip
-        records.append({"prompt_set": ps.name, **rec})
+        records.append({"prompt_set": ps.name, **rec, "chat_template_kwargs": kwargs})
     return records

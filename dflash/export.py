@@ -22,7 +22,7 @@ from dflash.model.drafter import DFlashDrafter, DrafterSpec
 
 _MODELING = Path(__file__).parent / "model" / "modeling_dflash.py"
 
-__all__ = ["drafter_config_json", "export_checkpoint", "export_drafter", "is_checkpoint", "load_drafter"]
+__all__ = ["drafter_config_json", "export_checkpoint", "export_drafter", "is_checkpoint", "is_export", "load_drafter"]
 
 
 def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
@@ -128,13 +128,30 @@ def _load_weights(model: DFlashDrafter, state: dict[str, torch.Tensor], where: P
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
 
 
+def is_export(path: Path) -> bool:
+    """An exported drafter folder (config.json with dflash_config, and model.safetensors)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "dflash_config" in cfg and (path / "model.safetensors").is_file()
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """A checkpoint folder → an export folder (bf16, like the end-of-run export)."""
-    p = Path(checkpoint)
+    """A checkpoint folder → an export folder (bf16, like the end-of-run export). OUT_DIR
+    must not exist, or be an earlier export (which is replaced); never a folder holding
+    anything else (a run, its checkpoints), and never the checkpoint or a folder above it."""
+    p, out = Path(checkpoint), Path(out_dir)
     if not p.is_dir() or not is_checkpoint(p):
         msg = f"{p}: not a dflash checkpoint folder (needs state.json and drafter.safetensors)"
         raise CheckpointError(msg)
-    return export_drafter(_from_checkpoint(p), out_dir)
+    if out.exists() and not is_export(out):
+        msg = f"{out} exists and is not an exported drafter: give a new folder (nothing was written)"
+        raise CheckpointError(msg)
+    if out.resolve() == p.resolve() or out.resolve() in p.resolve().parents:
+        msg = f"{out} holds the checkpoint {p}: give another folder"
+        raise CheckpointError(msg)
+    return export_drafter(_from_checkpoint(p), out)
 
 
 def load_drafter(

@@ -153,6 +153,7 @@ def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
         rms_norm_eps=t0.rms_norm_eps,
         rope_theta=t0.rope_theta,
         rope_scaling=t0.rope_scaling,
+        max_position_embeddings=t0.max_position_embeddings,
         target_layer_ids=t0.layer_ids,
         num_target_layers=t0.num_layers,
         block_size=cfg.drafter.block_size,
@@ -212,6 +213,10 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]
     for tgt in targets:  # distillation: target forwards also give their top-k next-token logits
         tgt.teacher_topk = cfg.train.distill_topk if cfg.train.distill > 0 else 0
+    if cfg.train.distill > 0 and targets[0].logit_transform:
+        how = ", ".join(targets[0].logit_transform)
+        msg = f"train.distill: the target transforms its logits ({how}): not supported yet"
+        raise ConfigError(msg)
     t0 = targets[0]
     head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
     mask_id = _mask_id(cfg, t0, head, found.append)

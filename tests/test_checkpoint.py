@@ -429,3 +429,14 @@ def test_rope_scaling_is_the_targets_in_training_and_in_the_export(tmp_path):
         unscaled = plain(emb, ctx, q_pos, ctx_pos, full)
     assert torch.allclose(a, b, atol=1e-5, rtol=0)
     assert not torch.allclose(a, unscaled, atol=1e-4), "scaling made no difference: the test would not see it"
+    assert load_drafter(path, dtype=torch.bfloat16).scaled_rope[0].dtype == torch.float32  # never rounded
+    # yarn: the attention factor depends on the target's max_position_embeddings, which is passed on
+    from dflash.model.modeling_dflash import scaled_rope
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    ref = LlamaRotaryEmbedding(LlamaConfig(
+        hidden_size=32, num_attention_heads=4, head_dim=8, rope_theta=10000.0, max_position_embeddings=64,
+        rope_scaling=dict(yarn),
+    ))  # fmt: skip
+    inv, factor = scaled_rope(8, 10000.0, yarn, 64)
+    assert torch.equal(inv, ref.inv_freq) and factor == ref.attention_scaling != 1.0

@@ -144,6 +144,12 @@ def test_export_turns_a_checkpoint_into_the_export_and_eval_reads_either(cli_run
     )
     bad = dflash("export", str(tmp_path), str(tmp_path / "x"))
     assert bad.returncode != 0 and "not a dflash checkpoint folder" in bad.stderr
+    # never over a folder that is not an export: the run (and its checkpoints) stay
+    kept = dflash("export", str(run_dir), str(run_dir))
+    assert kept.returncode != 0 and "is not an exported drafter" in kept.stderr, kept.stderr
+    assert ckpt.is_dir() and (run_dir / "config.toml").is_file()
+    again = dflash("export", str(ckpt), str(tmp_path / "exp"))  # an earlier export is replaced
+    assert again.returncode == 0, again.stderr
     ev = dflash(
         "eval", str(TINY), "--drafter", str(ckpt), "--set", f'run.output_dir="{cli_run.out}"',
         "--set", 'data.source="random"', "--prompts", "1", "--max-new-tokens", "8",

@@ -72,6 +72,19 @@ class DataConfig(_Section):
         "regen, training and eval (a mismatch is a known cause of low served acceptance)",
     )
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        reserved = {
+            "tokenize", "add_generation_prompt", "return_dict", "continue_final_message", "conversation",
+            "messages", "tools", "documents", "chat_template", "padding", "truncation", "return_tensors",
+        }  # fmt: skip
+        bad = sorted(reserved & set(v))
+        if bad:
+            msg = f"{', '.join(bad)}: set by dflash itself, not a template option"
+            raise ValueError(msg)
+        return v
+
     @model_validator(mode="after")
     def _files(self) -> DataConfig:
         if self.source == "files" and not self.files:
@@ -180,6 +193,12 @@ class DrafterConfig(_Section):
                 f"{self.num_layers}; give one per draft layer"
             )
             raise ValueError(msg)
+        if "sliding_attention" in (self.layer_types or []) and self.sliding_window < self.block_size:
+            msg = (
+                f"sliding_window ({self.sliding_window}) is smaller than block_size ({self.block_size}): the "
+                "engines would window inside a block, which training does not"
+            )
+            raise ValueError(msg)
         return self
 
     @property
@@ -222,6 +241,13 @@ class TrainConfig(_Section):
     )  # fmt: skip
     distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
     distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
+
+    @model_validator(mode="after")
+    def _wsd(self) -> TrainConfig:
+        if self.schedule == "wsd" and self.warmup_ratio + self.decay_ratio > 1:
+            msg = f"warmup_ratio + decay_ratio ({self.warmup_ratio} + {self.decay_ratio}) exceed 1: no stable phase"
+            raise ValueError(msg)
+        return self
 
     @field_validator("betas", mode="before")
     @classmethod

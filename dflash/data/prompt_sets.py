@@ -48,6 +48,9 @@ class PromptSet:
 
 
 def _user_turns(turns: list) -> Turns:
+    if not isinstance(turns, list):
+        msg = f"'turns' must be a list of strings, got {type(turns).__name__}"
+        raise DataError(msg)
     return [[{"role": "user", "content": str(t)}] for t in turns]
 
 
@@ -105,7 +108,7 @@ def load_prompt_set(name_or_path: str, heldout: Path | None = None) -> PromptSet
         return PromptSet("mtbench", [_user_turns(r["turns"]) for r in recs])
     if key == "humaneval":
         recs = _lines(_package_file("humaneval"))
-        return PromptSet("humaneval", [_user_turns([_HUMANEVAL.format(r["prompt"].strip("\n"))]) for r in recs])
+        return PromptSet("humaneval", [_user_turns([_HUMANEVAL.format(r["prompt"])]) for r in recs])
     if key == "heldout":
         if heldout is None or not heldout.is_file():
             msg = f"prompt set 'heldout': no held-out prompts ({heldout}); run `dflash regen` or set eval.prompts"

@@ -185,14 +185,19 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(spec, t) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        scaled = scaled_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        # A buffer (not saved: the config says how to compute it), so it moves with the module.
-        self.register_buffer("rope_inv_freq", scaled[0] if scaled else None, persistent=False)
-        self.rope_factor = scaled[1] if scaled else 1.0
+        # Not a buffer: `.to(bfloat16)` would round the frequencies. Kept in fp32 and moved to
+        # the device where it is first needed (once per device).
+        self._scaled = scaled_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self._scaled
+        if s is not None and s[0].device != positions.device:
+            s = self._scaled = (s[0].to(positions.device), s[1])  # no-sync: once per device
+        return rope(positions, self.spec.head_dim, self.spec.rope_theta, s)
 
     @property
     def scaled_rope(self) -> tuple[torch.Tensor, float] | None:
-        return None if self.rope_inv_freq is None else (self.rope_inv_freq, self.rope_factor)
+        return self._scaled
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         with torch.no_grad():
@@ -244,9 +249,8 @@ class DFlashDrafter(nn.Module):
         masks: dict[str, Any],  # layer type -> mask (dense bool or BlockMask)
     ) -> torch.Tensor:
         ctx = self.hidden_norm(self.fc(context))  # (R, T, H): one feature for all layers
-        hd, theta = self.spec.head_dim, self.spec.rope_theta
-        rope_q = rope(q_pos, hd, theta, self.scaled_rope)
-        rope_k = rope(torch.cat([ctx_pos, q_pos], dim=1), hd, theta, self.scaled_rope)
+        rope_q = self._rope(q_pos)
+        rope_k = self._rope(torch.cat([ctx_pos, q_pos], dim=1))
         x = block_emb
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
@@ -256,7 +260,7 @@ class DFlashDrafter(nn.Module):
     def extend_context(self, cache: DrafterCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Append context features (R, S, k·H) at absolute `positions` (R, S) to the cache."""
         ctx = self.hidden_norm(self.fc(feats))
-        rope_c = rope(positions, self.spec.head_dim, self.spec.rope_theta, self.scaled_rope)
+        rope_c = self._rope(positions)
         for i, layer in enumerate(self.layers):
             cache.append(i, *layer.self_attn.context_kv(ctx, rope_c))
         cache.length += feats.shape[1]
@@ -265,7 +269,7 @@ class DFlashDrafter(nn.Module):
         self, cache: DrafterCache, block_emb: torch.Tensor, q_pos: torch.Tensor, masks: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """Block states (R, Q, H) reading the cached context; masks are (R, 1, Q, S+Q)."""
-        rope_q = rope(q_pos, self.spec.head_dim, self.spec.rope_theta, self.scaled_rope)
+        rope_q = self._rope(q_pos)
         x = block_emb
         for i, layer in enumerate(self.layers):
             kv = cache.kv[i]

@@ -56,7 +56,9 @@ def _rope(
     return emb.cos() * factor, emb.sin() * factor
 
 
-def scaled_rope(head_dim: int, theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float] | None:
+def scaled_rope(
+    head_dim: int, theta: float, rope_scaling: dict | None, max_position_embeddings: int = 32768
+) -> tuple[torch.Tensor, float] | None:
     """Inverse frequencies and attention factor of a scaled RoPE (llama3, yarn, linear, ...),
     computed by transformers from a config, as the target computes its own; None when
     `rope_scaling` is empty or the default."""
@@ -65,7 +67,10 @@ def scaled_rope(head_dim: int, theta: float, rope_scaling: dict | None) -> tuple
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    cfg = Qwen3Config(head_dim=head_dim, rope_theta=theta, rope_scaling=dict(rope_scaling))
+    cfg = Qwen3Config(
+        head_dim=head_dim, rope_theta=theta, rope_scaling=dict(rope_scaling),
+        max_position_embeddings=max_position_embeddings,
+    )  # fmt: skip
     emb = Qwen3RotaryEmbedding(cfg)
     return emb.inv_freq.detach().clone(), float(emb.attention_scaling)  # no-sync: built on the host
 
@@ -95,13 +100,19 @@ class DFlashAttention(nn.Module):
         sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
         window = getattr(config, "sliding_window", None)
         self.window = int(window) if sliding and window else None  # no-sync: a config value
+        # dflash's `drafter.sliding_causal_block` (default true, as the engines run them)
+        dflash = getattr(config, "dflash_config", None) or {}
+        self.causal = dflash.get("sliding_causal_block", True) is not False
 
     def default_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         """No mask for a full layer; causal and windowed for a sliding one: (B, 1, Q, K)."""
         if self.window is None:
             return None
         d = q_pos[:, None, :, None] - k_pos[:, None, None, :]
-        return (d >= 0) & (d < self.window)
+        if self.causal:
+            return (d >= 0) & (d < self.window)
+        block = k_pos[:, None, None, :] >= q_pos[:, :1, None, None]  # keys of the block itself
+        return block | (d < self.window)
 
     def forward(self, x, ctx, rope, mask, cache, positions):  # type: ignore[no-untyped-def]
         B, Q, _ = x.shape
@@ -200,9 +211,11 @@ class DFlashDraftModel(PreTrainedModel):
         cfg = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if self._scaled is False:
-            got = scaled_rope(head_dim, self.rope_theta, self.rope_scaling)
-            dev = position_ids.device
-            self._scaled = (got[0].to(dev), got[1]) if got else None  # no-sync: once, at the first forward
+            max_pos = int(getattr(cfg, "max_position_embeddings", None) or 32768)  # no-sync: a config value
+            self._scaled = scaled_rope(head_dim, self.rope_theta, self.rope_scaling, max_pos)
+        dev = position_ids.device
+        if self._scaled is not None and self._scaled[0].device != dev:  # type: ignore[index]
+            self._scaled = (self._scaled[0].to(dev), self._scaled[1])  # type: ignore[index]  # no-sync: once per device
         rope = _rope(position_ids, head_dim, self.rope_theta, self._scaled)  # type: ignore[arg-type]
         cache = past_key_values if use_cache or past_key_values is not None else None
         x = noise_embedding

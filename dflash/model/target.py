@@ -114,6 +114,11 @@ class Target:
         self.teacher_topk = 0  # > 0: forwards in training also give the top-k next-token logits (distillation)
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
+        self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", None) or 32768)
+        # Logit transforms a plain LM head leaves out (Gemma's soft-capping, Cohere's scale):
+        # distillation's top-k would not be the model's distribution.
+        self.logit_transform = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+                                if getattr(cfg, a, None) not in (None, 1, 1.0)]  # fmt: skip
         # The scaled-RoPE parameters (llama3, yarn, ...): transformers 5's rope_parameters, or 4's rope_scaling.
         given = rope_params or getattr(cfg, "rope_scaling", None) or {}
         scaling = {k: v for k, v in given.items() if k != "rope_theta"}

@@ -773,7 +773,7 @@ def measure_target_forward(ctx: Context) -> tuple[dict[str, Any], str]:
     tflops = flops / secs / 1e12
     peak = ctx.state.get("peak")
     share = tflops / peak if peak else None
-    ctx.state["features"] = (batch, pack(forward(tgt, batch)))  # on the GPU, as a one-GPU pipeline keeps them
+    ctx.state["features"] = (batch, pack(forward(tgt, batch)[0]))  # on the GPU, as a one-GPU pipeline keeps them
     sync(ctx.dev)
     met = (share is not None and share >= 0.5) if ctx.cuda else None  # on CPU a 256³ peak says nothing
     share_r = round(share, 3) if share else None

@@ -162,6 +162,12 @@ class World:
             msg = f"drafter weights differ across ranks after step {step} ({shown}); the ranks' updates diverged"
             raise DistributedError(msg)
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable; for benchmarks and diagnostics, not the hot path)."""
+        out: list[Any] = [None] * self.size
+        self._collective("a gather", lambda: self._dist.all_gather_object(out, obj, group=self.control))
+        return out
+
     # -- faults ---------------------------------------------------------------------------
     def _collective(self, what: str, fn: Callable[[], Any]) -> None:
         t0 = time.monotonic()

@@ -148,6 +148,7 @@ class SyntheticTarget:
         self.embed_weight = torch.zeros(1)
         self.name = "synthetic"
         self.layer_ids = [0]
+        self.teacher_topk = 0  # no distillation
 
     def capture(self, ids: torch.Tensor, docs: torch.Tensor, pos: torch.Tensor, packed: bool) -> list[torch.Tensor]:
         work(self.cost)

@@ -24,8 +24,13 @@ _SET_HELP = "override a config key, e.g. --set drafter.num_layers=2 (repeatable)
 
 def _prog() -> str:
     """`dflash`, or `dflash[rank N]` in a run of several processes (torchrun)."""
-    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
-    return f"dflash[rank {rank}]" if rank is not None else "dflash"
+    from dflash.distributed import launched
+
+    try:
+        ranked = launched()
+    except ConfigError:  # malformed RANK / WORLD_SIZE: that error is the one being reported
+        ranked = None
+    return f"dflash[rank {ranked[0]}]" if ranked else "dflash"
 
 
 def _fail(err: BaseException) -> None:

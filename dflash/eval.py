@@ -14,8 +14,9 @@ the drafter's attention masks from the same `layer_masks`.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +225,17 @@ class _Tally:
         }
 
 
+@contextlib.contextmanager
+def _eval_mode(drafter: DFlashDrafter) -> Iterator[None]:
+    """The drafter in eval mode for the block, then back to what it was (training)."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        yield
+    finally:
+        drafter.train(was_training)
+
+
 def _generate(
     target: Target,
     drafter: DFlashDrafter,
@@ -258,13 +270,9 @@ def evaluate(
     speed, lossless (greedy; with a temperature, sampled: exact in distribution)."""
     tally = _Tally(drafter.spec.block_size, temperature)
     gen = torch.Generator().manual_seed(seed)
-    was_training = drafter.training
-    drafter.eval()
-    try:
+    with _eval_mode(drafter):
         for p in prompts:
             _generate(target, drafter, head, p, max_new, stop_ids or set(), tally, gen)
-    finally:
-        drafter.train(was_training)
     return tally.record(len(prompts))
 
 
@@ -286,9 +294,7 @@ def evaluate_chat(
     benchmark does for MT-Bench."""
     tally = _Tally(drafter.spec.block_size, temperature)
     gen = torch.Generator().manual_seed(seed)
-    was_training = drafter.training
-    drafter.eval()
-    try:
+    with _eval_mode(drafter):
         for turns in prompts:
             messages: list[dict[str, str]] = []
             for turn in turns:
@@ -300,8 +306,6 @@ def evaluate_chat(
                 spec = _generate(target, drafter, head, ids, max_new, stop_ids or set(), tally, gen)
                 reply = tokenizer.decode(spec.tokens, skip_special_tokens=True)
                 messages = [*messages, {"role": "assistant", "content": reply}]
-    finally:
-        drafter.train(was_training)
     return tally.record(len(prompts))
 
 

@@ -190,10 +190,8 @@ class Target:
         its top-k logits: values (R, T, k) float32 and token ids (R, T, k) int64 — what
         distillation needs, k·(4+8) bytes a position instead of the vocabulary. The whole
         model runs (the LM head in chunks of `chunk` positions)."""
-        attention_mask = document_mask(doc_ids) if packed else None
-        base = getattr(self.model, "model", self.model)
         with self._capturing(stop=False) as layers:
-            out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            out = self._base_forward(input_ids, doc_ids, position_ids, packed)
         h = out.last_hidden_state  # (R, T, H), after the final norm
         head = self.model.get_output_embeddings()
         flat = h.reshape(-1, h.shape[-1])
@@ -221,11 +219,18 @@ class Target:
         """
         if packed is None:
             packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())  # sync: tests, eval
+        with self._capturing(stop=True) as layers:
+            self._base_forward(input_ids, doc_ids, position_ids, packed)
+        return layers
+
+    def _base_forward(
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor, packed: bool
+    ) -> Any:
+        """The decoder stack (no LM head) over a batch: a document-causal mask for packed
+        rows, none otherwise (see `capture`)."""
         attention_mask = document_mask(doc_ids) if packed else None
         base = getattr(self.model, "model", self.model)
-        with self._capturing(stop=True) as layers:
-            base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        return layers
+        return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
 
     @torch.no_grad()
     def forward_with_features(self, **kwargs: Any) -> tuple[Any, torch.Tensor]:

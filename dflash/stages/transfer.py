@@ -24,6 +24,7 @@ __all__ = ["host_features", "run", "to_host"]
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
@@ -38,11 +39,9 @@ def to_host(
     if hidden.device.type == "cpu":
         return hidden, None, teacher
     teacher_host = (_pinned_copy(teacher[0]), _pinned_copy(teacher[1])) if teacher is not None else None
-    # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.
-    if pool is not None:
-        host, release = pool.take(hidden.shape, hidden.dtype)
-    else:
-        host, release = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True), None
+    if pool is None:
+        return _pinned_copy(hidden), None, teacher_host
+    host, release = pool.take(hidden.shape, hidden.dtype)
     host.copy_(hidden, non_blocking=True)
     return host, release, teacher_host
 

@@ -354,7 +354,7 @@ class Probe:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 out = orig(*args, **kwargs)
                 if out is not None:
-                    self.cache_hits.append(torch.cuda.is_available() and out.is_pinned())
+                    self.cache_hits.append(torch.cuda.is_available() and out[0].is_pinned())
                 return out
 
             return wrapper

@@ -7,6 +7,10 @@ forward altogether (`target.feature_cache_hit` in the profile). On a small promp
 trained for many epochs — the demo — this removes most of the target's cost. Features of a
 document do not depend on its row or neighbours (rows are document-masked), so a cached
 document can be placed into any later row layout.
+
+With target labels or distillation (`train.labels = "target"`, `train.distill`) the
+target's top-k next-token logits and ids at each position are kept beside the features
+(k·8 bytes a position: float32 values, int32 ids), so cached epochs still have them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 
 import torch
 
-from dflash.records import Batch
+from dflash.records import Batch, Teacher
 
 __all__ = ["FeatureCache"]
 
@@ -27,7 +31,8 @@ class FeatureCache:
         self.dtype = dtype
         self.bytes = 0
         self.hits = self.misses = 0
-        self._store: dict[int, torch.Tensor] = {}  # sample id -> (L, k·H) on the host
+        # sample id -> (L, k·H) features on the host, and the teacher's (L, k) values and ids or None
+        self._store: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
         self._lock = threading.Lock()  # target chains put and get from their worker threads
 
     def __len__(self) -> int:
@@ -51,9 +56,10 @@ class FeatureCache:
                     out.append((r, s, e, d))
         return out
 
-    def get(self, batch: Batch, dtype: torch.dtype, pin: bool = False) -> torch.Tensor | None:
-        """(R, T, k·H) host features if every document of the batch is cached, else None;
-        in pinned memory with `pin` (a CUDA drafter uploads it without a host sync)."""
+    def get(self, batch: Batch, dtype: torch.dtype, pin: bool = False) -> tuple[torch.Tensor, Teacher | None] | None:
+        """(R, T, k·H) host features and the teacher's top-k (or None, if none was stored) when
+        every document of the batch is cached, else None; in pinned memory with `pin` (a
+        CUDA drafter uploads it without a host sync)."""
         spans = self._spans(batch)
         with self._lock:
             parts = [self._store.get(d) for *_, d in spans]
@@ -62,13 +68,24 @@ class FeatureCache:
                 return None
             self.hits += 1
         R, T = batch.doc_ids.shape
-        out = torch.zeros(R, T, parts[0].shape[-1], dtype=dtype, pin_memory=pin)
+        first = parts[0]
+        assert first is not None
+        out = torch.zeros(R, T, first[0].shape[-1], dtype=dtype, pin_memory=pin)
+        teacher = None
+        if first[1] is not None:
+            k = first[1].shape[-1]
+            teacher = (torch.zeros(R, T, k, pin_memory=pin), torch.zeros(R, T, k, dtype=torch.int64, pin_memory=pin))
         for (r, s, e, _), p in zip(spans, parts, strict=True):
-            out[r, s:e] = p
-        return out
+            assert p is not None
+            out[r, s:e] = p[0]
+            if teacher is not None and p[1] is not None and p[2] is not None:
+                teacher[0][r, s:e] = p[1]
+                teacher[1][r, s:e] = p[2]
+        return out, teacher
 
-    def put(self, batch: Batch, hidden: torch.Tensor) -> None:
-        """Store each document's slice of host features `hidden` (R, T, k·H), budget permitting."""
+    def put(self, batch: Batch, hidden: torch.Tensor, teacher: Teacher | None = None) -> None:
+        """Store each document's slice of host features `hidden` (R, T, k·H), and of the
+        teacher's top-k when given, budget permitting."""
         if self.bytes >= self.max_bytes:
             return
         for r, s, e, d in self._spans(batch):
@@ -76,8 +93,13 @@ class FeatureCache:
                 if d in self._store:
                     continue
                 piece = hidden[r, s:e].to(self.dtype, copy=True)
+                vals = idx = None
                 size = piece.numel() * piece.element_size()
+                if teacher is not None:
+                    vals = teacher[0][r, s:e].to(torch.float32, copy=True)
+                    idx = teacher[1][r, s:e].to(torch.int32, copy=True)  # vocabularies fit in int32
+                    size += vals.numel() * 4 + idx.numel() * 4
                 if self.bytes + size > self.max_bytes:
                     return
-                self._store[d] = piece
+                self._store[d] = (piece, vals, idx)
                 self.bytes += size

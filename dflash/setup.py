@@ -23,7 +23,7 @@ import torch
 
 from dflash import faults
 from dflash.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
-from dflash.config import Config
+from dflash.config import Config, TrainConfig
 from dflash.data.batching import BatchPlan, Sample
 from dflash.devices import Device, check_device
 from dflash.distributed import World
@@ -32,6 +32,7 @@ from dflash.eval import require_eval_prompts
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target
+from dflash.packages import local_path
 from dflash.profile import Stage
 from dflash.replica import DrafterReplica, build_replicas
 from dflash.stages.drafter_step import MicroStep
@@ -182,6 +183,15 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
     return run
 
 
+def teacher_topk(t: TrainConfig) -> int:
+    """How many of the target's next-token logits each position keeps: distillation's top-k,
+    else 1 for target labels (the greedy token), else none (the target stops at its last
+    chosen layer)."""
+    if t.distill > 0:
+        return t.distill_topk
+    return 1 if t.labels == "target" else 0
+
+
 def prepare(cfg: Config, resume: str | Path | None = None, world: World | None = None) -> Training:
     """Build a run's `Training` from its config (in a worker thread). With a `world` (several
     processes), this rank's share: the same initial weights on every rank (same seed), the
@@ -196,13 +206,14 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         )
         raise ConfigError(msg)
     ranks = world.size if world is not None else 1
-    if cfg.train.distill > 0 and cfg.data.feature_cache_mb:
-        msg = "train.distill needs data.feature_cache_mb = 0: cached features carry no target logits"
-        raise ConfigError(msg)
     loaded = _resume(cfg, resume, ranks)  # before loading any model: a bad checkpoint fails in a second
     if cfg.data.source == "files":  # likewise a missing data file
         for i, f in enumerate(cfg.data.files):
-            if not Path(f.path).expanduser().exists():
+            try:
+                found_at = local_path(f.path)
+            except LookupError as err:
+                raise DataError(f"data.files[{i}]: {err}") from None
+            if not found_at.exists():
                 msg = f"data.files[{i}]: dataset not found: {f.path}"
                 raise DataError(msg)
     wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
@@ -211,8 +222,8 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     found: list[str] = []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]
-    for tgt in targets:  # distillation: target forwards also give their top-k next-token logits
-        tgt.teacher_topk = cfg.train.distill_topk if cfg.train.distill > 0 else 0
+    for tgt in targets:  # target labels, distillation: target forwards also give their top-k next-token logits
+        tgt.teacher_topk = teacher_topk(cfg.train)
     if cfg.train.distill > 0 and targets[0].logit_transform:
         how = ", ".join(targets[0].logit_transform)
         msg = f"train.distill: the target transforms its logits ({how}): not supported yet"
@@ -243,7 +254,10 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         replicas=replicas,
         plan=plan,
         spec=spec,
-        micro=MicroStep(cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise, t.distill, t.distill_temperature),
+        micro=MicroStep(
+            cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise, t.distill, t.distill_temperature,
+            target_labels=t.labels == "target",
+        ),
         apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world),
         grad_accum=t.grad_accum,
         max_steps=t.max_steps,

@@ -264,6 +264,44 @@ def test_json_array_file(word_tok: Any, tmp_path: Path) -> None:
     assert len(samples) == 3
 
 
+def test_json_array_cut_short_keeps_its_complete_records(
+    word_tok: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JSON array file cut short (published ShareGPT dumps are) yields its complete records
+    and one invalid record for the rest: skippable, or a one-line error naming it. A syntax
+    error inside the array is a file error. `max_records` reads only the first records — of
+    a file inside an installed package too (`pkg:PACKAGE/FILE`)."""
+    import dflash.data.formats as formats
+
+    monkeypatch.setattr(formats, "_ARRAY_CHUNK", 7)  # records span many reads
+    record = sharegpt(("human", "hi"), ("gpt", "hello there"))
+    whole = json.dumps([record] * 5, indent=1)
+    cut = tmp_path / "cut.json"
+    cut.write_text(whole[: whole.rindex('"hello there"') + 4], encoding="utf-8")  # inside the last record
+    samples, stats = load(data_cfg(cut, skip_invalid=True), word_tok, tmp_path)
+    assert len(samples) == 4 and stats["skipped_invalid"] == 1
+    msg = data_error(lambda: load(data_cfg(cut), word_tok, tmp_path / "2"))
+    assert f"{cut}, item 4: the file ends inside the JSON array (cut short?)" in msg
+    (tmp_path / "open.json").write_text(json.dumps([record] * 2)[:-1] + ",  ", encoding="utf-8")
+    samples, stats = load(data_cfg(tmp_path / "open.json", skip_invalid=True), word_tok, tmp_path)
+    assert len(samples) == 2 and stats["skipped_invalid"] == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(whole.replace('"gpt"', '"gpt" "x"', 1), encoding="utf-8")
+    msg = data_error(lambda: load(data_cfg(bad, skip_invalid=True), word_tok, tmp_path))
+    assert f"{bad}: item 0: malformed JSON" in msg
+    package = tmp_path / "site" / "chatdata"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "dump.json").write_text(whole, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    first = DataConfig(source="files", files=[{"path": "pkg:chatdata/dump.json", "max_records": 3}])
+    samples, stats = load(first, word_tok, tmp_path)
+    assert len(samples) == 3 and stats["records"] == 3
+    missing = DataConfig(source="files", files=[{"path": "pkg:no_such_pkg_x/dump.json"}])
+    msg = data_error(lambda: load(missing, word_tok, tmp_path))
+    assert "package 'no_such_pkg_x' is not installed (pip install --no-deps no-such-pkg-x)" in msg
+
+
 def test_parquet_messages_and_conversations(word_tok: Any, tmp_path: Path) -> None:
     """Parquet with a `messages` or a `conversations` column gives the JSONL samples."""
     pa = pytest.importorskip("pyarrow")

@@ -22,11 +22,29 @@ def test_get_returns_what_put_stored_in_any_row_layout():
     cache.put(first, hidden)
     assert cache.get(collate([s[1], s[2]], 1, 0), torch.float32) is None  # sample 2 unseen
     again = collate([s[1], s[0]], 2, 1)  # other order, other padding
-    got = cache.get(again, torch.float32)
-    assert got is not None and got.shape == (2, 5, 6)
+    hit = cache.get(again, torch.float32)
+    assert hit is not None and hit[1] is None  # no teacher stored
+    got = hit[0]
+    assert got.shape == (2, 5, 6)
     torch.testing.assert_close(got[0, :3], hidden[1, :3].to(torch.bfloat16).float())
     torch.testing.assert_close(got[1, :5], hidden[0, :5].to(torch.bfloat16).float())
     assert cache.hits == 1 and cache.misses == 1
+
+
+def test_teacher_top_k_is_kept_beside_the_features():
+    """With target labels or distillation the target's top-k comes back with the features."""
+    s = _samples()
+    first = collate([s[0], s[2]], 0, 0)
+    R, T = first.doc_ids.shape
+    vals, idx = torch.randn(R, T, 3), torch.randint(0, 1000, (R, T, 3))
+    cache = FeatureCache(1 << 20)
+    cache.put(first, torch.randn(R, T, 6), (vals, idx))
+    hit = cache.get(collate([s[2], s[0]], 1, 0), torch.float32)
+    assert hit is not None and hit[1] is not None
+    got_vals, got_idx = hit[1]
+    assert got_idx.dtype == torch.int64
+    torch.testing.assert_close(got_vals[0, :7], vals[1, :7])
+    torch.testing.assert_close(got_idx[1, :5], idx[0, :5])
 
 
 def test_budget_bounds_memory():

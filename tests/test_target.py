@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -111,7 +112,6 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
     import math
 
     from dflash.devices import Device
-    from dflash.errors import ConfigError
     from dflash.records import HostFeatures
     from dflash.setup import prepare
     from dflash.stages import drafter_step, target_forward
@@ -134,5 +134,63 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
     records = run_records(tiny_config(**{"train.distill": 0.5, "train.max_steps": 3, "eval.at_end": "false"}))
     losses = [r["loss"] for r in records if r["event"] == "train_step"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-    with pytest.raises(ConfigError, match="feature_cache_mb"):
-        prepare(tiny_config(**{"train.distill": 0.5, "data.feature_cache_mb": 8}))
+    # The feature cache keeps the top-k beside the features: cached epochs distill too.
+    cached = tiny_config(**{"train.distill": 0.5, "train.epochs": 3, "data.feature_cache_mb": 8,
+                            "eval.at_end": "false"})  # fmt: skip
+    records = run_records(cached)
+    losses = [r["loss"] for r in records if r["event"] == "train_step"]
+    assert records[-1]["feature_cache"]["hits"] > 0 and all(math.isfinite(x) for x in losses)
+
+
+def _prepared_first_batch(cfg: Any) -> tuple[Any, Any]:
+    """The first batch of a run and what the drafter step prepares from it (features and
+    top-k straight from the target)."""
+    from dflash.devices import Device
+    from dflash.records import HostFeatures
+    from dflash.setup import prepare
+    from dflash.stages import drafter_step, target_forward
+    from dflash.stages.prefetch import next_batch
+
+    t = prepare(cfg)
+    batch = next_batch(iter(t.plan), False)
+    layers, teacher = target_forward.forward(t.targets[0], batch, t.targets[0].teacher_topk)
+    feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
+    dev = Device("cpu", "d")
+    try:
+        return batch, asyncio.run(drafter_step.prepared(t.replicas[0], t.micro, dev, feats, 0))
+    finally:
+        dev.close()
+
+
+def test_target_labels_are_the_targets_greedy_tokens(tiny_config):
+    """`train.labels = "target"`: slot k of the block at anchor a learns the target's argmax at
+    position a + k − 1 — on any text, not only the target's own replies. On random token ids
+    these differ from the data's tokens; on self-distilled data they are the same, and so is
+    the whole run's loss."""
+    from dflash.model.loss import block_targets
+    from dflash.setup import prepare
+
+    cfg = tiny_config(**{"train.labels": '"target"', "data.source": '"random"', "data.num_samples": 16})
+    batch, p = _prepared_first_batch(cfg)
+    with torch.no_grad():
+        logits = prepare(cfg).targets[0].model(input_ids=batch.input_ids, position_ids=batch.positions).logits
+    greedy = logits.argmax(-1)  # (R, T): the target's next token after each position
+    B, R = cfg.drafter.block_size, batch.input_ids.shape[0]
+    anchors, valid = _anchors(batch, cfg)
+    data = block_targets(batch.input_ids, batch.loss_mask, batch.doc_ids, anchors, valid, B, 1.0)
+    where = (anchors[:, :, None] + torch.arange(B) - 1).clamp(0, greedy.shape[1] - 1).reshape(R, -1)
+    expected = torch.gather(greedy, 1, where).reshape(-1)[data.sel]
+    assert torch.equal(p.targets.labels, expected)
+    assert not torch.equal(p.targets.labels, data.labels)  # random ids: the target disagrees with them
+
+    def losses(labels: str) -> list[float]:
+        c = tiny_config(**{"train.labels": f'"{labels}"', "train.max_steps": 4, "eval.at_end": "false"})
+        return [r["loss"] for r in run_records(c) if r["event"] == "train_step"]
+
+    assert losses("target") == losses("data")  # the target's greedy replies: the same labels
+
+
+def _anchors(batch: Any, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    from dflash.model.anchors import sample_anchors
+
+    return sample_anchors(batch.loss_mask, batch.doc_ids, cfg.drafter.max_anchors, seed=cfg.run.seed, epoch=batch.epoch)

@@ -33,8 +33,12 @@ class RunConfig(_Section):
 class DataFile(_Section):
     """One dataset in a mix: `[[data.files]] path = "chat.jsonl"  weight = 2.0`."""
 
-    path: str = Field(min_length=1, description="JSONL / parquet file, or a `datasets` folder")
+    path: str = Field(
+        min_length=1,
+        description="JSONL / parquet file, a `datasets` folder, or pkg:PACKAGE/FILE inside an installed package",
+    )
     weight: float = Field(1.0, gt=0, description="relative share of this file in an epoch")
+    max_records: int = Field(0, ge=0, description="read only the file's first this many records; 0 = all")
     format: Literal["auto", "jsonl", "parquet", "hf_datasets"] = Field(
         "auto", description="auto: by extension (.jsonl/.json, .parquet) or folder"
     )
@@ -234,6 +238,12 @@ class TrainConfig(_Section):
         0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
     )
     noise_reveal_end: float = Field(0.0, ge=0, le=1, description="... at the last step (linear)")
+    labels: Literal["data", "target"] = Field(
+        "data",
+        description="what each block slot learns: data = the dataset's next token; target = the target's greedy "
+        "next token at that position (what greedy verification accepts; any text becomes self-distillation data "
+        "at the cost of running the whole target with its LM head)",
+    )
     distill: float = Field(
         0.0, ge=0, le=1,
         description="weight of distillation from the target's next-token distribution (its top-k logits at each "

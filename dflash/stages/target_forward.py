@@ -23,7 +23,8 @@ __all__ = ["forward", "run"]
 
 def forward(target: Target, batch: Batch, teacher_topk: int = 0) -> tuple[list[torch.Tensor], Teacher | None]:
     """The target up to its last chosen layer (in the target's worker thread); with
-    `teacher_topk` (distillation) the whole target, and its top-k next-token logits."""
+    `teacher_topk` (target labels, distillation) the whole target, and its top-k next-token
+    logits."""
     faults.check(Stage.TARGET_FORWARD)
     dev = target.device
     ids, docs, pos = (upload(t, dev) for t in (batch.input_ids, batch.doc_ids, batch.positions))  # (R, T) each
@@ -41,7 +42,7 @@ async def features(
         pin = target.device.type == "cuda"
         hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype, pin)
         if hit is not None:
-            return TargetFeatures(batch, [hit], None)
+            return TargetFeatures(batch, [hit[0]], None, hit[1])
     (layers, teacher), ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch, target.teacher_topk)
     profiler.count("target_tokens", batch.num_tokens)
     return TargetFeatures(batch, layers, ready, teacher)

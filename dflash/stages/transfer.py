@@ -63,7 +63,7 @@ async def host_features(
     )
     await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:
-        await device.run(None, cache.put, f.batch, host)
+        await device.run(None, cache.put, f.batch, host, teacher)
     return HostFeatures(f.batch, host, source, release=release, teacher=teacher)  # type: ignore[arg-type]
 
 

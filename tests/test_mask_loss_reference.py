@@ -681,3 +681,9 @@ def test_distillation_with_a_one_hot_teacher_is_cross_entropy(chunk):
             return (p * (p.log() - logp)).sum()
 
         assert kl(hidden - 0.05 * grad) < kl(hidden)
+    # `distill_temperature` T softens both distributions, and the soft term is scaled by T²
+    T = 2.5
+    soft_t = block_loss(hidden, head, teacher, B, chunk, distill=1.0, temperature=T).loss_sum
+    logp_t = torch.log_softmax(hidden[0] @ head.T / T, -1).gather(1, idx)
+    manual = -(torch.softmax(vals / T, -1) * logp_t).sum(-1) * T**2
+    assert torch.allclose(soft_t, (manual * targets.weights).sum(), rtol=1e-5)

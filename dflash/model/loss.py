@@ -123,8 +123,10 @@ def _chunk_loss(
     if t_vals is not None and t_idx is not None and distill > 0:
         # Cross-entropy to the target's top-k distribution (= KL to it plus its entropy, a
         # constant): same gradient as the KL, over the k tokens the target thinks likely.
+        # Times T², as in Hinton et al.: softened gradients shrink as 1/T², and the factor keeps
+        # the soft term's weight against the hard one the same at any temperature.
         logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
-        soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1)
+        soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
     correct = (logits.argmax(dim=-1) == labels).float()
     return (ce * weights).sum(), correct

@@ -29,9 +29,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "noise": ("noise schedule: reveal 30 % of block slots, falling to 0", ["train.noise_reveal_start=0.3"]),
     "init_target": ("draft layers start from the target's", ["drafter.init_from_target=true"]),
     "distill": (
-        "distillation: half the loss is the cross-entropy to the target's top-32 (no feature cache)",
-        ["train.distill=0.5", "data.feature_cache_mb=0"],
+        "distillation: half the loss is the cross-entropy to the target's top-32 (kept in the feature cache)",
+        ["train.distill=0.5"],
     ),
+    "dpace": ("D-PACE position weights (α = 0.5)", ["train.position_weights='dpace'"]),
+    "target_labels": ("labels: the target's greedy token at each slot", ["train.labels='target'"]),
 }
 
 

@@ -687,3 +687,54 @@ def test_distillation_with_a_one_hot_teacher_is_cross_entropy(chunk):
     logp_t = torch.log_softmax(hidden[0] @ head.T / T, -1).gather(1, idx)
     manual = -(torch.softmax(vals / T, -1) * logp_t).sum(-1) * T**2
     assert torch.allclose(soft_t, (manual * targets.weights).sum(), rtol=1e-5)
+
+
+def test_dpace_weights_follow_the_accepted_length_surrogate():
+    """`train.position_weights = "dpace"`: slot j's weight is Σ_{k≥j} Π_{i≤k} s_i over the
+    supervised slots of its block, s = (1 − α)·p + α — computed by hand here; the loss is
+    Σ w·CE with those weights (no gradient through them), over the host's count of slots."""
+    from dflash.model.loss import BlockTargets, dpace_weights
+
+    B, alpha = 4, 0.5
+    # two blocks (slot 0 = anchor, unsupervised); block 1 has slot 3 outside its document
+    sel = torch.tensor([1, 2, 3, 5, 6])
+    p = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.2])
+    w = dpace_weights(p, sel, 2, B, alpha)
+    s1, s2 = 0.5, 0.5 * 0.2 + 0.5  # block 1's smoothed confidences
+    expected = torch.tensor([3.0, 2.0, 1.0, s1 + s1 * s2, s1 * s2])
+    torch.testing.assert_close(w, expected)
+
+    g = torch.Generator().manual_seed(1)
+    H, V = 6, 9
+    hidden = torch.randn(1, 2 * B, H, generator=g, requires_grad=True)
+    head = torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (5,), generator=g)
+    targets = BlockTargets(
+        sel=sel, labels=labels, weights=torch.ones(5), slot=sel % B, weight_sum=5.0,
+        count_per_slot=torch.bincount(sel % B, minlength=B),
+    )  # fmt: skip
+    for chunk in (2, 100):
+        parts = block_loss(hidden, head, targets, B, chunk, dpace_alpha=alpha)
+        logits = hidden[0, sel] @ head.T
+        ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        manual = (dpace_weights(torch.exp(-ce.detach()), sel, 2, B, alpha) * ce).sum()
+        torch.testing.assert_close(parts.loss_sum, manual)
+        assert parts.weight_sum == 5.0
+        (grad,) = torch.autograd.grad(parts.loss_sum, hidden)
+        (ref,) = torch.autograd.grad(manual, hidden)
+        torch.testing.assert_close(grad, ref)
+
+
+def test_dpace_trains_and_differs_from_the_fixed_decay(tiny_config):
+    """A run with D-PACE weights trains (finite losses) and is not the γ-decay run."""
+    import math
+
+    from tests.conftest import run_records
+
+    def losses(**extra: object) -> list[float]:
+        cfg = tiny_config(**{"train.max_steps": 4, "eval.at_end": "false", **extra})
+        return [r["loss"] for r in run_records(cfg) if r["event"] == "train_step"]
+
+    dpace = losses(**{"train.position_weights": '"dpace"'})
+    assert len(dpace) == 4 and all(math.isfinite(x) for x in dpace)
+    assert dpace != losses()

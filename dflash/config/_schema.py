@@ -238,6 +238,13 @@ class TrainConfig(_Section):
         0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
     )
     noise_reveal_end: float = Field(0.0, ge=0, le=1, description="... at the last step (linear)")
+    position_weights: Literal["gamma", "dpace"] = Field(
+        "gamma",
+        description="weights of the block slots in the loss: gamma = the fixed decay exp(-(k-1)/drafter.gamma); "
+        "dpace = D-PACE's dynamic weights, each slot's share of a smooth accepted-length surrogate from the "
+        "drafter's own current confidences (moves the signal to the positions that limit acceptance now)",
+    )
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE's confidence smoothing s = (1-a)·p + a")
     labels: Literal["data", "target"] = Field(
         "data",
         description="what each block slot learns: data = the dataset's next token; target = the target's greedy "

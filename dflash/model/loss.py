@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BlockTargets", "LossParts", "block_loss", "block_targets", "gamma_weights", "reveal_slots"]
+__all__ = ["BlockTargets", "LossParts", "block_loss", "block_targets", "dpace_weights", "gamma_weights", "reveal_slots"]
 
 
 def gamma_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -108,18 +108,39 @@ class LossParts:
     count_per_slot: torch.Tensor  # (B,) int64, host
 
 
+def dpace_weights(
+    label_prob: torch.Tensor, sel: torch.Tensor, num_blocks: int, block_size: int, alpha: float
+) -> torch.Tensor:
+    """D-PACE's per-slot weights (Wu et al. 2026, "Dynamic Position-Aware Cross-Entropy"):
+    the gradient of a smooth accepted-length surrogate E[L] = Σ_k Π_{i≤k} s_i with respect to
+    each slot's log-probability, s_i = (1 − α)·p_i + α the smoothed probability the drafter
+    gives slot i's label. Slot j's weight is Σ_{k≥j} Π_{i≤k} s_i over the supervised slots of
+    its block: large where the slots before it are already right, so training moves to the
+    positions that limit acceptance now. `label_prob` (M,) for the selected slots `sel` (flat
+    indices into num_blocks × block_size); returns (M,), no gradient."""
+    with torch.no_grad():
+        grid = torch.ones(num_blocks * block_size, device=label_prob.device)
+        grid[sel] = (1 - alpha) * label_prob.float() + alpha
+        mask = torch.zeros_like(grid)
+        mask[sel] = 1.0
+        prefix = torch.cumprod(grid.view(num_blocks, block_size), dim=-1) * mask.view(num_blocks, block_size)
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)  # Σ_{k≥j} prefix_k
+        return suffix.reshape(-1)[sel]
+
+
 def _chunk_loss(
     h: torch.Tensor,
     head: torch.Tensor,
     labels: torch.Tensor,
-    weights: torch.Tensor,
     t_vals: torch.Tensor | None = None,
     t_idx: torch.Tensor | None = None,
     distill: float = 0.0,
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the loss, whether the argmax is the label, and the label's probability."""
     logits = (h @ head.t()).float()  # (chunk, V)
     ce = F.cross_entropy(logits, labels, reduction="none")
+    label_prob = torch.exp(-ce.detach())
     if t_vals is not None and t_idx is not None and distill > 0:
         # Cross-entropy to the target's top-k distribution (= KL to it plus its entropy, a
         # constant): same gradient as the KL, over the k tokens the target thinks likely.
@@ -129,7 +150,7 @@ def _chunk_loss(
         soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
     correct = (logits.argmax(dim=-1) == labels).float()
-    return (ce * weights).sum(), correct
+    return ce, correct, label_prob
 
 
 def block_loss(
@@ -140,9 +161,12 @@ def block_loss(
     chunk: int,
     distill: float = 0.0,
     temperature: float = 1.0,
+    dpace_alpha: float | None = None,
 ) -> LossParts:
     """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
-    `distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`)."""
+    `distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
+    With `dpace_alpha`, each slot's host weight (1 for D-PACE: Σ w counts the slots) is
+    multiplied by its D-PACE weight (`dpace_weights`), computed from this forward."""
     dev = hidden.device
     H = hidden.shape[-1]
     # The drafter step uploads the targets while preparing (these are then no-ops); from
@@ -152,20 +176,29 @@ def block_loss(
     labels = targets.labels.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
     weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)  # no-sync: uploaded in prepare
     slot = targets.slot.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
-    total = hidden.sum().float() * 0.0
-    correct = torch.zeros(block_size, device=dev)
     tv, ti = targets.teacher if targets.teacher is not None and distill > 0 else (None, None)
     several = h.shape[0] > chunk
+    losses, oks, probs = [], [], []
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
-        args = (h[s:e], lm_head, labels[s:e], weights[s:e], *soft, distill, temperature)
+        args = (h[s:e], lm_head, labels[s:e], *soft, distill, temperature)
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
-            part, ok = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            part, ok, prob = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:  # a single chunk: keeping its logits stays within the bound; skip the recompute
-            part, ok = _chunk_loss(*args)
-        total = total + part
-        correct.index_add_(0, slot[s:e], ok.detach())
+            part, ok, prob = _chunk_loss(*args)
+        losses.append(part)
+        oks.append(ok.detach())
+        probs.append(prob)
+    correct = torch.zeros(block_size, device=dev)
+    # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
+    total = hidden.sum().float() * 0.0
+    if losses:
+        per_row = torch.cat(losses)
+        if dpace_alpha is not None:
+            num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
+            weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, block_size, dpace_alpha)
+        total = total + (per_row * weights).sum()
+        correct.index_add_(0, slot, torch.cat(oks))
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ def prepare(
     use_flex: bool,
     reveal_prob: float = 0.0,
     target_labels: bool = False,
+    dpace: bool = False,
 ) -> Prepared:
     """H2D, anchors, labels, block ids and masks of one batch (in the replica's worker
     thread). It reads no weights, so it can run while the optimizer updates them."""
@@ -84,7 +86,9 @@ def prepare(
             g = torch.Generator().manual_seed(sample_seed(seed, b.index, b.epoch) ^ 0x5EED)
             reveal, true_tokens = reveal_slots(b.input_ids, b.doc_ids, anchors, valid, B, reveal_prob, g)
             block_ids = torch.where(reveal, true_tokens, block_ids)
-        targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, cfg.resolved_gamma, reveal)
+        # D-PACE weighs slots on the device, from the forward; on the host each counts 1.
+        gamma = math.inf if dpace else cfg.resolved_gamma
+        targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, gamma, reveal)
         q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(upload(anchors, dev), upload(valid, dev), upload(b.doc_ids, dev), B)
@@ -128,6 +132,7 @@ def compute(
     loss_chunk: int,
     distill: float = 0.0,
     distill_temperature: float = 1.0,
+    dpace_alpha: float | None = None,
 ) -> LossParts:
     """Forward + chunked loss + backward of a prepared batch (in the replica's worker thread)."""
     B = rep.model.spec.block_size
@@ -136,7 +141,9 @@ def compute(
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         emb = F.embedding(p.block_ids, rep.head.embed)
         hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks)  # (R, N·B, H)
-        parts = block_loss(hidden, rep.head.lm_head, p.targets, B, loss_chunk, distill, distill_temperature)
+        parts = block_loss(
+            hidden, rep.head.lm_head, p.targets, B, loss_chunk, distill, distill_temperature, dpace_alpha
+        )
     faults.check(Stage.DRAFTER_FORWARD)
     if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied
         parts.loss_sum = parts.loss_sum * float("nan")
@@ -161,6 +168,7 @@ class MicroStep:
     distill: float = 0.0  # weight of the target's top-k distribution in the loss
     distill_temperature: float = 1.0
     target_labels: bool = False  # labels: the target's greedy token (train.labels = "target")
+    dpace_alpha: float | None = None  # D-PACE position weights (train.position_weights = "dpace")
     prepare_fn: Callable[..., Any] = prepare
     compute_fn: Callable[..., LossParts] = compute
 
@@ -168,15 +176,16 @@ class MicroStep:
         return self.prepare_fn(
             rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step),
             **({"target_labels": True} if self.target_labels else {}),
+            **({"dpace": True} if self.dpace_alpha is not None else {}),
         )
 
     def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:
+        options: dict[str, Any] = {}  # only what is on: the benchmarks' compute slots take none
         if self.distill > 0:
-            return self.compute_fn(
-                rep, device, prepared, loss_chunk=self.loss_chunk,
-                distill=self.distill, distill_temperature=self.distill_temperature,
-            )  # fmt: skip
-        return self.compute_fn(rep, device, prepared, loss_chunk=self.loss_chunk)
+            options.update(distill=self.distill, distill_temperature=self.distill_temperature)
+        if self.dpace_alpha is not None:
+            options.update(dpace_alpha=self.dpace_alpha)
+        return self.compute_fn(rep, device, prepared, loss_chunk=self.loss_chunk, **options)
 
 
 class Accumulator:

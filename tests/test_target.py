@@ -194,3 +194,15 @@ def _anchors(batch: Any, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from dflash.model.anchors import sample_anchors
 
     return sample_anchors(batch.loss_mask, batch.doc_ids, cfg.drafter.max_anchors, seed=cfg.run.seed, epoch=batch.epoch)
+
+
+def test_bf16_target_with_a_cpu_drafter_trains(tiny_config):
+    """`target.dtype = "bfloat16"` on a CPU (fast on CPUs with AVX512-BF16): the drafter keeps
+    fp32 weights and computes under CPU bf16 autocast, as on CUDA; eval stays lossless."""
+    import math
+
+    records = run_records(tiny_config(**{"target.dtype": '"bfloat16"', "train.max_steps": 4, "eval.num_prompts": 2}))
+    losses = [r["loss"] for r in records if r["event"] == "train_step"]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert evals and evals[-1]["lossless"] is True

@@ -136,8 +136,10 @@ def compute(
 ) -> LossParts:
     """Forward + chunked loss + backward of a prepared batch (in the replica's worker thread)."""
     B = rep.model.spec.block_size
-    cuda = rep.device.type == "cuda"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    # bf16 autocast over fp32 master weights: always on CUDA; on a CPU when the target's
+    # features are bf16 (target.dtype = "bfloat16") — fp32 weights cannot take them.
+    low = rep.device.type == "cuda" or p.context.dtype == torch.bfloat16
+    autocast = torch.autocast(rep.device.type, dtype=torch.bfloat16) if low else contextlib.nullcontext()
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         emb = F.embedding(p.block_ids, rep.head.embed)
         hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks)  # (R, N·B, H)

@@ -428,6 +428,17 @@ def test_resume_keeps_a_complete_last_record_missing_its_newline(env: Env, loade
     assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2], stats
 
 
+def test_regen_keeps_the_template_options_and_refuses_to_mix_them(env: Env, loaded: tuple[Any, Any]) -> None:
+    """Each reply records the `data.chat_template_kwargs` its prompt was rendered with; a
+    resume under other options is refused, naming both (the file would mix renderings)."""
+    out = env.cfg("kwargs").regen_output
+    regen_in_process(env, loaded, "kwargs", "regen.max_prompts=2", "data.chat_template_kwargs={terse=true}")
+    assert [r["chat_template_kwargs"] for r in read_jsonl(out)] == [{"terse": True}] * 2
+    with pytest.raises(DataError, match=r"written with data.chat_template_kwargs = \{'terse': True\}, the config now "
+                       r"has \{\}; use a new regen.output"):  # fmt: skip
+        regen_in_process(env, loaded, "kwargs", "regen.max_prompts=3")
+
+
 def test_resume_after_a_torn_first_line(env: Env, loaded: tuple[Any, Any]) -> None:
     """A regen output whose only line is torn is regenerated into a valid file, no duplicates."""
     out = env.cfg("torn_first").regen_output

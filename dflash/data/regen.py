@@ -123,11 +123,13 @@ def _drop_torn_tail(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def _done_prompts(path: Path) -> set[str]:
+def _done_prompts(path: Path, template_kwargs: dict[str, Any]) -> set[str]:
     """The prompts (messages before the reply) already answered in the output file.
 
     Matched by content, not position: a resume after changing the seed, holdout or prompt
-    file never mistakes one prompt's reply for another's.
+    file never mistakes one prompt's reply for another's. Replies written under other chat
+    template options (`data.chat_template_kwargs`, kept in each record) are refused: the
+    target answered other prompts' renderings, and the file would mix them.
     """
     done: set[str] = set()
     if not path.is_file():
@@ -135,10 +137,18 @@ def _done_prompts(path: Path) -> set[str]:
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                done.add(_prompt_key(json.loads(raw)["messages"][:-1]))
-            except (ValueError, KeyError, TypeError, IndexError):
+                record = json.loads(raw)
+                done.add(_prompt_key(record["messages"][:-1]))
+                written = record.get("chat_template_kwargs", {})
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 msg = f"{path}:{n}: not a regen record; remove the line (or the file) and run regen again"
                 raise DataError(msg) from None
+            if written != template_kwargs:
+                msg = (
+                    f"{path}:{n}: written with data.chat_template_kwargs = {written}, the config now has "
+                    f"{template_kwargs}; use a new regen.output"
+                )
+                raise DataError(msg)
     return done
 
 
@@ -192,7 +202,8 @@ def _regenerate(
     out_path = cfg.regen_output
     train, held = prompts if prompts is not None else load_prompts(cfg)
     _drop_torn_tail(out_path)
-    done = _done_prompts(out_path)
+    template_kwargs = cfg.data.chat_template_kwargs
+    done = _done_prompts(out_path, template_kwargs)
     held_keys = {_prompt_key(p) for p in held}
     if done & held_keys:
         msg = (
@@ -242,7 +253,10 @@ def _regenerate(
                 new_tokens += len(reply)
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 msgs = [*train[i], {"role": "assistant", "content": text}]
-                out.write(json.dumps({"id": i, "messages": msgs}, ensure_ascii=False) + "\n")
+                record: dict[str, Any] = {"id": i, "messages": msgs}
+                if template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
+                    record["chat_template_kwargs"] = template_kwargs
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             now = time.perf_counter()
             if progress and (tty or now - last_line >= 30 or b == 0):

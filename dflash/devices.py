@@ -103,11 +103,19 @@ def named_sync() -> Iterator[None]:
                 _set_mode("error")
 
 
+_worker = threading.local()  # .device: the Device whose worker thread this is
+
+
 def host_sync(t: torch.Tensor) -> torch.Tensor:
     """The hot path's one way to read a device value on the host: a blocking copy, i.e. a
     host sync point. Call it only inside a `Device.span` named for the sync
-    (`drafter.grad_norm_sync`, `metrics.sync`), so that the profiler times it."""
+    (`drafter.grad_norm_sync`, `metrics.sync`), so that the profiler times it. In a device's
+    worker thread it first lets the device wait for its queued work (`before_host_read`:
+    nothing on CUDA, where the copy itself waits; a simulated device waits there)."""
     with named_sync():
+        device: Device | None = getattr(_worker, "device", None)
+        if device is not None:
+            device.before_host_read()
         return t.to("cpu")  # sync: the named one
 
 
@@ -180,7 +188,9 @@ class Device:
         self.name = name
         self.profiler = profiler
         self.is_cuda = self.device.type == "cuda"
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-{name}")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"dflash-{name}", initializer=self._adopt_worker
+        )
         self._streams: dict[tuple[str, int], Any] = {}
         self.held: collections.Counter[str] = collections.Counter()  # per stage: tensors taken over (`hold`)
         if self.is_cuda and profiler is not None:
@@ -188,6 +198,14 @@ class Device:
 
     def __repr__(self) -> str:
         return f"Device({self.name} on {self.device})"
+
+    def _adopt_worker(self) -> None:
+        _worker.device = self
+
+    def before_host_read(self) -> None:
+        """What `host_sync` does first in this device's worker thread: nothing here (a
+        blocking copy waits for the current stream by itself); a simulated device waits for
+        its simulated queue, so it syncs exactly where the real one does."""
 
     def stream(self, stage: str, on: torch.device | None = None) -> Any:
         """The stream of `stage` on this device, or on GPU `on` (the optimizer's work on the

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from dflash.devices import Device
+from dflash.devices import Device, host_sync
 from dflash.model.loss import LossParts
 from dflash.profile import Stage
 
@@ -107,6 +107,11 @@ class Timeline:
     def event(self) -> SimEvent:
         return SimEvent(self.busy_until)
 
+    def drained(self) -> SimEvent:
+        """When the queue is done with what is launched, and with what the current launch
+        waits for."""
+        return SimEvent(max(self.busy_until, self._after))
+
 
 def _host(ms: float) -> None:
     x = 0
@@ -114,10 +119,10 @@ def _host(ms: float) -> None:
         x += i
 
 
-def work(cost: StageCost, *, sync: bool = False) -> None:
+def work(cost: StageCost) -> None:
     """`host_ms` of GIL-holding work, then `device_ms` on the device: waited for here
-    (sync model), or launched on the current Timeline (async model; `sync=True` waits for
-    it too, like a host sync on the result)."""
+    (sync model), or launched on the current Timeline (async model: the host waits only
+    where the real code syncs, through `host_sync` or `Device.synchronize`)."""
     _host(cost.host_ms)
     timeline: Timeline | None = getattr(_local, "timeline", None)
     if timeline is None:
@@ -125,8 +130,6 @@ def work(cost: StageCost, *, sync: bool = False) -> None:
             time.sleep(cost.device_ms / 1000)  # releases the GIL, like waiting on a device
         return
     timeline.launch(cost.device_ms)
-    if sync:
-        timeline.event().synchronize()
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,11 @@ class SimDevice(Device):
             out = fn(*args)
         return out, self.timeline.event()
 
+    def before_host_read(self) -> None:
+        """`host_sync` in this worker: wait for the simulated queue (and what it waits on),
+        as a blocking device-to-host copy waits for its stream."""
+        self.timeline.drained().synchronize()
+
 
 def _prepare(rep: Any, device: Any, feats: Any, **_: Any) -> Any:
     return feats  # a HostFeatures carries the batch, all that compute and the accumulator read
@@ -201,7 +209,9 @@ def _apply_step(spec: SyntheticSpec) -> Any:
 
     def apply(replicas: Any, contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
-            work(spec.optimizer, sync=True)  # the real step's grad-norm sync waits for the device
+            work(spec.optimizer)
+        with device.span(Stage.GRAD_NORM_SYNC):  # the real step's one host sync, through the same helper
+            host_sync(torch.ones(()))
         progress.finish(step, max(c.last_batch for c in contribs))
         B = spec.block_size
         return StepResult(

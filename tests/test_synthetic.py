@@ -67,8 +67,40 @@ def test_timeline_runs_device_work_in_order_after_its_events(fake_time: FakeTime
     assert fake_time.sleeps == [pytest.approx(0.07)] and ev.query()
     fake_time.t += 1.0  # the device idles: new work starts now, not where the queue ended
     with tl.launching([]):
-        work(StageCost(host_ms=0, device_ms=10), sync=True)  # sync: waits for its own work
+        work(StageCost(host_ms=0, device_ms=10))
+        tl.drained().synchronize()  # what host_sync does on a SimDevice: waits for its own work
     assert fake_time.sleeps[1:] == [pytest.approx(0.01)] and tl.event().t == pytest.approx(t0 + 1.08)
+
+
+def test_sim_device_syncs_where_host_sync_is_called(fake_time: FakeTime):
+    """The simulated device waits exactly where the real code syncs: `host_sync` in its worker
+    thread waits for its queue, and for the events the current launch waits on."""
+    import asyncio
+
+    from dflash.devices import host_sync
+    from dflash.synthetic import SimDevice
+
+    dev = SimDevice("cpu", "sim")
+    t0 = fake_time.t
+
+    def launch_then_read() -> float:
+        work(StageCost(host_ms=0, device_ms=30))
+        host_sync(torch.ones(()))
+        return fake_time.t
+
+    def launch_only() -> None:
+        work(StageCost(host_ms=0, device_ms=30))
+
+    async def main() -> None:
+        await dev.run(None, launch_only)
+        assert fake_time.sleeps == []  # launched, nobody read: no wait
+        after, _ = await dev.run(None, launch_then_read, wait_for=[SimEvent(t0 + 0.5)])
+        assert after == pytest.approx(t0 + 0.5 + 0.03)  # waits for the event, then its own work
+
+    try:
+        asyncio.run(main())
+    finally:
+        dev.close()
 
 
 def test_synthetic_5_plus_3_topology_runs_every_batch(tiny_config):

@@ -400,6 +400,8 @@ def run_eval(
     if not sets:
         require_eval_prompts(cfg)
     tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
+    if cfg.eval.target_dtype != "same":
+        tcfg = tcfg.model_copy(update={"dtype": cfg.eval.target_dtype})
     target = load_target(tcfg, t_dev, 1, cfg.data.cache_dir)
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     check_drafter_fits(drafter, target)

@@ -31,7 +31,7 @@ from dflash.errors import CheckpointError, ConfigError, DataError
 from dflash.eval import require_eval_prompts
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
-from dflash.model.target import Target, load_target
+from dflash.model.target import Target, load_target, resolve_dtype
 from dflash.packages import local_path
 from dflash.profile import Stage
 from dflash.replica import DrafterReplica, build_replicas
@@ -170,6 +170,7 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
     are loaded now: missing prompts fail the run before its first step, not after its last."""
     from dflash.eval import eval_prompts, evaluate, stop_ids
 
+    target = eval_target(cfg, target)
     prompts = eval_prompts(cfg, target, tokenizer, replica.model.spec.mask_token_id)
     stops = stop_ids(target, tokenizer)
 
@@ -181,6 +182,18 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
         return {"step": step, **rec}
 
     return run
+
+
+def eval_target(cfg: Config, target: Target) -> Target:
+    """The target eval runs: the training one, or (`eval.target_dtype` other than its dtype)
+    a second copy in that dtype, loaded now from the same (cached) weights."""
+    if cfg.eval.target_dtype == "same":
+        return target
+    dtype = resolve_dtype(cfg.eval.target_dtype, target.device)
+    if dtype == target.embed_weight.dtype:
+        return target
+    tcfg = cfg.target.model_copy(update={"dtype": cfg.eval.target_dtype, "layer_ids": target.layer_ids})
+    return load_target(tcfg, target.device, cfg.drafter.num_layers, cfg.data.cache_dir)
 
 
 def teacher_topk(t: TrainConfig) -> int:

@@ -201,8 +201,19 @@ def test_bf16_target_with_a_cpu_drafter_trains(tiny_config):
     fp32 weights and computes under CPU bf16 autocast, as on CUDA; eval stays lossless."""
     import math
 
-    records = run_records(tiny_config(**{"target.dtype": '"bfloat16"', "train.max_steps": 4, "eval.num_prompts": 2}))
+    from dflash.model.target import load_target
+    from dflash.setup import eval_target
+
+    bf16 = {"target.dtype": '"bfloat16"', "train.max_steps": 4, "eval.num_prompts": 2}
+    records = run_records(tiny_config(**bf16, **{"eval.target_dtype": '"float32"'}))
     losses = [r["loss"] for r in records if r["event"] == "train_step"]
     evals = [r for r in records if r["event"] == "eval"]
     assert losses and all(math.isfinite(x) for x in losses)
     assert evals and evals[-1]["lossless"] is True
+    # eval.target_dtype: eval gets its own float32 copy of the target, same layers; "same" keeps it
+    cfg = tiny_config(**bf16, **{"eval.target_dtype": '"float32"'})
+    target = load_target(cfg.target, torch.device("cpu"), cfg.drafter.num_layers)
+    assert target.embed_weight.dtype == torch.bfloat16
+    fp32 = eval_target(cfg, target)
+    assert fp32.embed_weight.dtype == torch.float32 and fp32.layer_ids == target.layer_ids
+    assert eval_target(tiny_config(**bf16), target) is target

@@ -355,6 +355,12 @@ class EvalConfig(_Section):
     prompts: str = Field(
         "", description="chat JSONL of held-out prompts; default: regen's holdout file (files) or random (synthetic)"
     )
+    target_dtype: Literal["same", "float32", "bfloat16", "float16"] = Field(
+        "same",
+        description="the target's dtype in eval; same = target.dtype. In bf16 a batched verify forward and "
+        "one-token decoding round differently, so near-ties can flip and the lossless check fails on numerics "
+        "alone: float32 makes it exact (training may still run the target in bf16)",
+    )
     max_new_tokens: int = Field(64, ge=1, le=65_536)
     temperature: float = Field(
         0.0, ge=0.0, le=100.0,

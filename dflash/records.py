@@ -38,7 +38,7 @@ class TargetFeatures:
     batch: Batch
     layers: list[torch.Tensor]  # per chosen layer (R, T, H), on the target device
     ready: Any  # CUDA event or None
-    teacher: Teacher | None = None  # with train.distill > 0
+    teacher: Teacher | None = None  # with target labels or distillation
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class HostFeatures:
     source: int  # target replica that produced it
     ready: Any = None  # CUDA event: `hidden` is complete (device features only)
     release: Callable[[Any], None] | None = None  # a pooled pinned buffer: give it back after its upload
-    teacher: Teacher | None = None  # with train.distill > 0: on the host, or with `hidden` on the GPU
+    teacher: Teacher | None = None  # with target labels or distillation: on the host, or with `hidden` on the GPU
 
 
 @dataclass(frozen=True)

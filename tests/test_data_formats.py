@@ -289,6 +289,20 @@ def test_json_array_cut_short_keeps_its_complete_records(
     bad.write_text(whole.replace('"gpt"', '"gpt" "x"', 1), encoding="utf-8")
     msg = data_error(lambda: load(data_cfg(bad, skip_invalid=True), word_tok, tmp_path))
     assert f"{bad}: item 0: malformed JSON" in msg
+    # any read size: cuts inside literals, numbers and \uXXXX escapes are read past, not errors
+    varied = [{**sharegpt(("human", "hi é"), ("gpt", "hello there")), "ok": True, "n": 12.5, "x": None}] * 3
+    text = json.dumps(varied)  # ensure_ascii: é is written as \u00e9
+    (tmp_path / "varied.json").write_text(text, encoding="utf-8")
+    for size in range(1, len(text) + 2):
+        monkeypatch.setattr(formats, "_ARRAY_CHUNK", size)
+        varied_cfg = DataConfig(source="files", files=[{"path": str(tmp_path / "varied.json")}])
+        items = list(formats.iter_records(varied_cfg.files[0]))
+        assert len(items) == 3 and not any(isinstance(x, formats.InvalidRecord) for x in items), size
+    # cut inside a multi-byte UTF-8 character: the complete records, then the cut one
+    raw = json.dumps([record, sharegpt(("human", "hi"), ("gpt", "héllo"))], ensure_ascii=False).encode()
+    (tmp_path / "utf8cut.json").write_bytes(raw[: raw.index("é".encode()) + 1])
+    samples, stats = load(data_cfg(tmp_path / "utf8cut.json", skip_invalid=True), word_tok, tmp_path / "3")
+    assert len(samples) == 1 and stats["skipped_invalid"] == 1
     package = tmp_path / "site" / "chatdata"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("", encoding="utf-8")

@@ -244,12 +244,12 @@ class TrainConfig(_Section):
         "dpace = D-PACE's dynamic weights, each slot's share of a smooth accepted-length surrogate from the "
         "drafter's own current confidences (moves the signal to the positions that limit acceptance now)",
     )
-    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE's confidence smoothing s = (1-a)·p + a")
+    dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE's confidence smoothing s = (1-a)·p + a")
     labels: Literal["data", "target"] = Field(
         "data",
         description="what each block slot learns: data = the dataset's next token; target = the target's greedy "
-        "next token at that position (what greedy verification accepts; any text becomes self-distillation data "
-        "at the cost of running the whole target with its LM head)",
+        "next token after the data prefix (for slot 1 exactly what greedy verification accepts; any text becomes "
+        "self-distillation data at the cost of running the whole target with its LM head)",
     )
     distill: float = Field(
         0.0, ge=0, le=1,

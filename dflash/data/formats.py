@@ -54,6 +54,7 @@ Format = Literal["jsonl", "parquet", "hf_datasets"]
 
 _COLUMNS = ("messages", "conversations")
 _ARRAY_CHUNK = 4 << 20  # bytes read at a time from a JSON array file
+_TOKEN_TAIL = 64  # an error this close to the end of what is read may be a token cut by the read
 _CUT_SHORT = "the file ends inside the JSON array (cut short?): this record and any after it are missing"
 _ROWS_PER_BATCH = 1024
 
@@ -190,10 +191,13 @@ def _iter_json_array(path: Path, label: str) -> Iterator[Conversation | InvalidR
             chunk = f.read(_ARRAY_CHUNK)
             eof = not chunk
             try:
-                buf = buf[pos:] + text.decode(chunk, final=eof)
+                new = text.decode(chunk, final=eof)
             except UnicodeDecodeError as err:
-                msg = f"{label}: not UTF-8 (byte offset {read + err.start})"
-                raise DataError(msg) from None
+                if not eof:
+                    msg = f"{label}: not UTF-8 (byte offset {read + err.start})"
+                    raise DataError(msg) from None
+                new = ""  # cut inside a multi-byte character: the record there is cut short anyway
+            buf = buf[pos:] + new
             read += len(chunk)
             pos = 0
             return True
@@ -221,8 +225,9 @@ def _iter_json_array(path: Path, label: str) -> Iterator[Conversation | InvalidR
                 try:
                     record, end = decoder.raw_decode(buf, pos)
                 except json.JSONDecodeError as err:
-                    # A record that runs to the end of what is read is incomplete, not wrong.
-                    incomplete = err.msg.startswith("Unterminated") or not buf[err.pos :].strip()
+                    # A record that runs to the end of what is read is incomplete, not wrong: the
+                    # read may end inside a string, a literal, a number or a \uXXXX escape.
+                    incomplete = err.msg.startswith("Unterminated") or err.pos >= len(buf) - _TOKEN_TAIL
                     if incomplete and more():
                         continue
                     if incomplete:

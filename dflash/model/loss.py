@@ -113,10 +113,12 @@ def dpace_weights(
 ) -> torch.Tensor:
     """D-PACE's per-slot weights (Wu et al. 2026, "Dynamic Position-Aware Cross-Entropy"):
     the gradient of a smooth accepted-length surrogate E[L] = Σ_k Π_{i≤k} s_i with respect to
-    each slot's log-probability, s_i = (1 − α)·p_i + α the smoothed probability the drafter
+    each slot's log s_i, s_i = (1 − α)·p_i + α the smoothed probability the drafter
     gives slot i's label. Slot j's weight is Σ_{k≥j} Π_{i≤k} s_i over the supervised slots of
     its block: large where the slots before it are already right, so training moves to the
-    positions that limit acceptance now. `label_prob` (M,) for the selected slots `sel` (flat
+    positions that limit acceptance now. Unnormalised: a block's weights sum to between
+    ~α-powers and B − 1, so the step's scale grows as the drafter improves (Adam absorbs most
+    of it). `label_prob` (M,) for the selected slots `sel` (flat
     indices into num_blocks × block_size); returns (M,), no gradient."""
     with torch.no_grad():
         grid = torch.ones(num_blocks * block_size, device=label_prob.device)

@@ -111,7 +111,7 @@ class Target:
         self.head_dim = int(_config_value(cfg, "head_dim", default=self.hidden_size // self.num_heads))
         self.intermediate_size = int(cfg.intermediate_size)
         self.rms_norm_eps = float(_config_value(cfg, "rms_norm_eps", default=1e-6))
-        self.teacher_topk = 0  # > 0: forwards in training also give the top-k next-token logits (distillation)
+        self.teacher_topk = 0  # > 0: training forwards also give their top-k next-token logits (labels, distill)
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", None) or 32768)

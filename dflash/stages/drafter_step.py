@@ -95,12 +95,13 @@ def prepare(
         masks = layer_masks(layout, spec, use_flex)
     ids, q = upload(block_ids.view(R, N * B), dev), upload(q_pos, dev)
     teacher = _teacher_at_labels(feats, anchors, targets.sel, B, dev)
-    labels = upload(targets.labels, dev)
     if target_labels:  # the target's greedy token at each slot: its top-1 at position a + k − 1
         if teacher is None:
             msg = "train.labels = 'target' needs the target's top-k next-token ids with the features"
             raise RuntimeError(msg)
         labels = teacher[1][:, 0]
+    else:
+        labels = upload(targets.labels, dev)
     targets = dataclasses.replace(
         targets, sel=upload(targets.sel, dev), labels=labels,
         weights=upload(targets.weights.float(), dev), slot=upload(targets.slot, dev), teacher=teacher,
@@ -177,17 +178,14 @@ class MicroStep:
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> Prepared:
         return self.prepare_fn(
             rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step),
-            **({"target_labels": True} if self.target_labels else {}),
-            **({"dpace": True} if self.dpace_alpha is not None else {}),
+            target_labels=self.target_labels, dpace=self.dpace_alpha is not None,
         )
 
     def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:
-        options: dict[str, Any] = {}  # only what is on: the benchmarks' compute slots take none
-        if self.distill > 0:
-            options.update(distill=self.distill, distill_temperature=self.distill_temperature)
-        if self.dpace_alpha is not None:
-            options.update(dpace_alpha=self.dpace_alpha)
-        return self.compute_fn(rep, device, prepared, loss_chunk=self.loss_chunk, **options)
+        return self.compute_fn(
+            rep, device, prepared, loss_chunk=self.loss_chunk, distill=self.distill,
+            distill_temperature=self.distill_temperature, dpace_alpha=self.dpace_alpha,
+        )  # fmt: skip
 
 
 class Accumulator:

@@ -269,7 +269,8 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         spec=spec,
         micro=MicroStep(
             cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise, t.distill, t.distill_temperature,
-            target_labels=t.labels == "target", dpace_alpha=t.dpace_alpha if t.position_weights == "dpace" else None,
+            target_labels=t.labels == "target", greedy_prefix_only=t.greedy_prefix_only,
+            dpace_alpha=t.dpace_alpha if t.position_weights == "dpace" else None,
         ),
         apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world),
         grad_accum=t.grad_accum,

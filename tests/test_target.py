@@ -190,6 +190,40 @@ def test_target_labels_are_the_targets_greedy_tokens(tiny_config):
     assert losses("target") == losses("data")  # the target's greedy replies: the same labels
 
 
+def test_greedy_prefix_only_keeps_later_slots_after_greedy_data_tokens(tiny_config):
+    """`train.greedy_prefix_only`: slot k >= 2 keeps its weight only where the data's tokens at
+    slots 1..k-1 of its block are the target's greedy tokens; slot 1 always keeps it. On the
+    target's own greedy replies later slots keep theirs; on random ids they lose them."""
+    from dflash.model.loss import block_targets, gamma_weights
+    from dflash.setup import prepare
+
+    kept = {}
+    for source in ("random", "synthetic"):
+        over = {"train.labels": '"target"', "data.source": f'"{source}"', "data.num_samples": 16}
+        cfg = tiny_config(**over, **{"train.greedy_prefix_only": "true"})
+        batch, p = _prepared_first_batch(cfg)
+        with torch.no_grad():
+            logits = prepare(cfg).targets[0].model(input_ids=batch.input_ids, position_ids=batch.positions).logits
+        greedy, ids = logits.argmax(-1), batch.input_ids
+        B, gamma = cfg.drafter.block_size, cfg.drafter.resolved_gamma
+        anchors, valid = _anchors(batch, cfg)
+        data = block_targets(ids, batch.loss_mask, batch.doc_ids, anchors, valid, B, gamma)
+        expected = []
+        for flat in data.sel.tolist():
+            r, rest = divmod(flat, anchors.shape[1] * B)
+            n, k = divmod(rest, B)
+            a = int(anchors[r, n])
+            ok = all(int(ids[r, a + j]) == int(greedy[r, a + j - 1]) for j in range(1, k))
+            expected.append(float(gamma_weights(B, gamma)[k]) * ok)
+        assert torch.allclose(p.targets.weights, torch.tensor(expected))
+        assert bool((p.targets.weights[data.slot == 1] > 0).all())
+        later = data.slot >= 2
+        kept[source] = float((p.targets.weights[later] > 0).float().mean())
+    assert kept["random"] < 0.05 and kept["synthetic"] > 0.5, kept
+    with pytest.raises(ConfigError, match="greedy_prefix_only"):
+        tiny_config(**{"train.greedy_prefix_only": "true"})
+
+
 def _anchors(batch: Any, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from dflash.model.anchors import sample_anchors
 

@@ -251,6 +251,12 @@ class TrainConfig(_Section):
         "next token after the data prefix (for slot 1 exactly what greedy verification accepts; any text becomes "
         "self-distillation data at the cost of running the whole target with its LM head)",
     )
+    greedy_prefix_only: bool = Field(
+        False,
+        description="with labels = 'target': slot k >= 2 counts only where the data's tokens before it in the block "
+        "are the target's greedy tokens, so that its label is exactly what greedy verification compares (on text "
+        "that is not the target's own, later slots otherwise learn the target's reply to a prefix it would not write)",
+    )
     distill: float = Field(
         0.0, ge=0, le=1,
         description="weight of distillation from the target's next-token distribution (its top-k logits at each "
@@ -258,6 +264,13 @@ class TrainConfig(_Section):
     )  # fmt: skip
     distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
     distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
+
+    @model_validator(mode="after")
+    def _greedy_prefix(self) -> TrainConfig:
+        if self.greedy_prefix_only and self.labels != "target":
+            msg = f"greedy_prefix_only needs labels = 'target' (labels = {self.labels!r})"
+            raise ValueError(msg)
+        return self
 
     @model_validator(mode="after")
     def _wsd(self) -> TrainConfig:

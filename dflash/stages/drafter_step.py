@@ -63,6 +63,7 @@ def prepare(
     use_flex: bool,
     reveal_prob: float = 0.0,
     target_labels: bool = False,
+    greedy_prefix_only: bool = False,
     dpace: bool = False,
 ) -> Prepared:
     """H2D, anchors, labels, block ids and masks of one batch (in the replica's worker
@@ -102,11 +103,39 @@ def prepare(
         labels = teacher[1][:, 0]
     else:
         labels = upload(targets.labels, dev)
+    weights = upload(targets.weights.float(), dev)
+    if target_labels and greedy_prefix_only:
+        # Zero weight, not dropped: which slots agree is known on the target's device only,
+        # and Σ w (the step's normaliser) is counted on the host.
+        weights = weights * _greedy_prefix(feats, anchors, targets.sel, B, dev)
     targets = dataclasses.replace(
         targets, sel=upload(targets.sel, dev), labels=labels,
-        weights=upload(targets.weights.float(), dev), slot=upload(targets.slot, dev), teacher=teacher,
+        weights=weights, slot=upload(targets.slot, dev), teacher=teacher,
     )  # fmt: skip
     return Prepared(b, context, positions, ids, q, masks, targets)
+
+
+def _greedy_prefix(
+    feats: HostFeatures, anchors: torch.Tensor, sel: torch.Tensor, B: int, dev: torch.device
+) -> torch.Tensor:
+    """(M,) float 1 where every data token between the anchor and a supervised slot is the
+    target's greedy token (its top-1 one position earlier), else 0: slot k's target label is
+    then the token greedy verification compares it with."""
+    assert feats.teacher is not None  # target labels checked it
+    top1 = feats.teacher[1][..., 0]  # (R, T)
+    ids = feats.batch.input_ids
+    R, N = anchors.shape
+    T = ids.shape[1]
+    pos = (anchors[:, :, None] + torch.arange(B)).clamp(max=T - 1).view(R, N * B)
+    prev = (pos - 1).clamp(min=0)
+    if top1.device.type == "cuda":
+        pos, prev, ids, sel = (upload(t, top1.device) for t in (pos, prev, ids, sel))
+    agree = (torch.gather(ids, 1, pos) == torch.gather(top1.to(ids.dtype), 1, prev)).view(R, N, B)
+    agree[:, :, 0] = True  # the anchor is given
+    upto = torch.cumprod(agree.to(torch.int32), dim=-1)  # all agree at slots 0..k
+    before = torch.ones_like(upto)
+    before[:, :, 1:] = upto[:, :, :-1]  # all agree at slots 1..k-1
+    return upload(before.reshape(-1)[sel].float(), dev)
 
 
 def _teacher_at_labels(
@@ -171,6 +200,7 @@ class MicroStep:
     distill: float = 0.0  # weight of the target's top-k distribution in the loss
     distill_temperature: float = 1.0
     target_labels: bool = False  # labels: the target's greedy token (train.labels = "target")
+    greedy_prefix_only: bool = False  # target labels: later slots only after greedy data tokens
     dpace_alpha: float | None = None  # D-PACE position weights (train.position_weights = "dpace")
     prepare_fn: Callable[..., Any] = prepare
     compute_fn: Callable[..., LossParts] = compute
@@ -178,7 +208,8 @@ class MicroStep:
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> Prepared:
         return self.prepare_fn(
             rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step),
-            target_labels=self.target_labels, dpace=self.dpace_alpha is not None,
+            target_labels=self.target_labels, greedy_prefix_only=self.greedy_prefix_only,
+            dpace=self.dpace_alpha is not None,
         )
 
     def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:

@@ -252,7 +252,9 @@ def test_crash_after_a_skipped_step_writes_an_emergency_checkpoint_that_resumes(
     emergency = [r for r in records if r["event"] == "checkpoint" and r.get("emergency")]
     assert len(emergency) == 1
     loaded = load_checkpoint(Path(emergency[0]["path"]))
-    assert 8 <= loaded.step < 16
+    # Past the skipped step 3; the target runs ahead by what the stages hold in flight (a
+    # batch in each queue and stage: up to ~9 with depth-1 queues, on a loaded machine).
+    assert 3 <= loaded.step < 16
     monkeypatch.delenv("DFLASH_INJECT_FAULT")
     after = _run(cfg, resume="auto")
     assert next(r for r in after if r["event"] == "setup")["resumed_from"] == loaded.step

@@ -157,14 +157,14 @@ def worker(args: argparse.Namespace) -> None:
         results.append({"case": case, "params": full, "measured_params": numel, "times_s": times, "ok": ok})
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = world.gather_objects({"rank": rank, "results": results, "peak_rss_mb": round(rss_mb)})
+    if rank == 0:  # the figures are out before the process group is taken down
+        print(json.dumps({"procs": size, "backend": args.backend, "ranks": rows}), flush=True)
     # Heartbeats stop on every rank before any rank leaves: rank 0 hosts the store, and a
     # heartbeat caught writing to it as it goes can abort the process at exit.
     world._closing.set()
     world._heart.join()
     dist.barrier(group=world.control)
     world.close(clean=True)
-    if rank == 0:
-        print(json.dumps({"procs": size, "backend": args.backend, "ranks": rows}), flush=True)
 
 
 def free_port() -> int:
@@ -212,8 +212,14 @@ def measure_allreduce(args: argparse.Namespace, tmp: Path) -> tuple[list[dict[st
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--backend", args.backend,
            "--bucket-mb", str(args.bucket_mb), "--reps", str(args.reps), "--max-bytes", str(args.max_bytes),
            "--timeout-s", str(args.timeout_s), "--cases", *args.cases]  # fmt: skip
-    spawn(cmd, args.procs, tmp / "allreduce", timeout_s=args.timeout_s)
-    got = json.loads((tmp / "allreduce" / "stdout.0").read_text().strip().splitlines()[-1])
+    failed = spawn(cmd, args.procs, tmp / "allreduce", timeout_s=args.timeout_s, check=False)
+    lines = (tmp / "allreduce" / "stdout.0").read_text().strip().splitlines()
+    got = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if failed and (got is None or "timed out" in failed):
+        raise RuntimeError(failed)
+    if failed:  # every rank's figures were gathered and printed; a rank then died leaving
+        print(f"note: {failed} (after the figures were gathered: a crash while leaving the process group)",
+              file=sys.stderr)  # fmt: skip
     rows = []
     for i, case in enumerate(args.cases):
         per_rank = [r["results"][i] for r in got["ranks"]]

@@ -28,6 +28,7 @@ lost, in one error line.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import threading
@@ -228,6 +229,12 @@ class World:
                 self._dist.destroy_process_group()
             except Exception:  # leaving anyway
                 pass
+        # The last references to the groups and the store (rank 0 hosts its server): freed
+        # here, while the interpreter is whole, not in its teardown, where a C++ thread still
+        # owned by a dying object aborts the process ("terminate called without an active
+        # exception") after a run that finished.
+        self.control = self._store = None
+        gc.collect()
 
 
 def join(cfg: Config) -> World | None:

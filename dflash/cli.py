@@ -272,7 +272,9 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         logs.human(
             f"dflash regen: {stats['generated']} replies written ({stats['resumed_from']} already there), "
             f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
-        )
+            + (f"; regen.max_minutes reached with {stats['unanswered']} prompts unanswered (a later regen "
+               "answers them)" if stats["unanswered"] else "")
+        )  # fmt: skip
     except KeyboardInterrupt:
         click.echo("dflash: regen interrupted; run it again to resume", err=True)
         sys.exit(130)

@@ -163,6 +163,7 @@ class Coordinator:
             padding_fraction=round(t.padding_fraction, 4),
             total_steps=t.total_steps,
             target=t.targets[0].name,
+            target_dtype=str(t.targets[0].embed_weight.dtype).removeprefix("torch."),
             target_layers=t.spec.target_layer_ids,
             drafter_params=sum(p.numel() for p in t.replicas[0].params),
             mask_token_id=t.spec.mask_token_id,

@@ -353,6 +353,20 @@ def test_regen_resumes_and_drops_a_torn_tail(env: Env, loaded: tuple[Any, Any]) 
     assert len(read_jsonl(out)) == 12
 
 
+def test_regen_max_minutes_stops_between_batches_and_a_later_regen_finishes(env: Env, loaded: tuple[Any, Any]) -> None:
+    """`regen.max_minutes`: past the budget no new batch starts (one batch at least); the
+    replies written are kept, the rest are counted as unanswered, and a regen without the
+    budget answers only those."""
+    out = env.cfg("budget").regen_output
+    sets = ("regen.max_prompts=12", "regen.batch_size=4")
+    first = regen_in_process(env, loaded, "budget", *sets, "regen.max_minutes=1e-6")
+    assert (first["prompts"], first["generated"], first["resumed_from"], first["unanswered"]) == (12, 4, 0, 8)
+    assert len(read_jsonl(out)) == 4
+    rest = regen_in_process(env, loaded, "budget", *sets)
+    assert (rest["generated"], rest["resumed_from"], rest["unanswered"]) == (8, 4, 0)
+    assert sorted(r["id"] for r in read_jsonl(out)) == list(range(12))
+
+
 def test_greedy_regen_is_deterministic(
     env: Env, loaded: tuple[Any, Any], regen_run: subprocess.CompletedProcess[str]
 ) -> None:

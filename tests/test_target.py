@@ -251,3 +251,23 @@ def test_bf16_target_with_a_cpu_drafter_trains(tiny_config):
     fp32 = eval_target(cfg, target)
     assert fp32.embed_weight.dtype == torch.float32 and fp32.layer_ids == target.layer_ids
     assert eval_target(tiny_config(**bf16), target) is target
+
+
+def test_fastest_dtype_is_bf16_on_a_cpu_only_where_bf16_is_fast(monkeypatch):
+    """`target.dtype = "fastest"`: bfloat16 on CUDA; on a CPU bfloat16 only where it measures
+    clearly faster than float32 (emulated bf16 is several times slower); DFLASH_CPU_BF16
+    overrides the measurement; "auto" is unchanged (float32 on a CPU)."""
+    from dflash.model import target as tmod
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert tmod.resolve_dtype("fastest", cuda) == torch.bfloat16
+    for forced, want in (("1", torch.bfloat16), ("0", torch.float32)):
+        monkeypatch.setenv("DFLASH_CPU_BF16", forced)
+        tmod.cpu_bf16_is_fast.cache_clear()
+        assert tmod.resolve_dtype("fastest", cpu) == want
+        assert tmod.resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.delenv("DFLASH_CPU_BF16")
+    tmod.cpu_bf16_is_fast.cache_clear()
+    measured = tmod.cpu_bf16_is_fast()  # this machine's answer, whichever it is
+    assert tmod.resolve_dtype("fastest", cpu) == (torch.bfloat16 if measured else torch.float32)
+    tmod.cpu_bf16_is_fast.cache_clear()

@@ -139,8 +139,10 @@ class TargetConfig(_Section):
     layer_ids: list[int] | None = Field(
         None, description="target layers whose outputs feed the drafter; default per DFlash"
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on CUDA, float32 on CPU"
+    dtype: Literal["auto", "fastest", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto: bfloat16 on CUDA, float32 on CPU; fastest: bfloat16 on CUDA, and on a CPU only "
+        "where it has bf16 instructions (measured once; elsewhere bf16 is emulated, several times slower)",
     )
     tiny: TinyTargetConfig = TinyTargetConfig()
 
@@ -361,6 +363,10 @@ class RegenConfig(_Section):
     batch_size: int = Field(32, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
     seed: int = Field(0, ge=0, description="order of the prompts, and sampling")
+    max_minutes: float = Field(
+        0.0, ge=0, description="stop starting new batches after this many minutes (0 = no limit); the prompts "
+        "answered so far are kept and a later regen answers the rest",
+    )  # fmt: skip
 
 
 class EvalConfig(_Section):

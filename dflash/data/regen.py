@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import sys
 import time
@@ -220,7 +221,10 @@ def _regenerate(
             p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
         )
         todo.append((i, list(ids["input_ids"])))
-    todo.sort(key=lambda x: len(x[1]))  # like lengths together: little padding
+    # Like lengths together (little padding) within spans of 8 batches in the shuffled order:
+    # a run cut short by `regen.max_minutes` has not answered only the short prompts.
+    span = 8 * cfg.regen.batch_size
+    todo = [x for i in range(0, len(todo), span) for x in sorted(todo[i : i + span], key=lambda x: len(x[1]))]
     already = len(train) - len(todo)
     model, dev = target.model, target.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -228,10 +232,13 @@ def _regenerate(
     gen = torch.Generator(device=dev).manual_seed(cfg.regen.seed)
     t0 = last_line = time.perf_counter()
     tty = progress and sys.stderr.isatty()
-    new_tokens = 0
+    new_tokens = written = 0
+    budget_s = 60 * cfg.regen.max_minutes if cfg.regen.max_minutes else math.inf
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
         for b, batch in enumerate(_batches(todo, cfg.regen.batch_size)):
+            if b and time.perf_counter() - t0 >= budget_s:  # at least one batch a call
+                break
             L = max(len(x[1]) for x in batch)
             ids = torch.full((len(batch), L), pad, dtype=torch.long)
             attn = torch.zeros((len(batch), L), dtype=torch.long)
@@ -258,22 +265,26 @@ def _regenerate(
                     record["chat_template_kwargs"] = template_kwargs
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
+            written += len(batch)
             now = time.perf_counter()
             if progress and (tty or now - last_line >= 30 or b == 0):
                 last_line = now
-                done_n = already + min(len(todo), (b + 1) * cfg.regen.batch_size)
+                done_n = already + written
                 el = now - t0
                 line = f"regen {done_n}/{len(train)} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
                 print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
     if tty and todo:
         print(file=sys.stderr)
     el = time.perf_counter() - t0
+    left = len(todo) - written
     return {
         "output": str(out_path),
         "heldout": str(cfg.regen_heldout),
         "prompts": len(train),
-        "generated": len(todo),
+        "generated": written,
         "resumed_from": already,
+        "unanswered": left,
+        "target_dtype": str(target.embed_weight.dtype).removeprefix("torch."),
         "new_tokens": new_tokens,
         "wall_s": round(el, 2),
         "tokens_per_s": round(new_tokens / el, 1) if el > 0 else 0.0,

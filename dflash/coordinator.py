@@ -185,6 +185,8 @@ class Coordinator:
         progress = ProgressLine(t.total_steps, t.start_step)
         self.subscribe(progress)
         t_train = time.perf_counter()
+        if t.budget is not None:
+            t.budget.start()
         try:
             error = await self._train(topo, profiler, trace)
         finally:
@@ -264,6 +266,8 @@ class Coordinator:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
             reason = "max_steps"
+        elif t.budget is not None and t.budget.spent:
+            reason = "max_minutes"
         else:
             reason = "data_exhausted"
         last = book.last

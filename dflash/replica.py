@@ -5,6 +5,8 @@ optimizer and schedule. Replicas start identical and receive identical updates.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,21 +14,52 @@ import torch
 from dflash.config import TrainConfig
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 
-__all__ = ["DrafterReplica", "build_replicas", "lr_lambda"]
+__all__ = ["DrafterReplica", "TimeBudget", "build_replicas", "lr_lambda"]
+
+
+class TimeBudget:
+    """`train.max_minutes`: the share of a training time budget spent, counted from `start()`
+    (the first step's start, after setup) in this process."""
+
+    _now = staticmethod(time.monotonic)  # tests bring their own clock
+
+    def __init__(self, minutes: float) -> None:
+        self.seconds = 60.0 * minutes
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        if self._t0 is None:
+            self._t0 = self._now()
+
+    def fraction(self) -> float:
+        return 0.0 if self._t0 is None else min(1.0, (self._now() - self._t0) / self.seconds)
+
+    @property
+    def spent(self) -> bool:
+        return self.fraction() >= 1.0
 
 
 def lr_lambda(
-    total_steps: int, warmup_ratio: float, min_ratio: float, schedule: str = "cosine", decay_ratio: float = 0.2
+    total_steps: int,
+    warmup_ratio: float,
+    min_ratio: float,
+    schedule: str = "cosine",
+    decay_ratio: float = 0.2,
+    clock: Callable[[], float] | None = None,
 ):
     """LR factor after `step` optimizer steps: linear warmup, then `cosine` decay to
     `min_ratio` over the rest, or `wsd` (warmup-stable-decay): constant, then a linear decay to
-    `min_ratio` over the last `decay_ratio` of the steps."""
+    `min_ratio` over the last `decay_ratio` of the steps. With a `clock` (the share of a time
+    budget spent, 0..1) the schedule is at whichever is further along, the steps or the time:
+    a run cut by its budget still ends decayed."""
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
     decay = max(1, round(total_steps * decay_ratio))
 
-    def f(step: int) -> float:  # step = number of optimizer steps already taken
+    def f(step: float) -> float:  # step = number of optimizer steps already taken
+        if clock is not None:
+            step = max(step, clock() * total_steps)
         if step < warmup:
-            return (step + 1) / warmup
+            return min(1.0, (step + 1) / warmup)
         if schedule == "wsd":
             into = step - (total_steps - decay)
             return 1.0 if into <= 0 else max(min_ratio, 1 - (1 - min_ratio) * min(1.0, into / decay))
@@ -58,6 +91,7 @@ def build_replicas(
     total_steps: int,
     seed: int,
     init_from: torch.nn.Module | None = None,
+    budget: TimeBudget | None = None,
 ) -> list[DrafterReplica]:
     base = DFlashDrafter(spec)
     base.init_weights(torch.Generator().manual_seed(seed + 104729))
@@ -78,7 +112,8 @@ def build_replicas(
             weight_decay=train.weight_decay,
             foreach=dev.type == "cuda",
         )
-        f = lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio, train.schedule, train.decay_ratio)
+        clock = budget.fraction if budget is not None else None
+        f = lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio, train.schedule, train.decay_ratio, clock)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched))
     return out

@@ -38,10 +38,13 @@ async def train(
     profiler: Profiler,
     cache: FeatureCache | None = None,
 ) -> int:
-    """Train until the data, `train.max_steps` or a stop request ends it; the last step."""
+    """Train until the data, `train.max_steps`, `train.max_minutes` or a stop request ends it;
+    the last step."""
     plan = iter(t.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
     updated, result = None, None  # the last update's ready event: the next forward reads those weights
     while not stop.is_set() and (t.max_steps is None or book.progress.step < t.max_steps):
+        if t.budget is not None and t.budget.spent:
+            break
         step = book.progress.step
         contribs: list[StepGrads] = []
         own = result.updated if result is not None else {}  # a replica on another GPU: its own update

@@ -34,7 +34,7 @@ from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target, resolve_dtype
 from dflash.packages import local_path
 from dflash.profile import Stage
-from dflash.replica import DrafterReplica, build_replicas
+from dflash.replica import DrafterReplica, TimeBudget, build_replicas
 from dflash.stages.drafter_step import MicroStep
 from dflash.stages.optimizer import apply_step
 from dflash.steps import StepResult
@@ -63,6 +63,7 @@ class Training:
     evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
     make_device: Callable[..., Device] = Device  # (spec, name, profiler) -> Device; stand-ins bring their own
     world: World | None = None  # this process's rank among several (torchrun), else None
+    budget: TimeBudget | None = None  # train.max_minutes: the time budget, started with the first step
 
     @property
     def pin(self) -> bool:
@@ -219,6 +220,9 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         )
         raise ConfigError(msg)
     ranks = world.size if world is not None else 1
+    if world is not None and cfg.train.max_minutes:
+        msg = "train.max_minutes needs one process: the ranks' clocks would give them different learning rates"
+        raise ConfigError(msg)
     loaded = _resume(cfg, resume, ranks)  # before loading any model: a bad checkpoint fails in a second
     if cfg.data.source == "files":  # likewise a missing data file
         for i, f in enumerate(cfg.data.files):
@@ -251,7 +255,8 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     total = cfg.train.max_steps or max(1, math.ceil(len(plan) / (cfg.train.grad_accum * len(d_devs) * ranks)))
     spec = drafter_spec(cfg, t0, mask_id)
     init_from = t0.model if cfg.drafter.init_from_target else None
-    replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from)
+    budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
+    replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from, budget)
     if loaded is not None:
         restore(loaded, replicas)
     t = cfg.train
@@ -275,6 +280,7 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world),
         grad_accum=t.grad_accum,
         max_steps=t.max_steps,
+        budget=budget,
         total_steps=total,
         padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
         start_step=loaded.step if loaded else 0,

@@ -108,6 +108,8 @@ def build(
         tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
     if t.world is not None:
         t.world.cursor = t.plan.start_index - 1  # resumed: the batches before the cursor are done
-    run_opt = optimizer.run(t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps, t.world, t.grad_accum)
+    run_opt = optimizer.run(
+        t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps, t.world, t.grad_accum, t.budget
+    )
     tasks.append((Stage.OPTIMIZER_STEP, run_opt))
     return Topology(tasks, devices, opt, book, cache)

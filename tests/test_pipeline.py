@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash import Coordinator, StageError
+from dflash import ConfigError, Coordinator, StageError
 from dflash.profile import Stage
 from tests.conftest import ROOT, run_records
 
@@ -70,6 +70,37 @@ def test_max_steps_stops_cleanly(tiny_config):
     records = run_records(tiny_config(**{"train.max_steps": 3, "data.num_samples": 64}))
     assert records[-1]["steps"] == 3
     assert records[-1]["event"] == "run_end" and records[-1]["reason"] == "max_steps"
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "serial"])
+def test_max_minutes_ends_the_run_decayed_with_its_reason(tiny_config, monkeypatch, mode):
+    """train.max_minutes ends the run once its budget is spent, as at the end of the data —
+    exported, reason max_minutes — and the LR schedule follows the clock: it decays to near
+    its floor over the budget, though the planned steps are far from done."""
+    from dflash import replica
+
+    clock = itertools.count(0.0, 20.0)  # each reading of the clock: 20 s later (5 min: 15 readings)
+    monkeypatch.setattr(replica.TimeBudget, "_now", staticmethod(lambda: next(clock)))
+    cfg = tiny_config(**{"train.max_minutes": 5, "pipeline.mode": f'"{mode}"', "data.num_samples": 512,
+                         "train.min_lr_ratio": 0.1, "eval.at_end": "false"})  # fmt: skip
+    records = run_records(cfg)
+    end = records[-1]
+    assert end["event"] == "run_end" and end["reason"] == "max_minutes"
+    steps = [r for r in records if r["event"] == "train_step"]
+    assert 2 <= end["steps"] <= 16  # 512 samples: 64 planned steps
+    lrs = [r["lr"] for r in steps]
+    assert lrs[-1] < 0.2 * cfg.train.lr and lrs[-1] < max(lrs)  # decayed by the clock, not the steps
+    assert (cfg.run_dir / "final").is_dir()
+
+
+def test_max_minutes_needs_one_process(tiny_config):
+    from dflash.distributed import World
+    from dflash.setup import prepare
+
+    world = World.__new__(World)
+    world.size, world.rank = 2, 0
+    with pytest.raises(ConfigError, match=r"train\.max_minutes needs one process"):
+        prepare(tiny_config(**{"train.max_minutes": 1}), world=world)
 
 
 @pytest.mark.parametrize(

@@ -221,6 +221,11 @@ class DrafterConfig(_Section):
 
 class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_minutes: float = Field(
+        0.0, ge=0, description="stop after this many minutes of training in this process (0 = no limit), and "
+        "end as at the end of the data (checkpoint, export, eval); the LR schedule follows whichever of the "
+        "steps and the time is further along, so a run cut by its budget ends decayed. One process only",
+    )  # fmt: skip
     epochs: int = Field(1, ge=1, le=10_000)
     lr: float = Field(6e-4, gt=0, le=1.0)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)

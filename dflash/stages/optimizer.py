@@ -27,7 +27,7 @@ from dflash.devices import Device, host_sync, upload
 from dflash.distributed import World
 from dflash.profile import Stage
 from dflash.records import StepGrads, StepReply
-from dflash.replica import DrafterReplica
+from dflash.replica import DrafterReplica, TimeBudget
 from dflash.stages._link import linked
 from dflash.steps import Progress, StepBook, StepResult
 
@@ -225,6 +225,7 @@ async def run(
     max_steps: int | None,
     world: World | None = None,
     grad_accum: int = 1,
+    budget: TimeBudget | None = None,
 ) -> int:
     """`apply(replicas, contribs, device, step, progress)` is `apply_step` with the clip
     (and the world) bound. Returns the number of the last optimizer step taken.
@@ -267,6 +268,7 @@ async def run(
                 updated = result.updated
             step = book.progress.step
             stop_now = stop_all or (world is None and stop.is_set()) or (max_steps is not None and step >= max_steps)
+            stop_now = stop_now or (budget is not None and budget.spent)  # one process only
             active -= finished
             for r in sorted(active):  # a replica on another GPU waits on its own update
                 await replies[r].put(StepReply(step, stop_now, updated.get(r, ready)))

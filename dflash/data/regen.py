@@ -221,10 +221,10 @@ def _regenerate(
             p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
         )
         todo.append((i, list(ids["input_ids"])))
-    # Like lengths together (little padding) within spans of 8 batches in the shuffled order:
-    # a run cut short by `regen.max_minutes` has not answered only the short prompts.
-    span = 8 * cfg.regen.batch_size
-    todo = [x for i in range(0, len(todo), span) for x in sorted(todo[i : i + span], key=lambda x: len(x[1]))]
+    # Like lengths together, shortest first: little padding, and a run cut by
+    # `regen.max_minutes` leaves the longest prompts (a batch of a few long outliers, padded,
+    # costs as much as ten ordinary ones) for a later regen.
+    todo.sort(key=lambda x: len(x[1]))
     already = len(train) - len(todo)
     model, dev = target.model, target.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

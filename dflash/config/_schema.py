@@ -369,8 +369,8 @@ class RegenConfig(_Section):
     temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
     seed: int = Field(0, ge=0, description="order of the prompts, and sampling")
     max_minutes: float = Field(
-        0.0, ge=0, description="stop starting new batches after this many minutes (0 = no limit); the prompts "
-        "answered so far are kept and a later regen answers the rest",
+        0.0, ge=0, description="start no batch that would end past this many minutes, judged by the last batch's "
+        "time (0 = no limit); the prompts answered so far are kept and a later regen answers the rest",
     )  # fmt: skip
 
 

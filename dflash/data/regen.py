@@ -233,12 +233,15 @@ def _regenerate(
     t0 = last_line = time.perf_counter()
     tty = progress and sys.stderr.isatty()
     new_tokens = written = 0
+    last_batch_s = 0.0
     budget_s = 60 * cfg.regen.max_minutes if cfg.regen.max_minutes else math.inf
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
         for b, batch in enumerate(_batches(todo, cfg.regen.batch_size)):
-            if b and time.perf_counter() - t0 >= budget_s:  # at least one batch a call
+            # At least one batch a call; no batch that the last one's time says would end past the budget.
+            if b and time.perf_counter() - t0 + last_batch_s > budget_s:
                 break
+            t_batch = time.perf_counter()
             L = max(len(x[1]) for x in batch)
             ids = torch.full((len(batch), L), pad, dtype=torch.long)
             attn = torch.zeros((len(batch), L), dtype=torch.long)
@@ -266,6 +269,7 @@ def _regenerate(
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             written += len(batch)
+            last_batch_s = time.perf_counter() - t_batch
             now = time.perf_counter()
             if progress and (tty or now - last_line >= 30 or b == 0):
                 last_line = now

@@ -70,6 +70,7 @@ class Coordinator:
         self.summary: Record | None = None
         self._topology: topology.Topology | None = None
         self.world: World | None = None  # set when torchrun launched several processes
+        self._budget_spent = False  # train.max_minutes ended the training
 
     @property
     def tokens(self) -> int:
@@ -195,6 +196,7 @@ class Coordinator:
         if error is not None:
             await self._fail(error, checkpointer, topo)
         train_s = time.perf_counter() - t_train
+        self._budget_spent = t.budget is not None and t.budget.spent  # before the export and eval take time
         self.steps = topo.book.progress.step
         return await self._finish(t, topo, stop.is_set(), t_start, train_s)
 
@@ -266,7 +268,7 @@ class Coordinator:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
             reason = "max_steps"
-        elif t.budget is not None and t.budget.spent:
+        elif self._budget_spent:
             reason = "max_minutes"
         else:
             reason = "data_exhausted"

@@ -95,6 +95,7 @@ class World:
         self._store = dist.distributed_c10d._get_default_store()
         self._beat = 0
         self._closing = threading.Event()
+        self._closed = False  # after close(): a collective is an error, never the default group
         self._heart = threading.Thread(target=self._heartbeat, name="dflash-heartbeat", daemon=True)
         self._heart.start()
 
@@ -171,6 +172,9 @@ class World:
 
     # -- faults ---------------------------------------------------------------------------
     def _collective(self, what: str, fn: Callable[[], Any]) -> None:
+        if self._closed:
+            msg = f"rank {self.rank}: {what} after this process left the process group"
+            raise DistributedError(msg)
         t0 = time.monotonic()
         try:
             fn()
@@ -234,6 +238,7 @@ class World:
         # owned by a dying object aborts the process ("terminate called without an active
         # exception") after a run that finished.
         self.control = self._store = None
+        self._closed = True
         gc.collect()
 
 

@@ -19,24 +19,33 @@ __all__ = ["DrafterReplica", "TimeBudget", "build_replicas", "lr_lambda"]
 
 class TimeBudget:
     """`train.max_minutes`: the share of a training time budget spent, counted from `start()`
-    (the first step's start, after setup) in this process."""
+    (the first step's start, after setup) in this process. The clock is read once per step
+    (`tick`, at the start of the update), so that every replica's schedule, and the stop
+    check after the step, see the same reading."""
 
     _now = staticmethod(time.monotonic)  # tests bring their own clock
 
     def __init__(self, minutes: float) -> None:
         self.seconds = 60.0 * minutes
         self._t0: float | None = None
+        self._frac = 0.0
 
     def start(self) -> None:
         if self._t0 is None:
             self._t0 = self._now()
 
+    def tick(self) -> float:
+        if self._t0 is not None:
+            self._frac = min(1.0, (self._now() - self._t0) / self.seconds)
+        return self._frac
+
     def fraction(self) -> float:
-        return 0.0 if self._t0 is None else min(1.0, (self._now() - self._t0) / self.seconds)
+        """The share spent at the last `tick`."""
+        return self._frac
 
     @property
     def spent(self) -> bool:
-        return self.fraction() >= 1.0
+        return self._frac >= 1.0
 
 
 def lr_lambda(

@@ -277,7 +277,7 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
             target_labels=t.labels == "target", greedy_prefix_only=t.greedy_prefix_only,
             dpace_alpha=t.dpace_alpha if t.position_weights == "dpace" else None,
         ),
-        apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world),
+        apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world, budget=budget),
         grad_accum=t.grad_accum,
         max_steps=t.max_steps,
         budget=budget,

@@ -420,6 +420,16 @@ def test_lr_schedules_cosine_and_warmup_stable_decay():
     assert cos(50) < 0.8 and wsd(50) == 1.0 and wsd(80) == 1.0  # stable until the decay starts
     assert abs(wsd(90) - 0.55) < 1e-9 and wsd(100) == wsd(200) == 0.1  # linear, then the floor
     assert abs(cos(100) - 0.1) < 1e-9
+    # With a clock (train.max_minutes), the schedule is at whichever is further along
+    frac = [0.0]
+    timed = lr_lambda(100, 0.1, 0.1, "cosine", clock=lambda: frac[0])
+    assert timed(0) == cos(0) and timed(50) == cos(50)  # the clock behind the steps: the steps lead
+    frac[0] = 0.5
+    assert timed(3) == cos(50) and timed(70) == cos(70)  # the clock ahead: it leads
+    frac[0] = 0.095  # inside the warm-up at 9.5 "steps": capped at the peak
+    assert timed(0) == 1.0
+    frac[0] = 1.0
+    assert abs(timed(10) - 0.1) < 1e-9  # the budget spent: the floor
     cfg = load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='wsd'", "train.decay_ratio=0.3"])
     assert (cfg.train.schedule, cfg.train.decay_ratio) == ("wsd", 0.3)
     with pytest.raises(ConfigError, match=r"train\.schedule"):

@@ -93,6 +93,13 @@ def test_max_minutes_ends_the_run_decayed_with_its_reason(tiny_config, monkeypat
     assert (cfg.run_dir / "final").is_dir()
 
 
+def test_max_minutes_not_reached_ends_with_the_data(tiny_config):
+    """A budget the run does not use up: the run ends with its data (reason data_exhausted),
+    and the schedule follows the steps."""
+    records = run_records(tiny_config(**{"train.max_minutes": 60, "data.num_samples": 32, "eval.at_end": "false"}))
+    assert records[-1]["reason"] == "data_exhausted"
+
+
 def test_max_minutes_needs_one_process(tiny_config):
     from dflash.distributed import World
     from dflash.setup import prepare

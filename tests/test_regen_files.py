@@ -365,6 +365,8 @@ def test_regen_max_minutes_stops_between_batches_and_a_later_regen_finishes(env:
     rest = regen_in_process(env, loaded, "budget", *sets)
     assert (rest["generated"], rest["resumed_from"], rest["unanswered"]) == (8, 4, 0)
     assert sorted(r["id"] for r in read_jsonl(out)) == list(range(12))
+    done = regen_in_process(env, loaded, "budget", *sets, "regen.max_minutes=1e-6")  # nothing left to do
+    assert (done["generated"], done["resumed_from"], done["unanswered"]) == (0, 12, 0)
 
 
 def test_greedy_regen_is_deterministic(

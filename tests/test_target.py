@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -261,13 +262,23 @@ def test_fastest_dtype_is_bf16_on_a_cpu_only_where_bf16_is_fast(monkeypatch):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert tmod.resolve_dtype("fastest", cuda) == torch.bfloat16
-    for forced, want in (("1", torch.bfloat16), ("0", torch.float32)):
-        monkeypatch.setenv("DFLASH_CPU_BF16", forced)
+    try:
+        for forced, want in (("1", torch.bfloat16), ("0", torch.float32)):
+            monkeypatch.setenv("DFLASH_CPU_BF16", forced)
+            tmod.cpu_bf16_is_fast.cache_clear()
+            assert tmod.resolve_dtype("fastest", cpu) == want
+            assert tmod.resolve_dtype("auto", cpu) == torch.float32
+        monkeypatch.delenv("DFLASH_CPU_BF16")
         tmod.cpu_bf16_is_fast.cache_clear()
-        assert tmod.resolve_dtype("fastest", cpu) == want
-        assert tmod.resolve_dtype("auto", cpu) == torch.float32
-    monkeypatch.delenv("DFLASH_CPU_BF16")
-    tmod.cpu_bf16_is_fast.cache_clear()
-    measured = tmod.cpu_bf16_is_fast()  # this machine's answer, whichever it is
-    assert tmod.resolve_dtype("fastest", cpu) == (torch.bfloat16 if measured else torch.float32)
-    tmod.cpu_bf16_is_fast.cache_clear()
+        # The measurement: bf16 counts as fast only when its matmul beats float32's by 20 %
+        calls = []
+
+        def fake_linear(x, w):
+            calls.append(x.dtype)
+            time.sleep(0.004 if x.dtype == torch.bfloat16 else 0.001)  # emulated bf16: 4x slower
+
+        monkeypatch.setattr(torch.nn.functional, "linear", fake_linear)
+        assert tmod.cpu_bf16_is_fast() is False and tmod.resolve_dtype("fastest", cpu) == torch.float32
+        assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 7
+    finally:
+        tmod.cpu_bf16_is_fast.cache_clear()

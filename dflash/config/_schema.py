@@ -370,7 +370,8 @@ class RegenConfig(_Section):
     seed: int = Field(0, ge=0, description="order of the prompts, and sampling")
     max_minutes: float = Field(
         0.0, ge=0, description="start no batch that would end past this many minutes, judged by the last batch's "
-        "time (0 = no limit); the prompts answered so far are kept and a later regen answers the rest",
+        "time (one batch always runs; prompts go shortest first, so it may overshoot a little; 0 = no limit); "
+        "the prompts answered so far are kept and a later regen answers the rest",
     )  # fmt: skip
 
 

@@ -154,6 +154,7 @@ def apply_step(
     *,
     grad_clip: float,
     world: World | None = None,
+    budget: TimeBudget | None = None,
 ) -> StepResult:
     """Reduce, normalise, clip and apply one step to every replica (in the optimizer's worker).
     `progress.updating` is set just before the first change of state and cleared, with the
@@ -162,6 +163,8 @@ def apply_step(
     `world`, gradients and sums are summed over every rank too (this rank may contribute
     nothing: its shard has ended while others' have not)."""
     faults.check(Stage.OPTIMIZER_STEP)
+    if budget is not None:
+        budget.tick()  # one reading for every replica's schedule and the stop check after the step
     dev0 = replicas[0].device
     block_size = replicas[0].model.spec.block_size
     with device.span(Stage.GRAD_REDUCE):

@@ -70,7 +70,6 @@ class Coordinator:
         self.summary: Record | None = None
         self._topology: topology.Topology | None = None
         self.world: World | None = None  # set when torchrun launched several processes
-        self._budget_spent = False  # train.max_minutes ended the training
 
     @property
     def tokens(self) -> int:
@@ -164,7 +163,7 @@ class Coordinator:
             padding_fraction=round(t.padding_fraction, 4),
             total_steps=t.total_steps,
             target=t.targets[0].name,
-            target_dtype=str(t.targets[0].embed_weight.dtype).removeprefix("torch."),
+            target_dtype=t.targets[0].dtype_name,
             target_layers=t.spec.target_layer_ids,
             drafter_params=sum(p.numel() for p in t.replicas[0].params),
             mask_token_id=t.spec.mask_token_id,
@@ -196,7 +195,6 @@ class Coordinator:
         if error is not None:
             await self._fail(error, checkpointer, topo)
         train_s = time.perf_counter() - t_train
-        self._budget_spent = t.budget is not None and t.budget.spent  # before the export and eval take time
         self.steps = topo.book.progress.step
         return await self._finish(t, topo, stop.is_set(), t_start, train_s)
 
@@ -268,7 +266,7 @@ class Coordinator:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
             reason = "max_steps"
-        elif self._budget_spent:
+        elif t.budget is not None and t.budget.spent:  # the last step's reading: export and eval do not move it
             reason = "max_minutes"
         else:
             reason = "data_exhausted"

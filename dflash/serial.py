@@ -43,7 +43,7 @@ async def train(
     plan = iter(t.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
     updated, result = None, None  # the last update's ready event: the next forward reads those weights
     while not stop.is_set() and (t.max_steps is None or book.progress.step < t.max_steps):
-        if t.budget is not None and t.budget.spent:
+        if t.budget is not None and t.budget.spent:  # read by the last step's update
             break
         step = book.progress.step
         contribs: list[StepGrads] = []

@@ -269,8 +269,8 @@ def _regenerate(
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             written += len(batch)
-            last_batch_s = time.perf_counter() - t_batch
             now = time.perf_counter()
+            last_batch_s = now - t_batch
             if progress and (tty or now - last_line >= 30 or b == 0):
                 last_line = now
                 done_n = already + written
@@ -288,7 +288,7 @@ def _regenerate(
         "generated": written,
         "resumed_from": already,
         "unanswered": left,
-        "target_dtype": str(target.embed_weight.dtype).removeprefix("torch."),
+        "target_dtype": target.dtype_name,
         "new_tokens": new_tokens,
         "wall_s": round(el, 2),
         "tokens_per_s": round(new_tokens / el, 1) if el > 0 else 0.0,

@@ -203,6 +203,11 @@ class Target:
         return self.model.get_input_embeddings().weight
 
     @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as the records name it, e.g. "float32"."""
+        return str(self.embed_weight.dtype).removeprefix("torch.")
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 

@@ -268,6 +268,10 @@ def test_fastest_dtype_is_bf16_on_a_cpu_only_where_bf16_is_fast(monkeypatch):
             tmod.cpu_bf16_is_fast.cache_clear()
             assert tmod.resolve_dtype("fastest", cpu) == want
             assert tmod.resolve_dtype("auto", cpu) == torch.float32
+        monkeypatch.setenv("DFLASH_CPU_BF16", "yes")
+        tmod.cpu_bf16_is_fast.cache_clear()
+        with pytest.raises(ConfigError, match="DFLASH_CPU_BF16: expected 0 or 1"):
+            tmod.resolve_dtype("fastest", cpu)
         monkeypatch.delenv("DFLASH_CPU_BF16")
         tmod.cpu_bf16_is_fast.cache_clear()
         # The measurement: bf16 counts as fast only when its matmul beats float32's by 20 %

@@ -48,6 +48,9 @@ def cpu_bf16_is_fast() -> bool:
     forced = os.environ.get("DFLASH_CPU_BF16", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
+    if forced:
+        msg = f"DFLASH_CPU_BF16: expected 0 or 1 (got {forced!r})"
+        raise ConfigError(msg)
 
     def best(dtype: torch.dtype) -> float:
         x, w = torch.randn(256, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)

@@ -149,6 +149,7 @@ class SyntheticTarget:
         self.cost = cost
         self.device = torch.device("cpu")
         self.embed_weight = torch.zeros(1)
+        self.dtype_name = "float32"
         self.name = "synthetic"
         self.layer_ids = [0]
         self.teacher_topk = 0  # no distillation

@@ -84,6 +84,23 @@ class FeatureCache:
                 teacher[1][r, s:e] = p[2]
         return out, teacher
 
+    def seed(self, sample_id: int, features: torch.Tensor, teacher: Teacher | None = None) -> bool:
+        """Store one document's (L, k·H) features (and (L, k) top-k) made elsewhere (feature
+        files); False when the budget has no room for it."""
+        piece = features.to(self.dtype)
+        vals = idx = None
+        size = piece.numel() * piece.element_size()
+        if teacher is not None:
+            vals, idx = teacher[0].to(torch.float32), teacher[1].to(torch.int32)
+            size += vals.numel() * 4 + idx.numel() * 4
+        with self._lock:
+            if self.bytes + size > self.max_bytes:
+                return False
+            if sample_id not in self._store:
+                self._store[sample_id] = (piece, vals, idx)
+                self.bytes += size
+        return True
+
     def put(self, batch: Batch, hidden: torch.Tensor, teacher: Teacher | None = None) -> None:
         """Store each document's slice of host features `hidden` (R, T, k·H), and of the
         teacher's top-k when given, budget permitting."""

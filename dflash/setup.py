@@ -29,6 +29,8 @@ from dflash.devices import Device, check_device
 from dflash.distributed import World
 from dflash.errors import CheckpointError, ConfigError, DataError
 from dflash.eval import require_eval_prompts
+from dflash.feature_cache import FeatureCache
+from dflash.feature_files import FeatureMeta, folder_for, seed_cache
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target, resolve_dtype
@@ -64,6 +66,7 @@ class Training:
     make_device: Callable[..., Device] = Device  # (spec, name, profiler) -> Device; stand-ins bring their own
     world: World | None = None  # this process's rank among several (torchrun), else None
     budget: TimeBudget | None = None  # train.max_minutes: the time budget, started with the first step
+    cache: FeatureCache | None = None  # data.feature_cache_mb: seeded from feature files beside the data files
 
     @property
     def pin(self) -> bool:
@@ -197,6 +200,25 @@ def eval_target(cfg: Config, target: Target) -> Target:
     return load_target(tcfg, target.device, cfg.drafter.num_layers, cfg.data.cache_dir)
 
 
+def _feature_cache(
+    cfg: Config, t0: Target, samples: list[Sample], stats: dict[str, Any], warn: list[str]
+) -> FeatureCache | None:
+    """The run's feature cache (data.feature_cache_mb), seeded from the feature files that
+    `dflash regen` left beside the data files (`regen.save_features`)."""
+    folders = []
+    if cfg.data.source == "files":
+        folders = [f for f in (folder_for(local_path(d.path)) for d in cfg.data.files) if f.is_dir()]
+    if not cfg.data.feature_cache_mb:
+        if folders:
+            warn.append(f"feature files {folders[0]} not used: set data.feature_cache_mb to hold them")
+        return None
+    cache = FeatureCache(cfg.data.feature_cache_mb * 2**20)
+    if folders:
+        want = FeatureMeta.of(t0)
+        stats.update(seed_cache(cache, samples, folders, want, teacher_topk(cfg.train), cfg.data.max_seq_len, warn))
+    return cache
+
+
 def teacher_topk(t: TrainConfig) -> int:
     """How many of the target's next-token logits each position keeps: distillation's top-k,
     else 1 for target labels (the greedy token), else none (the target stops at its last
@@ -249,6 +271,7 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
     mask_id = _mask_id(cfg, t0, head, found.append)
     samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
+    cache = _feature_cache(cfg, t0, samples, stats, found)
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
     )
@@ -273,14 +296,22 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         plan=plan,
         spec=spec,
         micro=MicroStep(
-            cfg.drafter, cfg.run.seed, t.loss_chunk, use_flex, noise, t.distill, t.distill_temperature,
-            target_labels=t.labels == "target", greedy_prefix_only=t.greedy_prefix_only,
+            cfg.drafter,
+            cfg.run.seed,
+            t.loss_chunk,
+            use_flex,
+            noise,
+            t.distill,
+            t.distill_temperature,
+            target_labels=t.labels == "target",
+            greedy_prefix_only=t.greedy_prefix_only,
             dpace_alpha=t.dpace_alpha if t.position_weights == "dpace" else None,
         ),
         apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world, budget=budget),
         grad_accum=t.grad_accum,
         max_steps=t.max_steps,
         budget=budget,
+        cache=cache,
         total_steps=total,
         padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
         start_step=loaded.step if loaded else 0,

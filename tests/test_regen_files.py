@@ -536,3 +536,115 @@ def test_misuse_is_one_line_without_traceback(
     for name in ("tiny", "no_prompts"):
         assert not (env.run_dir(name) / "regen.jsonl").exists()
         assert not (env.run_dir(name) / "regen.heldout.jsonl").exists()
+
+
+# -- feature files (regen.save_features) ------------------------------------------------------
+
+
+def _feature_regen(env: Env, loaded: tuple[Any, Any], name: str, *extra: str) -> tuple[dict[str, Any], Path]:
+    sets = ("regen.save_features=true", "regen.max_prompts=12", "regen.batch_size=4", *extra)
+    stats = regen_in_process(env, loaded, name, *sets)
+    return stats, Path(stats["features"])
+
+
+def test_regen_features_equal_a_training_forward(env: Env, loaded: tuple[Any, Any]) -> None:
+    """`regen.save_features`: every reply gets an entry whose ids are its training tokenization,
+    whose features are the target's (a full forward over those ids, as training computes
+    them) at every position but the end-of-turn tail, and whose `next` is the target's greedy
+    token wherever it is a label (supervised next position); resumed, parts append."""
+    from dflash.data.chat_template import tokenize_conversation
+    from dflash.feature_files import read_folder
+
+    target, tokenizer = loaded
+    stats, folder = _feature_regen(env, loaded, "feats")
+    assert folder == env.run_dir("feats") / "regen.features" and stats["features_mb"] > 0
+    assert sorted(p.name for p in folder.iterdir()) == [f"part-0000{i}.safetensors" for i in range(3)]
+    written = read_jsonl(Path(stats["output"]))
+    records = {tuple(tokenize_conversation(tokenizer, r["messages"])[0]): r for r in written}
+    entries = list(read_folder(folder))
+    assert len(entries) == 12
+    for meta, e in entries:
+        assert meta.layer_ids == target.layer_ids and meta.greedy and meta.width == target.hidden_size
+        ids = e.ids.tolist()
+        _, mask = tokenize_conversation(tokenizer, records[tuple(ids)]["messages"])
+        T = len(ids)
+        layers, (_, top) = target.teacher(e.ids[None], torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None],
+                                          packed=False, k=1)  # fmt: skip
+        ref = torch.cat(layers, dim=-1)[0]
+        torch.testing.assert_close(e.features[: T - 2].float(), ref[: T - 2].bfloat16().float(), atol=2e-2, rtol=2e-2)
+        # <|im_end|> and "\n": never fed while generating (zeros), or all redone by a forward
+        tail = e.features[T - 2 :].float()
+        assert not tail.any() or torch.allclose(tail, ref[T - 2 :].bfloat16().float(), atol=2e-2, rtol=2e-2)
+        labels = torch.tensor(mask[1:])  # next[p] is a label where p + 1 is supervised
+        labels[-1] = False  # the one after <|im_end|>: the data's "\n" (no end of turn follows it)
+        assert torch.equal(e.next[:-1][labels], top[0, :-1, 0][labels])
+
+    more, _ = _feature_regen(env, loaded, "feats", "regen.max_prompts=16")
+    assert more["generated"] == 4 and len(list(read_folder(folder))) == 16
+    assert (folder / "part-00003.safetensors").is_file()
+
+
+def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple[Any, Any]) -> None:
+    """A reply whose written text tokenizes differently from what was generated (here: `fed`
+    made wrong on purpose) gets its features and labels from a target forward over the
+    training tokenization; a matching one keeps what generation computed."""
+    from dflash.data.chat_template import tokenize_conversation
+    from dflash.data.regen import _feature_entries
+
+    target, tokenizer = loaded
+    conv = [{"role": "user", "content": "tell me about the cat"}, {"role": "assistant", "content": "the red dog"}]
+    ids, _ = tokenize_conversation(tokenizer, conv)
+    T, W = len(ids), target.hidden_size
+    generated = torch.randn(T - 2, W)
+    wrong = [*ids[: T - 4], ids[0], ids[0]]  # the last two reply tokens differ from the re-tokenization
+    good, redone = _feature_entries(
+        target, tokenizer, [conv, conv], [ids[: T - 2], wrong], [7, 7], [generated, generated], {}, greedy=True
+    )
+    assert good is not None and redone is not None
+    torch.testing.assert_close(good.features[: T - 2], generated.bfloat16())
+    assert good.next.tolist()[: T - 3] == ids[1 : T - 2] and int(good.next[T - 3]) == 7  # after the last fed one
+    layers, (_, top) = target.teacher(torch.tensor([ids]), torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None],
+                                      packed=False, k=1)  # fmt: skip
+    torch.testing.assert_close(redone.features, torch.cat(layers, -1)[0].bfloat16())
+    assert torch.equal(redone.next, top[0, :, 0])
+
+
+def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: tuple[Any, Any]) -> None:
+    """A run on a regen output with feature files needs no target forward at all (target
+    labels included); features made by another target layout, distillation, a sampled regen
+    with target labels, or no feature cache: not used, with a warning that says why."""
+    from dflash.setup import prepare
+    from tests.conftest import run_records
+
+    _, folder = _feature_regen(env, loaded, "seeded")
+    data = f'data.files=[{{path = "{env.run_dir("seeded") / "regen.jsonl"}"}}]'
+    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "data.feature_cache_mb=16", "train.epochs=2")
+    cfg = env.cfg("seeded", *base, 'train.labels="target"')
+    records = run_records(cfg, timeout_s=120)
+    (setup,) = [r for r in records if r["event"] == "setup"]
+    assert setup["data"]["feature_files_samples"] == setup["samples"] == 12
+    (end,) = [r for r in records if r["event"] == "run_end"]
+    assert end["feature_cache"]["misses"] == 0 and end["feature_cache"]["hits"] == end["steps"] == 4
+
+    def warned(*sets: str) -> str:
+        t = prepare(env.cfg("seeded", *base, *sets))
+        assert t.data_stats.get("feature_files_samples", 0) == 0
+        assert t.cache is None or len(t.cache) == 0
+        (w,) = [w for w in t.warnings if "feature files" in w]
+        return w
+
+    assert "layer_ids" in warned("target.layer_ids=[0]")
+    assert "top-k" in warned("train.distill=0.5")
+    assert "feature_cache_mb" in warned("data.feature_cache_mb=0")
+    _feature_regen(env, loaded, "sampled", "regen.temperature=1.0")
+    sampled = f'data.files=[{{path = "{env.run_dir("sampled") / "regen.jsonl"}"}}]'
+    assert "sampled" in warned(sampled, 'train.labels="target"')
+    t = prepare(env.cfg("seeded", *base, sampled, 'train.labels="data"'))  # features alone serve data labels
+    assert t.data_stats["feature_files_samples"] == 12 and t.cache is not None and len(t.cache) == 12
+
+    from dflash.model.target import Target
+
+    other = (Target(loaded[0].model, [0]), loaded[1])  # another layer: regen will not append its features
+    with pytest.raises(DataError, match="layer_ids"):
+        _feature_regen(env, other, "seeded", "regen.max_prompts=16")
+    assert len(list(folder.iterdir())) == 3

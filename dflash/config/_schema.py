@@ -373,6 +373,11 @@ class RegenConfig(_Section):
         "time (one batch always runs; prompts go shortest first, so it may overshoot a little; 0 = no limit); "
         "the prompts answered so far are kept and a later regen answers the rest",
     )  # fmt: skip
+    save_features: bool = Field(
+        False, description="keep the target features computed while generating (a folder beside the output: "
+        "regen.jsonl -> regen.features/, k x hidden x 2 bytes a token); training on the output then skips the "
+        "target for those conversations, the first epoch too (needs data.feature_cache_mb)",
+    )  # fmt: skip
 
 
 class EvalConfig(_Section):

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from dflash.config import Config
+from dflash.data.chat_template import tokenize_many
 from dflash.errors import DataError
+from dflash.feature_files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.packages import package_folder
 
 __all__ = ["chatterbot_prompts", "jsonl_prompts", "load_prompts", "regenerate", "write_jsonl"]
@@ -172,6 +174,62 @@ def _exclusive(path: Path) -> Iterator[None]:
         yield
 
 
+def _feature_entries(
+    target: Any,
+    tokenizer: Any,
+    convs: list[Messages],
+    fed: list[list[int]],
+    after: list[int],
+    feats: list[torch.Tensor],
+    template_kwargs: dict[str, Any],
+    greedy: bool,
+) -> list[Entry | None]:
+    """The feature-file entries of one batch of replies (see dflash/feature_files.py).
+
+    `convs`: each conversation as written; `fed[r]`: the token ids the target ran over while
+    generating it (prompt, then reply); `feats[r]` (len(fed[r]), k·H): its features there;
+    `after[r]`: the token it generated after the last one fed. A conversation whose training
+    tokenization does not start with `fed[r]` gets its features from one more target forward
+    over that tokenization; one training would skip (invalid) gets None."""
+    toks = tokenize_many(tokenizer, convs, template_kwargs)
+    entries: list[Entry | None] = [None] * len(convs)
+    redo: list[tuple[int, list[int]]] = []
+    for r, t in enumerate(toks):
+        if isinstance(t, str):
+            continue
+        ids, f = t[0], fed[r]
+        if ids[: len(f)] != f:
+            redo.append((r, ids))
+            continue
+        x = torch.zeros(len(ids), feats[r].shape[-1], dtype=torch.bfloat16)
+        x[: len(f)] = feats[r]
+        nxt = None
+        if greedy:  # the next token at each position; after the last fed one, the target's own
+            nxt = torch.tensor([*ids[1:], ids[-1]])
+            nxt[len(f) - 1] = after[r]
+        entries[r] = Entry(torch.tensor(ids), x, nxt)
+    if redo:  # the training tokenization itself through the target, as a training forward would
+        dev = target.device
+        T = max(len(ids) for _, ids in redo)
+        ids_t = torch.zeros(len(redo), T, dtype=torch.long)
+        docs = torch.full((len(redo), T), -1, dtype=torch.long)
+        for j, (_, ids) in enumerate(redo):
+            ids_t[j, : len(ids)] = torch.tensor(ids)
+            docs[j, : len(ids)] = j
+        pos = torch.arange(T).expand(len(redo), T)
+        args = (ids_t.to(dev), docs.to(dev), pos.to(dev))
+        if greedy:
+            layers, (_, top) = target.teacher(*args, packed=False, k=1)
+        else:
+            layers, top = target.capture(*args, packed=False), None
+        x_all = torch.cat(layers, dim=-1).cpu()
+        for j, (r, ids) in enumerate(redo):
+            n = len(ids)
+            nxt = top[j, :n, 0].cpu() if top is not None else None
+            entries[r] = Entry(torch.tensor(ids), x_all[j, :n].to(torch.bfloat16), nxt)
+    return entries
+
+
 def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tuple[int, list[int]]]]:
     for s in range(0, len(items), size):
         yield items[s : s + size]
@@ -235,6 +293,21 @@ def _regenerate(
     new_tokens = written = 0
     last_batch_s = 0.0
     budget_s = 60 * cfg.regen.max_minutes if cfg.regen.max_minutes else math.inf
+    greedy = cfg.regen.temperature == 0
+    max_new = cfg.regen.max_new_tokens
+    features = folder_for(out_path) if cfg.regen.save_features else None
+    meta = FeatureMeta.of(target, greedy)
+    part = 0
+    if features is not None:
+        part = next_part_index(features)
+        made = read_meta(features)
+        if made is not None and made.differs_from(meta):
+            msg = (
+                f"{features}: {made.differs_from(meta)} (regen.save_features); "
+                "use a new regen.output, or delete that folder"
+            )
+            raise DataError(msg)
+    feature_mb = 0.0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
         for b, batch in enumerate(_batches(todo, cfg.regen.batch_size)):
@@ -252,22 +325,42 @@ def _regenerate(
             if cfg.regen.temperature > 0:
                 kwargs["temperature"] = cfg.regen.temperature
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-            res = model.generate(
-                input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=cfg.regen.max_new_tokens,
-                pad_token_id=pad, eos_token_id=eos, **kwargs,
-            )  # fmt: skip
-            for r, (i, _) in enumerate(batch):
-                reply = res[r, L:].tolist()
+            # Saving features: one token more than the reply keeps, so the last reply token is
+            # fed too (its features) and the target's next token after it is known (its label).
+            steps = max_new + (features is not None)
+            with target.recording() if features is not None else contextlib.nullcontext([]) as rec:
+                res = model.generate(
+                    input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=steps,
+                    pad_token_id=pad, eos_token_id=eos, **kwargs,
+                )  # fmt: skip
+            convs: list[Messages] = []
+            fed: list[list[int]] = []
+            after: list[int] = []
+            feats: list[torch.Tensor] = []
+            for r, (i, toks) in enumerate(batch):
+                reply = res[r, L : L + max_new].tolist()
                 if eos in reply:
                     reply = reply[: reply.index(eos)]
+                if features is not None:
+                    fed.append([*toks, *reply])
+                    after.append(int(res[r, L + len(reply)]))
+                    feats.append(rec[0][r, L - len(toks) : L + len(reply)].cpu())
                 new_tokens += len(reply)
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 msgs = [*train[i], {"role": "assistant", "content": text}]
+                convs.append(msgs)
                 record: dict[str, Any] = {"id": i, "messages": msgs}
                 if template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
                     record["chat_template_kwargs"] = template_kwargs
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
+            if features is not None:  # after the replies: a part without its replies is never read
+                entries = _feature_entries(target, tokenizer, convs, fed, after, feats, template_kwargs, greedy)
+                kept = [e for e in entries if e is not None]
+                if kept:
+                    path = write_part(features, part, kept, meta)
+                    part += 1
+                    feature_mb += path.stat().st_size / 2**20
             written += len(batch)
             now = time.perf_counter()
             last_batch_s = now - t_batch
@@ -289,6 +382,8 @@ def _regenerate(
         "resumed_from": already,
         "unanswered": left,
         "target_dtype": target.dtype_name,
+        "features": str(features) if features is not None else None,
+        "features_mb": round(feature_mb, 2),
         "new_tokens": new_tokens,
         "wall_s": round(el, 2),
         "tokens_per_s": round(new_tokens / el, 1) if el > 0 else 0.0,

@@ -175,6 +175,10 @@ class Target:
 
     def _hook(self, i: int, last: bool) -> Any:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+            record = getattr(self._local, "record", None)
+            if record is not None:  # `recording`: every forward's output, in call order
+                record[i].append(out[0] if isinstance(out, tuple) else out)
+                return
             captured = getattr(self._local, "captured", None)
             if captured is None:  # plain forwards pass through
                 return
@@ -196,6 +200,22 @@ class Target:
             layers.extend(self._local.captured[i] for i in self.layer_ids)
         finally:
             self._local.captured = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """Hooks on for every forward in this thread (e.g. the prefill and decode steps of
+        `generate`): the yielded list is filled, when the block ends, with the chosen layers'
+        outputs concatenated on the feature axis, `(R, S, k·H)`, S the positions fed over all
+        the forwards in order (with a KV cache: the prompt, then one token a step)."""
+        self._local.record = {i: [] for i in self.layer_ids}
+        out: list[torch.Tensor] = []
+        try:
+            yield out
+            if all(self._local.record[i] for i in self.layer_ids):  # at least one forward ran
+                per_layer = [torch.cat(self._local.record[i], dim=1) for i in self.layer_ids]
+                out.append(torch.cat(per_layer, dim=-1))
+        finally:
+            self._local.record = None
 
     @property
     def device(self) -> torch.device:

@@ -29,6 +29,9 @@ def run(config: str, out: Path, extra: list[str]) -> dict:
         str(ROOT / "bin" / "dflash"), "run", config, "--set", f'run.output_dir="{out}"',
         "--set", "eval.at_end=false", "--set", "checkpoint.at_end=false", "--set", "checkpoint.export_final=false",
         "--set", "profile.interval_s=1.0",
+        # Both modes run the target and the drafters: no seeding from regen's feature files,
+        # no time budget cutting the runs to different lengths (the demo config has both).
+        "--set", "data.feature_files=false", "--set", "train.max_minutes=0",
     ]  # fmt: skip
     for e in extra:
         cmd += ["--set", e]

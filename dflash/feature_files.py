@@ -16,7 +16,8 @@ the batch:
 - `j.next` (S,) int32, greedy regen only: the target's greedy next token at each position
   of the reply (the next reply token; after the last one, what the target generated next:
   its end of turn, or the token after a reply cut at `max_new_tokens`) — the labels of
-  `train.labels = "target"`; elsewhere the next data token (never a label: no loss there).
+  `train.labels = "target"`; elsewhere the next data token (in the prompt never a label;
+  after the end-of-turn token, the template's "\n": the one label that is the data's).
 
 Where re-tokenizing the written reply does not give back the generated tokens (a few
 percent: whitespace stripped, merges across the reply's end), regen runs the target once
@@ -147,26 +148,55 @@ def read_meta(folder: Path) -> FeatureMeta | None:
         return None
 
 
+def _check(path: Path, j: int, ids: torch.Tensor, features: torch.Tensor, nxt: torch.Tensor | None, width: int) -> None:
+    n = ids.shape[0] if ids.ndim == 1 else -1
+    if n < 0 or features.ndim != 2 or features.shape != (n, width) or (nxt is not None and nxt.shape != ids.shape):
+        got = [tuple(t.shape) if t is not None else None for t in (ids, features, nxt)]
+        msg = f"{path}: entry {j}: shapes do not fit (ids, features, next: {got}; width {width})"
+        raise ValueError(msg)
+
+
+def _part_ids(path: Path) -> tuple[FeatureMeta, list[torch.Tensor]]:
+    """A part's metadata and its entries' ids (features stay on disk)."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = FeatureMeta.from_header(f.metadata(), path)
+        keys = set(f.keys())
+        ids = []
+        while f"{len(ids)}.ids" in keys:
+            j = len(ids)
+            t = f.get_tensor(f"{j}.ids")
+            if t.ndim != 1 or f"{j}.features" not in keys or (meta.greedy and f"{j}.next" not in keys):
+                msg = f"{path}: entry {j}: malformed (ids of shape {tuple(t.shape)}, or features / next missing)"
+                raise ValueError(msg)
+            ids.append(t.long())
+        return meta, ids
+
+
+def _load(path: Path, js: Sequence[int], width: int) -> dict[int, Entry]:
+    """Entries `js` of one part, whole, shapes checked."""
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        for j in js:
+            ids, feats = f.get_tensor(f"{j}.ids").long(), f.get_tensor(f"{j}.features")
+            nxt = f.get_tensor(f"{j}.next").long() if f"{j}.next" in keys else None
+            _check(path, j, ids, feats, nxt, width)
+            out[j] = Entry(ids, feats, nxt)
+    return out
+
+
 def read_folder(folder: Path) -> Iterator[tuple[FeatureMeta, Entry]]:
     """Every entry of every part in `folder`, in part order. Raises ValueError naming the file
     on a malformed one."""
     for path in sorted(folder.glob("part-*.safetensors")):
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = FeatureMeta.from_header(f.metadata(), path)
-                keys = set(f.keys())
-                j = 0
-                while f"{j}.ids" in keys:
-                    nxt = f.get_tensor(f"{j}.next").long() if f"{j}.next" in keys else None
-                    entry = Entry(f.get_tensor(f"{j}.ids").long(), f.get_tensor(f"{j}.features"), nxt)
-                    if entry.features.shape[0] != entry.ids.shape[0] or entry.features.shape[-1] != meta.width:
-                        msg = f"{path}: entry {j}: features {tuple(entry.features.shape)} do not fit its ids"
-                        raise ValueError(msg)
-                    yield meta, entry
-                    j += 1
+            meta, ids = _part_ids(path)
+            entries = _load(path, range(len(ids)), meta.width)
         except (SafetensorError, OSError) as err:
             msg = f"{path}: unreadable feature file: {err}"
             raise ValueError(msg) from None
+        for j in range(len(ids)):
+            yield meta, entries[j]
 
 
 def seed_cache(
@@ -183,44 +213,62 @@ def seed_cache(
     `want`: the run's target (its `greedy` is ignored). `teacher_topk`: 0 (features only) or
     1 (target labels: greedy `next` needed); more (distillation's top-k) cannot be served
     from feature files. `max_len`: data.max_seq_len (a sample that long may be a stored
-    entry's prefix). Folders that cannot serve this run are named in `warn` and skipped."""
+    entry's prefix). First only the ids are read (an index: key -> part, entry); features are
+    loaded for matched samples only, part by part, until the cache's budget is spent. A part
+    that cannot serve this run (another target layout, sampled with target labels, malformed,
+    unreadable) is skipped with a `warn` line naming it; the others still serve."""
     stats = {"feature_files_samples": 0, "feature_files_entries": 0}
     if teacher_topk > 1:
         if folders:
             warn.append(f"feature files {folders[0]} not used: train.distill needs the target's top-k logits")
         return stats
-    by_ids: dict[tuple[int, ...], Entry] = {}
-    for folder in folders:
+    index: dict[tuple[int, ...], tuple[Path, int]] = {}  # ids -> (part, entry)
+    widths: dict[Path, int] = {}
+    skipped: dict[str, str] = {}  # why -> first part skipped for it
+    for path in (p for folder in folders for p in sorted(folder.glob("part-*.safetensors"))):
         try:
-            for meta, entry in read_folder(folder):
-                why = meta.differs_from(want)
-                if not why and teacher_topk and not meta.greedy:
-                    why = "made by sampled regen (temperature > 0): no greedy labels for train.labels = 'target'"
-                if why:
-                    warn.append(f"feature files {folder} not used: {why}")
-                    break
-                by_ids[tuple(entry.ids.tolist())] = entry
-                stats["feature_files_entries"] += 1
-        except ValueError as err:
-            warn.append(f"feature files not used: {err}")
-    if not by_ids:
+            meta, ids = _part_ids(path)
+        except (SafetensorError, OSError, ValueError) as err:
+            skipped.setdefault(f"unreadable ({str(err).splitlines()[0]})", str(path))
+            continue
+        why = meta.differs_from(want)
+        if not why and teacher_topk and not meta.greedy:
+            why = "made by sampled regen (temperature > 0): no greedy labels for train.labels = 'target'"
+        if why:
+            skipped.setdefault(why, str(path))
+            continue
+        widths[path] = meta.width
+        for j, t in enumerate(ids):
+            index[tuple(t.tolist())] = (path, j)
+        stats["feature_files_entries"] += len(ids)
+    for why, path in skipped.items():
+        warn.append(f"feature files {path} (and any like it) not used: {why}")
+    if not index:
         return stats
-    cut: dict[tuple[int, ...], Entry] | None = None  # entries cut at max_len: truncated samples
+    matched: dict[Path, list[tuple[int, int, int]]] = {}  # part -> [(entry, sample id, length)]
+    cut: dict[tuple[int, ...], tuple[Path, int]] | None = None  # entries cut at max_len
     for s in samples:
         key = tuple(s.input_ids.tolist())
-        entry = by_ids.get(key)
-        if entry is None and len(key) == max_len:  # a sample truncated at data.max_seq_len
+        hit = index.get(key)
+        if hit is None and len(key) == max_len:  # a sample truncated at data.max_seq_len: a stored prefix
             if cut is None:
-                cut = {k[:max_len]: e for k, e in by_ids.items() if len(k) > max_len}
-            entry = cut.get(key)
-        if entry is None:
+                cut = {k[:max_len]: v for k, v in index.items() if len(k) > max_len}
+            hit = cut.get(key)
+        if hit is not None:
+            matched.setdefault(hit[0], []).append((hit[1], s.sample_id, len(key)))
+    for path, wants in matched.items():
+        try:
+            entries = _load(path, sorted({j for j, _, _ in wants}), widths[path])
+        except (SafetensorError, OSError, ValueError) as err:
+            warn.append(f"feature files {path} not used: {str(err).splitlines()[0]}")
             continue
-        n = len(key)
-        teacher = None
-        if teacher_topk:
-            assert entry.next is not None  # greedy checked above
-            teacher = (torch.zeros(n, 1), entry.next[:n, None])  # top-1: the ids; its logit is never read
-        if not cache.seed(s.sample_id, entry.features[:n], teacher):
-            break  # the cache's budget is spent
-        stats["feature_files_samples"] += 1
+        for j, sample_id, n in wants:
+            e = entries[j]
+            teacher = None
+            if teacher_topk:
+                assert e.next is not None  # greedy parts only, checked above
+                teacher = (torch.zeros(n, 1), e.next[:n, None])  # top-1: the ids; its logit is never read
+            if not cache.seed(sample_id, e.features[:n], teacher):
+                return stats  # the cache's budget is spent
+            stats["feature_files_samples"] += 1
     return stats

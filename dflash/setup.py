@@ -206,7 +206,7 @@ def _feature_cache(
     """The run's feature cache (data.feature_cache_mb), seeded from the feature files that
     `dflash regen` left beside the data files (`regen.save_features`)."""
     folders = []
-    if cfg.data.source == "files":
+    if cfg.data.source == "files" and cfg.data.feature_files:
         folders = [f for f in (folder_for(local_path(d.path)) for d in cfg.data.files) if f.is_dir()]
     if not cfg.data.feature_cache_mb:
         if folders:

@@ -648,3 +648,26 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     with pytest.raises(DataError, match="layer_ids"):
         _feature_regen(env, other, "seeded", "regen.max_prompts=16")
     assert len(list(folder.iterdir())) == 3
+    with pytest.raises(DataError, match="sampled"):  # nor mix sampled parts into greedy ones
+        _feature_regen(env, loaded, "seeded", "regen.max_prompts=16", "regen.temperature=1.0")
+
+    off = prepare(env.cfg("seeded", *base, "data.feature_files=false"))
+    assert "feature_files_samples" not in off.data_stats and not [w for w in off.warnings if "feature" in w]
+
+    # A damaged part costs only its own entries: the others still serve, one warning names it.
+    from safetensors.torch import load_file, save_file
+
+    part = folder / "part-00001.safetensors"
+    part.write_bytes(part.read_bytes()[:100])  # cut short
+    t = prepare(env.cfg("seeded", *base))
+    assert t.data_stats["feature_files_samples"] == 8 and "unreadable" in " ".join(t.warnings)
+    bad = folder / "part-00002.safetensors"
+    tensors = load_file(bad)
+    tensors["0.next"] = tensors["0.next"][:1]  # a label row shorter than its ids
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "part-00000.safetensors"), framework="pt") as f:
+        header = f.metadata()
+    save_file(tensors, str(bad), metadata=header)
+    t = prepare(env.cfg("seeded", *base, 'train.labels="target"'))
+    assert t.data_stats["feature_files_samples"] == 4 and "shapes do not fit" in " ".join(t.warnings)

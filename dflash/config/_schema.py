@@ -69,6 +69,10 @@ class DataConfig(_Section):
     feature_cache_mb: int = Field(
         0, ge=0, description="keep target features of seen samples in memory (MiB); later epochs skip the target"
     )
+    feature_files: bool = Field(
+        True, description="seed the feature cache from the feature files regen left beside the data files "
+        "(regen.save_features); false: ignore them (e.g. to measure the target's forward)",
+    )  # fmt: skip
     cache_dir: str = Field("", description="tokenization / model cache; default ~/.cache/dflash")
     chat_template_kwargs: dict[str, bool | int | float | str] = Field(
         default_factory=dict,

@@ -230,6 +230,12 @@ def _feature_entries(
     return entries
 
 
+_RAW: dict[str, Any] = {
+    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "bad_words_ids": None, "sequence_bias": None,
+}  # fmt: skip
+
+
 def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tuple[int, list[int]]]]:
     for s in range(0, len(items), size):
         yield items[s : s + size]
@@ -301,11 +307,12 @@ def _regenerate(
     if features is not None:
         part = next_part_index(features)
         made = read_meta(features)
-        if made is not None and made.differs_from(meta):
-            msg = (
-                f"{features}: {made.differs_from(meta)} (regen.save_features); "
-                "use a new regen.output, or delete that folder"
-            )
+        why = made.differs_from(meta) if made is not None else ""
+        if made is not None and not why and made.greedy != meta.greedy:
+            kind = {True: "greedy", False: "sampled"}
+            why = f"made by {kind[made.greedy]} regen, this one is {kind[meta.greedy]}"
+        if why:
+            msg = f"{features}: {why} (regen.save_features); use a new regen.output, or delete that folder"
             raise DataError(msg)
     feature_mb = 0.0
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +328,9 @@ def _regenerate(
             for r, (_, toks) in enumerate(batch):  # left padding: generation continues at the end
                 ids[r, L - len(toks) :] = torch.tensor(toks)
                 attn[r, L - len(toks) :] = 1
-            kwargs: dict[str, Any] = {"do_sample": cfg.regen.temperature > 0}
+            # Greedy is the raw argmax, as greedy verification computes it: the model's own
+            # generation settings that bend it (penalties, banned tokens) are off.
+            kwargs: dict[str, Any] = {"do_sample": cfg.regen.temperature > 0, **_RAW}
             if cfg.regen.temperature > 0:
                 kwargs["temperature"] = cfg.regen.temperature
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))

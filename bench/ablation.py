@@ -57,7 +57,7 @@ def run_variant(name: str, config: Path, steps: int | None, extra: list[str], mt
         sets = [f"drafter.gamma={2 * _gamma(config, extra)}"]
     common = [f"run.name='ablation_{name}'", "eval.at_end=true", "checkpoint.at_end=false", *extra]
     if steps:
-        common.append(f"train.max_steps={steps}")
+        common += [f"train.max_steps={steps}", "train.max_minutes=0"]  # the same steps: no time budget cuts one short
     t0 = time.perf_counter()
     proc = _dflash("run", str(config), *(a for s in [*common, *sets] for a in ("--set", s)))
     if proc.returncode != 0:

@@ -35,6 +35,11 @@ class FeatureCache:
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
         self._lock = threading.Lock()  # target chains put and get from their worker threads
 
+    @classmethod
+    def from_config(cls, megabytes: int) -> FeatureCache | None:
+        """The cache `data.feature_cache_mb` asks for (None at 0)."""
+        return cls(megabytes * 2**20) if megabytes else None
+
     def __len__(self) -> int:
         return len(self._store)
 

@@ -212,7 +212,7 @@ def _feature_cache(
         if folders:
             warn.append(f"feature files {folders[0]} not used: set data.feature_cache_mb to hold them")
         return None
-    cache = FeatureCache(cfg.data.feature_cache_mb * 2**20)
+    cache = FeatureCache.from_config(cfg.data.feature_cache_mb)
     if folders:
         want = FeatureMeta.of(t0)
         stats.update(seed_cache(cache, samples, folders, want, teacher_topk(cfg.train), cfg.data.max_seq_len, warn))

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 
 from dflash.devices import Device, host_sync
+from dflash.feature_cache import FeatureCache
 from dflash.model.loss import LossParts
 from dflash.profile import Stage
 
@@ -259,5 +260,6 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
         max_steps=cfg.train.max_steps,
         total_steps=-(-spec.batches // len(replicas)),
         padding_fraction=0.0,
+        cache=FeatureCache.from_config(cfg.data.feature_cache_mb),
         make_device=SimDevice if spec.device_model == "async" else Device,
     )

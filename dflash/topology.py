@@ -66,9 +66,7 @@ def build(
         opt, profiler, emit, start_step=t.start_step, log_every=cfg.train.log_every,
         max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
     )  # fmt: skip
-    cache = t.cache  # set-up's, seeded from feature files; stand-ins (synthetic.prepare) bring none
-    if cache is None and cfg.data.feature_cache_mb:
-        cache = FeatureCache(cfg.data.feature_cache_mb * 2**20)
+    cache = t.cache  # set-up's (seeded from feature files), or a stand-in's
     if cfg.pipeline.mode == "serial":
         loop = serial.train(t, data, targets[0], drafters, opt, book, stop, profiler, cache)
         return Topology([("serial", loop)], devices, opt, book, cache)

@@ -25,9 +25,11 @@ import torch
 
 from dflash.config import Config
 from dflash.data.chat_template import tokenize_many
+from dflash.data.samples import Sample, collate
 from dflash.errors import DataError
 from dflash.feature_files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.packages import package_folder
+from dflash.stages import target_forward
 
 __all__ = ["chatterbot_prompts", "jsonl_prompts", "load_prompts", "regenerate", "write_jsonl"]
 
@@ -208,24 +210,13 @@ def _feature_entries(
             nxt = torch.tensor([*ids[1:], ids[-1]])
             nxt[len(f) - 1] = after[r]
         entries[r] = Entry(torch.tensor(ids), x, nxt)
-    if redo:  # the training tokenization itself through the target, as a training forward would
-        dev = target.device
-        T = max(len(ids) for _, ids in redo)
-        ids_t = torch.zeros(len(redo), T, dtype=torch.long)
-        docs = torch.full((len(redo), T), -1, dtype=torch.long)
-        for j, (_, ids) in enumerate(redo):
-            ids_t[j, : len(ids)] = torch.tensor(ids)
-            docs[j, : len(ids)] = j
-        pos = torch.arange(T).expand(len(redo), T)
-        args = (ids_t.to(dev), docs.to(dev), pos.to(dev))
-        if greedy:
-            layers, (_, top) = target.teacher(*args, packed=False, k=1)
-        else:
-            layers, top = target.capture(*args, packed=False), None
+    if redo:  # the training tokenization itself through the target: the training forward
+        rows = [Sample(j, torch.tensor(ids), torch.ones(len(ids), dtype=torch.bool)) for j, (_, ids) in enumerate(redo)]
+        layers, top = target_forward.forward(target, collate(rows, 0, 0), 1 if greedy else 0)
         x_all = torch.cat(layers, dim=-1).cpu()
         for j, (r, ids) in enumerate(redo):
             n = len(ids)
-            nxt = top[j, :n, 0].cpu() if top is not None else None
+            nxt = top[1][j, :n, 0].cpu() if top is not None else None
             entries[r] = Entry(torch.tensor(ids), x_all[j, :n].to(torch.bfloat16), nxt)
     return entries
 
@@ -342,6 +333,8 @@ def _regenerate(
                     input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=steps,
                     pad_token_id=pad, eos_token_id=eos, **kwargs,
                 )  # fmt: skip
+            res = res.cpu()  # one copy of the batch's tokens (and features) to the host, not one a row
+            recorded = rec[0].cpu() if features is not None else None
             convs: list[Messages] = []
             fed: list[list[int]] = []
             after: list[int] = []
@@ -353,7 +346,7 @@ def _regenerate(
                 if features is not None:
                     fed.append([*toks, *reply])
                     after.append(int(res[r, L + len(reply)]))
-                    feats.append(rec[0][r, L - len(toks) : L + len(reply)].cpu())
+                    feats.append(recorded[r, L - len(toks) : L + len(reply)])
                 new_tokens += len(reply)
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 msgs = [*train[i], {"role": "assistant", "content": text}]

@@ -14,7 +14,7 @@ import torch
 from dflash.config import TrainConfig
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 
-__all__ = ["DrafterReplica", "TimeBudget", "build_replicas", "lr_lambda"]
+__all__ = ["DrafterReplica", "LossVocab", "TimeBudget", "build_replicas", "lr_lambda"]
 
 
 class TimeBudget:
@@ -78,6 +78,50 @@ def lr_lambda(
     return f
 
 
+@dataclass(frozen=True)
+class LossVocab:
+    """`train.loss_vocab = "data"`: the training loss's softmax over the data's tokens plus,
+    each micro-batch, `NEGATIVES` tokens drawn from the rest (sampled softmax): the rest
+    must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw win
+    the argmax — a quarter of the drafts without them, measured. Each drawn token stands for
+    `len(outside) / NEGATIVES` of them: its logit gets log of that (logQ correction), so the
+    softmax's normaliser estimates the whole vocabulary's.
+
+    `lm_head` (V', H): the LM head's rows of the data's tokens; `index` (V,): each token's
+    row there, -1 outside (such a label counts 0); `outside` (V - V',): the other ids."""
+
+    NEGATIVES = 4096
+
+    lm_head: torch.Tensor
+    index: torch.Tensor
+    outside: torch.Tensor
+
+    @classmethod
+    def of(cls, head: FrozenHead, tokens: torch.Tensor) -> LossVocab:
+        dev = head.lm_head.device
+        ids = torch.unique(tokens).to(dev)  # sorted
+        index = torch.full((head.lm_head.shape[0],), -1, dtype=torch.long, device=dev)
+        index[ids] = torch.arange(len(ids), device=dev)
+        outside = (index < 0).nonzero().flatten()
+        return cls(head.lm_head[ids].contiguous(), index, outside)
+
+    def draw(self, generator: torch.Generator) -> torch.Tensor:
+        """Positions into `outside` of one micro-batch's negatives (host, with replacement)."""
+        n = len(self.outside)
+        if not n:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.randint(n, (min(self.NEGATIVES, n),), generator=generator)
+
+    def head(self, full: torch.Tensor, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss's LM head (V' + K, H) and logit bias (V' + K,) for `drawn` (on the device)."""
+        if not len(drawn):
+            return self.lm_head, None
+        neg = full.index_select(0, self.outside.index_select(0, drawn))
+        bias = torch.zeros(len(self.lm_head) + len(drawn), device=full.device)
+        bias[len(self.lm_head) :] = math.log(len(self.outside) / len(drawn))
+        return torch.cat([self.lm_head, neg]), bias
+
+
 @dataclass
 class DrafterReplica:
     index: int
@@ -86,6 +130,7 @@ class DrafterReplica:
     head: FrozenHead
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    loss_vocab: LossVocab | None = None  # the loss's softmax over these tokens; None: all
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -101,7 +146,9 @@ def build_replicas(
     seed: int,
     init_from: torch.nn.Module | None = None,
     budget: TimeBudget | None = None,
+    loss_tokens: torch.Tensor | None = None,
 ) -> list[DrafterReplica]:
+    """`loss_tokens`: the token ids the loss's softmax runs over (`train.loss_vocab`); None: all."""
     base = DFlashDrafter(spec)
     base.init_weights(torch.Generator().manual_seed(seed + 104729))
     if init_from is not None:
@@ -124,5 +171,7 @@ def build_replicas(
         clock = budget.fraction if budget is not None else None
         f = lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio, train.schedule, train.decay_ratio, clock)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
-        out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched))
+        rhead = head.to(dev, dtype)
+        vocab = LossVocab.of(rhead, loss_tokens) if loss_tokens is not None else None
+        out.append(DrafterReplica(i, dev, model, rhead, opt, sched, vocab))
     return out

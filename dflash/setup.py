@@ -279,7 +279,11 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     spec = drafter_spec(cfg, t0, mask_id)
     init_from = t0.model if cfg.drafter.init_from_target else None
     budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
-    replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from, budget)
+    loss_tokens = None
+    if cfg.train.loss_vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
+        loss_tokens = torch.unique(torch.cat([s.input_ids for s in samples]))
+        stats["loss_vocab"] = int(loss_tokens.numel())
+    replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from, budget, loss_tokens)
     if loaded is not None:
         restore(loaded, replicas)
     t = cfg.train

@@ -671,3 +671,41 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     save_file(tensors, str(bad), metadata=header)
     t = prepare(env.cfg("seeded", *base, 'train.labels="target"'))
     assert t.data_stats["feature_files_samples"] == 4 and "shapes do not fit" in " ".join(t.warnings)
+
+
+def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outliers() -> None:
+    """Regen's batches follow the prompts' (seeded, shuffled) order window by window, so a run
+    cut by its budget has answered a random sample, not the shortest prompts; inside a window
+    like lengths go together, and a few long prompts get a batch of their own size."""
+    from dflash.data.regen import _batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(30, 60, (100,), generator=g)]
+    lengths[5] = lengths[50] = 400  # two long outliers
+    items = [(i, [1] * n) for i, n in enumerate(lengths)]
+    batches = list(_batches(items, 4))
+    assert sorted(i for b in batches for i, _ in b) == list(range(100))  # every prompt, once
+    window = 8 * 4
+    windows = [{i // window for i, _ in b} for b in batches]
+    assert all(len(w) == 1 for w in windows), "a batch takes prompts of one window"
+    order = [w.pop() for w in windows]
+    assert order == sorted(order), "windows in the prompts' order: a cut run has answered the first ones"
+    for b in batches:
+        assert 1 <= len(b) <= 4
+        assert [len(t) for _, t in b] == sorted(len(t) for _, t in b)
+    outliers = [b for b in batches if any(len(t) == 400 for _, t in b)]
+    assert [len(b) for b in outliers] == [1, 1], "a 400-token prompt does not pad three ~45-token ones"
+
+
+def test_regen_fits_its_last_batch_into_the_budget() -> None:
+    """The batch that would end past `regen.max_minutes` is cut to the rows that fit (a batch
+    costs a quarter fixed, three quarters per row), or skipped under 8 rows."""
+    from dflash.data.regen import _rows_that_fit
+
+    assert _rows_that_fit(100.0, 40.0, 128, 128) == 128  # a whole batch fits
+    assert _rows_that_fit(40.0, 40.0, 128, 128) == 128  # exactly
+    assert _rows_that_fit(20.0, 40.0, 128, 128) == 42  # (0.5 - 0.25) / 0.75 of 128
+    assert _rows_that_fit(10.0, 40.0, 128, 128) == 0  # the fixed quarter alone fills it
+    assert _rows_that_fit(-5.0, 40.0, 128, 128) == 0
+    assert _rows_that_fit(30.0, 40.0, 128, 16) == 16  # a small batch that fits
+    assert _rows_that_fit(5.0, 0.0, 0, 128) == 128  # nothing measured yet: the whole batch

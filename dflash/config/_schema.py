@@ -273,6 +273,12 @@ class TrainConfig(_Section):
         description="weight of distillation from the target's next-token distribution (its top-k logits at each "
         "label position) against the hard labels; 0 = hard labels only",
     )  # fmt: skip
+    loss_vocab: Literal["full", "data"] = Field(
+        "full",
+        description="the tokens the training loss's softmax runs over: full = the whole vocabulary; data = the tokens "
+        "of the training data (the LM head, most of a small drafter's step, then costs that share of the "
+        "vocabulary; a label outside it counts 0). Eval and the export keep the whole LM head",
+    )
     distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
     distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
 
@@ -280,6 +286,13 @@ class TrainConfig(_Section):
     def _greedy_prefix(self) -> TrainConfig:
         if self.greedy_prefix_only and self.labels != "target":
             msg = f"greedy_prefix_only needs labels = 'target' (labels = {self.labels!r})"
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
+    def _loss_vocab(self) -> TrainConfig:
+        if self.loss_vocab == "data" and self.distill > 0:
+            msg = "loss_vocab = 'data' with distill > 0: the target's top-k may lie outside the data's tokens"
             raise ValueError(msg)
         return self
 

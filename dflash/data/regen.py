@@ -4,13 +4,14 @@ This is how production drafters are trained — on the target's own outputs, whi
 exactly what the drafter must predict at inference — and it makes a small prompt set
 enough. `dflash regen CONFIG` reads prompts (the chatterbot-corpus package, or a chat
 JSONL whose conversations are cut before their first assistant turn), keeps `holdout` of
-them aside for eval, and generates replies in batches (greedy, or sampled), sorted by
-length so that padding stays low. Output is JSONL `{"id", "messages"}`, appended batch by
+them aside for eval, and generates replies in batches (greedy, or sampled) in a seeded random
+order, like lengths batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended batch by
 batch and flushed: an interrupted regen resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -227,9 +228,41 @@ _RAW: dict[str, Any] = {
 }  # fmt: skip
 
 
+_MIN_ROWS = 8  # a smaller batch than this is not worth its prefill and per-step overhead
+
+
+def _rows_that_fit(left_s: float, last_s: float, last_rows: int, rows: int) -> int:
+    """How many of a batch's `rows` fit in `left_s` seconds, judged by the last batch (`last_s`
+    for `last_rows` rows). A batch's time is modelled as a quarter fixed (weights read each
+    step, whatever the rows) and three quarters per row: on a CPU 64 rows take ~0.63 of 128's
+    time. So the last batch of a budget is cut to fit rather than skipped: `regen.max_minutes`
+    is spent, not left a batch short (on a loaded machine that batch can be half the budget)."""
+    if last_s <= 0 or last_rows <= 0:
+        return rows
+    frac = left_s / last_s  # of the last batch's time
+    if frac >= 0.25 + 0.75 * rows / last_rows:
+        return rows
+    return max(0, min(rows, int(last_rows * (frac - 0.25) / 0.75)))
+
+
 def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tuple[int, list[int]]]]:
-    for s in range(0, len(items), size):
-        yield items[s : s + size]
+    """Batches in the items' (shuffled) order, so a run cut short has answered a random sample
+    of the prompts, like the held-out ones (shortest first would train on one-word prompts and
+    test on the rest). Within a window of 8 batches, like lengths go together (little padding),
+    and a batch holds at most `size` rows of the window's median length × 2 in tokens: a few
+    long outliers share a smaller batch instead of padding 128 rows to their length."""
+    window = 8 * size
+    for w in range(0, len(items), window):
+        chunk = sorted(items[w : w + window], key=lambda x: len(x[1]))
+        cap = size * 2 * len(chunk[len(chunk) // 2][1])
+        batch: list[tuple[int, list[int]]] = []
+        for item in chunk:
+            if batch and (len(batch) == size or (len(batch) + 1) * len(item[1]) > cap):
+                yield batch
+                batch = []
+            batch.append(item)
+        if batch:
+            yield batch
 
 
 @torch.no_grad()
@@ -276,10 +309,6 @@ def _regenerate(
             p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
         )
         todo.append((i, list(ids["input_ids"])))
-    # Like lengths together, shortest first: little padding, and a run cut by
-    # `regen.max_minutes` leaves the longest prompts (a batch of a few long outliers, padded,
-    # costs as much as ten ordinary ones) for a later regen.
-    todo.sort(key=lambda x: len(x[1]))
     already = len(train) - len(todo)
     model, dev = target.model, target.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -308,10 +337,20 @@ def _regenerate(
     feature_mb = 0.0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
-        for b, batch in enumerate(_batches(todo, cfg.regen.batch_size)):
-            # At least one batch a call; no batch that the last one's time says would end past the budget.
-            if b and time.perf_counter() - t0 + last_batch_s > budget_s:
-                break
+        queue = collections.deque(_batches(todo, cfg.regen.batch_size))
+        b = -1
+        last_rows = 0
+        while queue:
+            batch = queue.popleft()
+            b += 1
+            if b:  # at least one batch a call; then only what the last batch's time says fits the budget
+                rows = _rows_that_fit(budget_s - (time.perf_counter() - t0), last_batch_s, last_rows, len(batch))
+                if rows < len(batch):
+                    if rows < _MIN_ROWS:
+                        queue.appendleft(batch)
+                        break
+                    queue.appendleft(batch[rows:])
+                    batch = batch[:rows]
             t_batch = time.perf_counter()
             L = max(len(x[1]) for x in batch)
             ids = torch.full((len(batch), L), pad, dtype=torch.long)
@@ -365,7 +404,7 @@ def _regenerate(
                     feature_mb += path.stat().st_size / 2**20
             written += len(batch)
             now = time.perf_counter()
-            last_batch_s = now - t_batch
+            last_batch_s, last_rows = now - t_batch, len(batch)
             if progress and (tty or now - last_line >= 30 or b == 0):
                 last_line = now
                 done_n = already + written

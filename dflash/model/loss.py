@@ -138,9 +138,12 @@ def _chunk_loss(
     t_idx: torch.Tensor | None = None,
     distill: float = 0.0,
     temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the loss, whether the argmax is the label, and the label's probability."""
     logits = (h @ head.t()).float()  # (chunk, V)
+    if bias is not None:  # sampled softmax's logQ correction (train.loss_vocab)
+        logits = logits + bias
     ce = F.cross_entropy(logits, labels, reduction="none")
     label_prob = torch.exp(-ce.detach())
     if t_vals is not None and t_idx is not None and distill > 0:
@@ -164,11 +167,13 @@ def block_loss(
     distill: float = 0.0,
     temperature: float = 1.0,
     dpace_alpha: float | None = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> LossParts:
     """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
     `distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
     With `dpace_alpha`, each slot's host weight (1 for D-PACE: Σ w counts the slots) is
-    multiplied by its D-PACE weight (`dpace_weights`), computed from this forward."""
+    multiplied by its D-PACE weight (`dpace_weights`), computed from this forward.
+    `logit_bias` (V,): added to every row's logits (sampled softmax's correction)."""
     dev = hidden.device
     H = hidden.shape[-1]
     # The drafter step uploads the targets while preparing (these are then no-ops); from
@@ -184,7 +189,7 @@ def block_loss(
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
-        args = (h[s:e], lm_head, labels[s:e], *soft, distill, temperature)
+        args = (h[s:e], lm_head, labels[s:e], *soft, distill, temperature, logit_bias)
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
             part, ok, prob = checkpoint(_chunk_loss, *args, use_reentrant=False)

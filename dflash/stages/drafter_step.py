@@ -51,6 +51,7 @@ class Prepared:
     q_pos: torch.Tensor  # (R, N·B) positions of the block slots
     masks: dict[str, Any]  # per layer type
     targets: BlockTargets  # which slots count, their labels and weights (on the device)
+    negatives: torch.Tensor | None = None  # train.loss_vocab = "data": this batch's drawn negatives (device)
 
 
 def prepare(
@@ -108,11 +109,18 @@ def prepare(
         # Zero weight, not dropped: which slots agree is known on the target's device only,
         # and Σ w (the step's normaliser) is counted on the host.
         weights = weights * _greedy_prefix(feats, anchors, targets.sel, B, dev)
+    negatives = None
+    if rep.loss_vocab is not None:  # rows of the loss's LM head; a label outside it counts 0
+        at = rep.loss_vocab.index[labels]
+        weights = weights * (at >= 0)
+        labels = torch.where(at >= 0, at, -100)  # cross_entropy's ignore_index: loss 0, never "correct"
+        g = torch.Generator().manual_seed(sample_seed(seed, b.index, b.epoch) ^ 0x4E6)
+        negatives = upload(rep.loss_vocab.draw(g), dev)
     targets = dataclasses.replace(
         targets, sel=upload(targets.sel, dev), labels=labels,
         weights=weights, slot=upload(targets.slot, dev), teacher=teacher,
     )  # fmt: skip
-    return Prepared(b, context, positions, ids, q, masks, targets)
+    return Prepared(b, context, positions, ids, q, masks, targets, negatives)
 
 
 def _greedy_prefix(
@@ -173,8 +181,11 @@ def compute(
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         emb = F.embedding(p.block_ids, rep.head.embed)
         hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks)  # (R, N·B, H)
+        lm_head, bias = rep.head.lm_head, None
+        if rep.loss_vocab is not None and p.negatives is not None:
+            lm_head, bias = rep.loss_vocab.head(rep.head.lm_head, p.negatives)
         parts = block_loss(
-            hidden, rep.head.lm_head, p.targets, B, loss_chunk, distill, distill_temperature, dpace_alpha
+            hidden, lm_head, p.targets, B, loss_chunk, distill, distill_temperature, dpace_alpha, logit_bias=bias
         )
     faults.check(Stage.DRAFTER_FORWARD)
     if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied
@@ -207,8 +218,15 @@ class MicroStep:
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> Prepared:
         return self.prepare_fn(
-            rep, device, feats, cfg=self.cfg, seed=self.seed, use_flex=self.use_flex, reveal_prob=self.noise(step),
-            target_labels=self.target_labels, greedy_prefix_only=self.greedy_prefix_only,
+            rep,
+            device,
+            feats,
+            cfg=self.cfg,
+            seed=self.seed,
+            use_flex=self.use_flex,
+            reveal_prob=self.noise(step),
+            target_labels=self.target_labels,
+            greedy_prefix_only=self.greedy_prefix_only,
             dpace=self.dpace_alpha is not None,
         )
 

@@ -1,0 +1,87 @@
+"""`train.loss_vocab = "data"`: the loss's softmax over the data's tokens plus sampled negatives."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dflash.errors import ConfigError
+from dflash.model.drafter import FrozenHead
+from dflash.model.loss import block_loss, block_targets
+from dflash.replica import LossVocab
+from tests.conftest import run_records
+
+
+def _head(V: int = 50, H: int = 8) -> FrozenHead:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(V, H, generator=g)
+    return FrozenHead(w, w)
+
+
+def test_loss_vocab_maps_the_data_tokens_and_keeps_the_rest_outside() -> None:
+    head = _head()
+    vocab = LossVocab.of(head, torch.tensor([7, 3, 3, 41, 7]))
+    assert vocab.index[torch.tensor([3, 7, 41])].tolist() == [0, 1, 2]
+    assert (vocab.index >= 0).sum() == 3 and vocab.index[0] == -1
+    assert torch.equal(vocab.lm_head, head.lm_head[torch.tensor([3, 7, 41])])
+    assert sorted(vocab.outside.tolist()) == [t for t in range(50) if t not in (3, 7, 41)]
+
+
+def test_data_vocab_covering_every_token_is_the_full_loss() -> None:
+    """With every token in the data nothing is sampled, and the loss and its gradient equal the
+    whole vocabulary's cross-entropy."""
+    head = _head()
+    vocab = LossVocab.of(head, torch.arange(50))
+    assert len(vocab.outside) == 0 and len(vocab.draw(torch.Generator())) == 0
+    ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
+    doc = torch.zeros(2, 10, dtype=torch.long)
+    anchors, valid = torch.tensor([[1, 5], [0, 4]]), torch.ones(2, 2, dtype=torch.bool)
+    t = block_targets(ids, torch.ones(2, 10, dtype=torch.bool), doc, anchors, valid, 4, 2.0)
+    hidden = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    full = block_loss(hidden, head.lm_head, t, 4, 64)
+    (g_full,) = torch.autograd.grad(full.loss_sum, hidden)
+    lm, bias = vocab.head(head.lm_head, vocab.draw(torch.Generator()))
+    mapped = block_loss(hidden, lm, dataclasses.replace(t, labels=vocab.index[t.labels]), 4, 64, logit_bias=bias)
+    (g_mapped,) = torch.autograd.grad(mapped.loss_sum, hidden)
+    assert torch.allclose(full.loss_sum, mapped.loss_sum) and torch.allclose(g_full, g_mapped)
+
+
+def test_sampled_negatives_estimate_the_whole_normaliser() -> None:
+    """The drawn negatives, each with log(outside / drawn) added to its logit, give an
+    unbiased estimate of the softmax normaliser over the whole vocabulary."""
+    V = 2000
+    head = _head(V, 16)
+    vocab = LossVocab.of(head, torch.arange(300))
+    h = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.5
+    true = torch.exp(head.lm_head @ h).sum()
+    g = torch.Generator().manual_seed(4)
+    est = []
+    for _ in range(200):
+        lm, bias = vocab.head(head.lm_head, torch.randint(len(vocab.outside), (256,), generator=g))
+        assert bias is not None and bias[-1] == pytest.approx(math.log(len(vocab.outside) / 256))
+        est.append(torch.exp(lm @ h + bias).sum())
+    assert float(torch.stack(est).mean()) == pytest.approx(float(true), rel=0.02)
+
+
+def test_a_run_with_data_vocab_trains_counts_its_vocab_and_evaluates_losslessly(tiny_config) -> None:
+    """A tiny run with `train.loss_vocab = "data"` learns (tau_sim rises), its setup record
+    counts the data's distinct tokens, and the full-vocabulary eval stays lossless."""
+    cfg = tiny_config(
+        **{"data.num_samples": 256, "train.epochs": 4, "train.lr": 2e-2, "train.loss_vocab": "data",
+           "eval.num_prompts": 2, "eval.max_new_tokens": 24, "eval.at_end": "true"}
+    )  # fmt: skip
+    records = run_records(cfg)
+    (setup,) = [r for r in records if r["event"] == "setup"]
+    assert 0 < setup["data"]["loss_vocab"] <= cfg.target.tiny.vocab_size
+    steps = [r for r in records if r["event"] == "train_step"]
+    assert sum(s["tau_sim"] for s in steps[-5:]) / 5 > sum(s["tau_sim"] for s in steps[:5]) / 5 + 0.2
+    (ev,) = [r for r in records if r["event"] == "eval"]
+    assert ev["lossless"] is True
+
+
+def test_data_vocab_with_distillation_is_refused(tiny_config) -> None:
+    with pytest.raises(ConfigError, match="loss_vocab = 'data' with distill"):
+        tiny_config(**{"train.loss_vocab": "data", "train.distill": 0.5})

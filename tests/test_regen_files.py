@@ -709,3 +709,47 @@ def test_regen_fits_its_last_batch_into_the_budget() -> None:
     assert _rows_that_fit(-5.0, 40.0, 128, 128) == 0
     assert _rows_that_fit(30.0, 40.0, 128, 16) == 16  # a small batch that fits
     assert _rows_that_fit(5.0, 0.0, 0, 128) == 128  # nothing measured yet: the whole batch
+
+
+def test_replay_tau_equals_the_speculative_eval_on_the_same_prompts(
+    env: Env, loaded: tuple[Any, Any], trained_run: subprocess.CompletedProcess[str]
+) -> None:
+    """bench/replay_tau.py: given the target's greedy reply and its features, the walk of
+    greedy verification over teacher-forced drafts gives exactly the verify steps speculative
+    decoding takes (same accepted count at each step: a stop id or max_new_tokens inside a
+    block included); and it reads a regen output's feature files."""
+    import importlib.util
+
+    from dflash.eval import speculative_generate, stop_ids
+    from dflash.export import load_drafter
+    from dflash.model.drafter import FrozenHead
+
+    assert trained_run.returncode == 0, trained_run.stderr
+    spec = importlib.util.spec_from_file_location("replay_tau", ROOT / "bench" / "replay_tau.py")
+    assert spec is not None and spec.loader is not None
+    replay_tau = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay_tau)
+    target, tokenizer = loaded
+    drafter = load_drafter(env.run_dir("main") / "final", torch.device("cpu")).eval()
+    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(torch.device("cpu"), torch.float32)
+    stops = stop_ids(target, tokenizer)
+    heldout = env.run_dir("main") / "regen.heldout.jsonl"
+    convs = [r["messages"] for r in read_jsonl(heldout)] + [[{"role": "user", "content": c}] for c in ("a b", "hi")]
+    accepted, replies = [], []
+    for max_new in (3, 8, 24):
+        for msgs in convs:
+            enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+            prompt = torch.tensor(list(enc["input_ids"]))
+            out = speculative_generate(target, drafter, head, prompt, max_new, stops)
+            ids = torch.cat([prompt, torch.tensor(out.tokens)])
+            _, feats = target.forward_with_features(input_ids=ids[None])
+            replies.append((ids, feats[0], len(prompt)))
+            got = replay_tau.replay(drafter, head, replies[-1:], int(tokenizer.eos_token_id), max_new)
+            assert got["verify_steps"] == len(out.accepted)
+            assert got["accept_hist"] == [out.accepted.count(a) for a in range(4)], (got, out.accepted)
+            accepted += out.accepted
+    assert any(accepted) and any(a == 0 for a in accepted)  # drafts both accepted and rejected
+
+    sets = (f"regen.prompts={json.dumps(str(heldout))}", "regen.holdout=0", "regen.save_features=true")
+    stats = regen_in_process(env, loaded, "replay", *sets)
+    assert len(replay_tau.replies_with_features(Path(stats["output"]), tokenizer)) == HOLDOUT

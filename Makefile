@@ -35,7 +35,7 @@ $(DEMO_STAMP): $(STAMP)
 		|| (echo "set-up: demo packages failed to install" >&2; exit 1)
 	@touch $(DEMO_STAMP)
 
-# Regenerate replies with the target (3.5 min budget; resumes; keeps the target features), train (3 min budget), evaluate:
+# Regenerate replies with the target (4.5 min budget; resumes; keeps the target features), train (2 min budget), evaluate:
 # prints τ on 5 held-out prompts and on the first 5 MT-Bench questions (both turns).
 demo: $(DEMO_STAMP)
 	@mkdir -p runs/demo

@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dflash.config import load_config  # noqa: E402
+from dflash.errors import DFlashError  # noqa: E402
 from dflash.export import load_drafter  # noqa: E402
-from dflash.feature_files import folder_for, read_folder  # noqa: E402
+from dflash.feature_files import folder_for, read_folder, read_meta  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, FrozenHead  # noqa: E402
 from dflash.model.loading import load_tokenizer  # noqa: E402
 from dflash.model.masks import BlockLayout, layer_masks  # noqa: E402
@@ -136,8 +137,15 @@ def main() -> None:
     target = load_target(cfg.target.model_copy(update={"dtype": "float32"}), dev, 1, cfg.data.cache_dir)
     head = FrozenHead(target.embed_weight, target.lm_head_weight).to(dev, torch.float32)
     stop_id = int(tokenizer.eos_token_id)
+    meta = read_meta(folder_for(Path(args.replies)))
     for path in args.drafters:
-        drafter = load_drafter(path, dev).eval()
+        try:
+            drafter = load_drafter(path, dev).eval()
+        except DFlashError as err:
+            sys.exit(f"replay_tau: {err}")
+        if meta is not None and list(meta.layer_ids) != list(drafter.spec.target_layer_ids):
+            why = f"reads target layers {drafter.spec.target_layer_ids}, the feature files hold {meta.layer_ids}"
+            sys.exit(f"replay_tau: {path} {why}: regen the replies with its target.layer_ids")
         rec = {"drafter": path, **replay(drafter, head, replies, stop_id, args.max_new_tokens)}
         print(f"{path}: tau {rec['tau']} (tau_all {rec['tau_all']}, p {rec['p']}, {rec['replies']} replies)")
         print(json.dumps(rec), flush=True)

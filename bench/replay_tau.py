@@ -11,12 +11,16 @@ compared (BENCHMARKS.md). It is no lossless check and no speed figure: `dflash e
     # once: the target's replies to the held-out prompts, with features (regen, 48 tokens as eval)
     bin/dflash regen configs/demo.toml --set run.name=heldout_replies --set regen.holdout=0 \\
         --set regen.prompts=runs/demo/regen.heldout.jsonl --set regen.max_new_tokens=48 \\
-        --set regen.max_minutes=0 --set regen.batch_size=32
+        --set regen.max_minutes=0 --set regen.batch_size=32 --set target.dtype=float32
     .venv/bin/python bench/replay_tau.py --replies runs/heldout_replies/regen.jsonl runs/demo/final [more drafters]
 
 Prints one line per drafter: `tau` (eval's walk from each reply's start: what `dflash eval`
-reports, up to greedy decoding's rounding), `tau_all` (every reply position as an anchor),
-`p` (share of anchors accepting at least k drafts), and one JSON line each.
+reports — the same verify steps, tested, but for two edges: eval may also count drafts that
+match the target's tokens after a stop token inside the last block, and a batched float32
+regen can round a near-tie differently from one-at-a-time decoding; replies whose text
+re-tokenizes to other tokens are skipped), `tau_all` (every reply position as an anchor),
+`p` (share of anchors accepting at least k drafts), and one JSON line each. Regen the replies
+with the eval's target dtype (float32) and max_new_tokens (48).
 """
 
 from __future__ import annotations
@@ -55,8 +59,15 @@ def replies_with_features(replies: Path, tokenizer) -> list[tuple[torch.Tensor, 
     out = []
     for _, e in read_folder(folder_for(replies)):
         key = tuple(e.ids.tolist())
-        if key in prompt_len:
-            out.append((e.ids, e.features, prompt_len[key]))
+        P = prompt_len.get(key)
+        if P is None:
+            continue
+        # The reply as written must be the target's greedy tokens: where re-tokenizing the
+        # text changed them (~2 %), regen recomputed the features over other tokens: skipped.
+        end = len(key) - 2  # <|im_end|> and "\n" close the turn
+        if e.next is None or not torch.equal(e.next[P : end - 1], e.ids[P + 1 : end]):
+            continue
+        out.append((e.ids, e.features, P))
     return out
 
 

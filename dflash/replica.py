@@ -13,8 +13,9 @@ import torch
 
 from dflash.config import TrainConfig
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
+from dflash.model.loss import LossVocab
 
-__all__ = ["DrafterReplica", "LossVocab", "TimeBudget", "build_replicas", "lr_lambda"]
+__all__ = ["DrafterReplica", "TimeBudget", "build_replicas", "lr_lambda"]
 
 
 class TimeBudget:
@@ -78,50 +79,6 @@ def lr_lambda(
     return f
 
 
-@dataclass(frozen=True)
-class LossVocab:
-    """`train.loss_vocab = "data"`: the training loss's softmax over the data's tokens plus,
-    each micro-batch, `NEGATIVES` tokens drawn from the rest (sampled softmax): the rest
-    must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw win
-    the argmax — a quarter of the drafts without them, measured. Each drawn token stands for
-    `len(outside) / NEGATIVES` of them: its logit gets log of that (logQ correction), so the
-    softmax's normaliser estimates the whole vocabulary's.
-
-    `lm_head` (V', H): the LM head's rows of the data's tokens; `index` (V,): each token's
-    row there, -1 outside (such a label counts 0); `outside` (V - V',): the other ids."""
-
-    NEGATIVES = 4096
-
-    lm_head: torch.Tensor
-    index: torch.Tensor
-    outside: torch.Tensor
-
-    @classmethod
-    def of(cls, head: FrozenHead, tokens: torch.Tensor) -> LossVocab:
-        dev = head.lm_head.device
-        ids = torch.unique(tokens).to(dev)  # sorted
-        index = torch.full((head.lm_head.shape[0],), -1, dtype=torch.long, device=dev)
-        index[ids] = torch.arange(len(ids), device=dev)
-        outside = (index < 0).nonzero().flatten()
-        return cls(head.lm_head[ids].contiguous(), index, outside)
-
-    def draw(self, generator: torch.Generator) -> torch.Tensor:
-        """Positions into `outside` of one micro-batch's negatives (host, with replacement)."""
-        n = len(self.outside)
-        if not n:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.randint(n, (min(self.NEGATIVES, n),), generator=generator)
-
-    def head(self, full: torch.Tensor, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The loss's LM head (V' + K, H) and logit bias (V' + K,) for `drawn` (on the device)."""
-        if not len(drawn):
-            return self.lm_head, None
-        neg = full.index_select(0, self.outside.index_select(0, drawn))
-        bias = torch.zeros(len(self.lm_head) + len(drawn), device=full.device)
-        bias[len(self.lm_head) :] = math.log(len(self.outside) / len(drawn))
-        return torch.cat([self.lm_head, neg]), bias
-
-
 @dataclass
 class DrafterReplica:
     index: int
@@ -172,6 +129,6 @@ def build_replicas(
         f = lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio, train.schedule, train.decay_ratio, clock)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         rhead = head.to(dev, dtype)
-        vocab = LossVocab.of(rhead, loss_tokens) if loss_tokens is not None else None
+        vocab = LossVocab.of(rhead.lm_head, loss_tokens) if loss_tokens is not None else None
         out.append(DrafterReplica(i, dev, model, rhead, opt, sched, vocab))
     return out

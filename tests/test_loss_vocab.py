@@ -10,8 +10,7 @@ import torch
 
 from dflash.errors import ConfigError
 from dflash.model.drafter import FrozenHead
-from dflash.model.loss import block_loss, block_targets
-from dflash.replica import LossVocab
+from dflash.model.loss import LossVocab, block_loss, block_targets
 from tests.conftest import run_records
 
 
@@ -23,7 +22,7 @@ def _head(V: int = 50, H: int = 8) -> FrozenHead:
 
 def test_loss_vocab_maps_the_data_tokens_and_keeps_the_rest_outside() -> None:
     head = _head()
-    vocab = LossVocab.of(head, torch.tensor([7, 3, 3, 41, 7]))
+    vocab = LossVocab.of(head.lm_head, torch.tensor([7, 3, 3, 41, 7]))
     assert vocab.index[torch.tensor([3, 7, 41])].tolist() == [0, 1, 2]
     assert (vocab.index >= 0).sum() == 3 and vocab.index[0] == -1
     assert torch.equal(vocab.lm_head, head.lm_head[torch.tensor([3, 7, 41])])
@@ -34,7 +33,7 @@ def test_data_vocab_covering_every_token_is_the_full_loss() -> None:
     """With every token in the data nothing is sampled, and the loss and its gradient equal the
     whole vocabulary's cross-entropy."""
     head = _head()
-    vocab = LossVocab.of(head, torch.arange(50))
+    vocab = LossVocab.of(head.lm_head, torch.arange(50))
     assert len(vocab.outside) == 0 and len(vocab.draw(torch.Generator())) == 0
     ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
     doc = torch.zeros(2, 10, dtype=torch.long)
@@ -52,18 +51,44 @@ def test_data_vocab_covering_every_token_is_the_full_loss() -> None:
 def test_sampled_negatives_estimate_the_whole_normaliser() -> None:
     """The drawn negatives, each with log(outside / drawn) added to its logit, give an
     unbiased estimate of the softmax normaliser over the whole vocabulary."""
+
+    class Small(LossVocab):
+        NEGATIVES = 256
+
     V = 2000
     head = _head(V, 16)
-    vocab = LossVocab.of(head, torch.arange(300))
+    vocab = Small.of(head.lm_head, torch.arange(300))
     h = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.5
     true = torch.exp(head.lm_head @ h).sum()
     g = torch.Generator().manual_seed(4)
     est = []
     for _ in range(200):
-        lm, bias = vocab.head(head.lm_head, torch.randint(len(vocab.outside), (256,), generator=g))
-        assert bias is not None and bias[-1] == pytest.approx(math.log(len(vocab.outside) / 256))
+        drawn = vocab.draw(g)
+        lm, bias = vocab.head(head.lm_head, drawn)
+        assert len(drawn) == 256 and bias is not None and lm.shape[0] == bias.shape[0] == 300 + 256
+        assert bias[-1] == pytest.approx(math.log(1700 / 256)) and not bias[:300].any()
         est.append(torch.exp(lm @ h + bias).sum())
     assert float(torch.stack(est).mean()) == pytest.approx(float(true), rel=0.02)
+
+
+def test_labels_outside_the_data_count_zero_and_never_correct() -> None:
+    """A label outside the data's tokens (e.g. the target's greedy token on text that never
+    contains it) gets weight 0 and the ignore index: no loss, not counted correct."""
+    head = _head()
+    vocab = LossVocab.of(head.lm_head, torch.tensor([3, 7, 41]))
+    labels, weights = vocab.labels(torch.tensor([7, 5, 41]), torch.tensor([1.0, 0.8, 0.5]))
+    assert labels.tolist() == [1, -100, 2] and weights.tolist() == [1.0, 0.0, 0.5]
+    ids = torch.tensor([[7, 5, 41, 3, 3, 3]])
+    t = block_targets(ids, torch.ones(1, 6, dtype=torch.bool), torch.zeros(1, 6, dtype=torch.long),
+                      torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool), 4, 2.0)  # fmt: skip
+    lab, w = vocab.labels(t.labels, t.weights)
+    hidden = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(5))
+    lm, bias = vocab.head(head.lm_head, vocab.draw(torch.Generator().manual_seed(6)))
+    out = block_loss(hidden, lm, dataclasses.replace(t, labels=lab, weights=w), 4, 64, logit_bias=bias)
+    kept = dataclasses.replace(t, labels=lab[lab >= 0], weights=w[lab >= 0], sel=t.sel[lab >= 0], slot=t.slot[lab >= 0])
+    ref = block_loss(hidden, lm, kept, 4, 64, logit_bias=bias)
+    assert torch.allclose(out.loss_sum, ref.loss_sum)
+    assert torch.equal(out.correct_per_slot, ref.correct_per_slot)  # the ignored slot adds no "correct"
 
 
 def test_a_run_with_data_vocab_trains_counts_its_vocab_and_evaluates_losslessly(tiny_config) -> None:

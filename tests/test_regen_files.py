@@ -693,6 +693,9 @@ def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outli
     for b in batches:
         assert 1 <= len(b) <= 4
         assert [len(t) for _, t in b] == sorted(len(t) for _, t in b)
+    first = [min(len(t) for _, t in b) for b in batches if all(i < window for i, _ in b)]
+    assert first != sorted(first), "a window's batches in random order: a cut run has not answered only its shortest"
+    assert list(_batches(items, 4)) == batches and list(_batches(items, 4, seed=1)) != batches  # seeded
     outliers = [b for b in batches if any(len(t) == 400 for _, t in b)]
     assert [len(b) for b in outliers] == [1, 1], "a 400-token prompt does not pad three ~45-token ones"
 
@@ -716,8 +719,8 @@ def test_replay_tau_equals_the_speculative_eval_on_the_same_prompts(
 ) -> None:
     """bench/replay_tau.py: given the target's greedy reply and its features, the walk of
     greedy verification over teacher-forced drafts gives exactly the verify steps speculative
-    decoding takes (same accepted count at each step: a stop id or max_new_tokens inside a
-    block included); and it reads a regen output's feature files."""
+    decoding takes (the same accepted count at each step, max_new_tokens inside a block
+    included); and it reads a regen output's feature files."""
     import importlib.util
 
     from dflash.eval import speculative_generate, stop_ids
@@ -752,4 +755,7 @@ def test_replay_tau_equals_the_speculative_eval_on_the_same_prompts(
 
     sets = (f"regen.prompts={json.dumps(str(heldout))}", "regen.holdout=0", "regen.save_features=true")
     stats = regen_in_process(env, loaded, "replay", *sets)
-    assert len(replay_tau.replies_with_features(Path(stats["output"]), tokenizer)) == HOLDOUT
+    read = replay_tau.replies_with_features(Path(stats["output"]), tokenizer)
+    assert len(read) <= HOLDOUT  # replies that re-tokenize to other tokens than generated are skipped
+    for ids, feats, P in read:
+        assert feats.shape == (len(ids), target.hidden_size) and 0 < P < len(ids)

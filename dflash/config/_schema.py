@@ -292,7 +292,7 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _loss_vocab(self) -> TrainConfig:
         if self.loss_vocab == "data" and self.distill > 0:
-            msg = "loss_vocab = 'data' with distill > 0: the target's top-k may lie outside the data's tokens"
+            msg = "loss_vocab = 'data' with distill > 0 (the top-k may lie outside the data's tokens): set one back"
             raise ValueError(msg)
         return self
 

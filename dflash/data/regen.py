@@ -245,24 +245,26 @@ def _rows_that_fit(left_s: float, last_s: float, last_rows: int, rows: int) -> i
     return max(0, min(rows, int(last_rows * (frac - 0.25) / 0.75)))
 
 
-def _batches(items: list[tuple[int, list[int]]], size: int) -> Iterator[list[tuple[int, list[int]]]]:
+def _batches(items: list[tuple[int, list[int]]], size: int, seed: int = 0) -> Iterator[list[tuple[int, list[int]]]]:
     """Batches in the items' (shuffled) order, so a run cut short has answered a random sample
     of the prompts, like the held-out ones (shortest first would train on one-word prompts and
-    test on the rest). Within a window of 8 batches, like lengths go together (little padding),
-    and a batch holds at most `size` rows of the window's median length × 2 in tokens: a few
-    long outliers share a smaller batch instead of padding 128 rows to their length."""
+    test on the rest). Within a window of 8 batches, like lengths go together (little padding)
+    and the batches then come in a seeded random order (a run cut inside a window has not
+    answered only its shortest prompts); a batch holds at most `size` rows of the window's
+    median length × 2 in tokens: a few long outliers share a smaller batch instead of padding
+    128 rows to their length."""
     window = 8 * size
+    rng = random.Random(seed)
     for w in range(0, len(items), window):
         chunk = sorted(items[w : w + window], key=lambda x: len(x[1]))
         cap = size * 2 * len(chunk[len(chunk) // 2][1])
-        batch: list[tuple[int, list[int]]] = []
+        out: list[list[tuple[int, list[int]]]] = [[]]
         for item in chunk:
-            if batch and (len(batch) == size or (len(batch) + 1) * len(item[1]) > cap):
-                yield batch
-                batch = []
-            batch.append(item)
-        if batch:
-            yield batch
+            if out[-1] and (len(out[-1]) == size or (len(out[-1]) + 1) * len(item[1]) > cap):
+                out.append([])
+            out[-1].append(item)
+        rng.shuffle(out)
+        yield from out
 
 
 @torch.no_grad()
@@ -337,7 +339,7 @@ def _regenerate(
     feature_mb = 0.0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
-        queue = collections.deque(_batches(todo, cfg.regen.batch_size))
+        queue = collections.deque(_batches(todo, cfg.regen.batch_size, cfg.regen.seed))
         b = -1
         last_rows = 0
         while queue:
@@ -404,7 +406,8 @@ def _regenerate(
                     feature_mb += path.stat().st_size / 2**20
             written += len(batch)
             now = time.perf_counter()
-            last_batch_s, last_rows = now - t_batch, len(batch)
+            if len(batch) >= min(_MIN_ROWS, cfg.regen.batch_size) or not last_rows:  # not from a few outliers
+                last_batch_s, last_rows = now - t_batch, len(batch)
             if progress and (tty or now - last_line >= 30 or b == 0):
                 last_line = now
                 done_n = already + written

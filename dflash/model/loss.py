@@ -19,7 +19,65 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BlockTargets", "LossParts", "block_loss", "block_targets", "dpace_weights", "gamma_weights", "reveal_slots"]
+__all__ = [
+    "BlockTargets", "LossParts", "LossVocab", "block_loss", "block_targets", "dpace_weights", "gamma_weights",
+    "reveal_slots",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LossVocab:
+    """`train.loss_vocab = "data"`: the training loss's softmax over the data's tokens plus,
+    each micro-batch, `NEGATIVES` tokens drawn from the rest (sampled softmax): the rest
+    must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw win
+    the argmax — a quarter of the drafts without them, measured. Each drawn token stands for
+    `len(outside) / NEGATIVES` of them: its logit gets log of that (logQ correction), so the
+    softmax's normaliser estimates the whole vocabulary's.
+
+    `lm_head` (V', H): the LM head's rows of the data's tokens; `index` (V,): each token's
+    row there, -1 outside (such a label counts 0); `outside` (V - V',): the other ids;
+    `bias` (V' + K,): the logit bias of a head with K drawn negatives."""
+
+    NEGATIVES = 4096
+
+    lm_head: torch.Tensor
+    index: torch.Tensor
+    outside: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, lm_head: torch.Tensor, tokens: torch.Tensor) -> LossVocab:  # no-sync: set-up
+        dev = lm_head.device
+        ids = torch.unique(tokens).to(dev)  # sorted
+        index = torch.full((lm_head.shape[0],), -1, dtype=torch.long, device=dev)
+        index[ids] = torch.arange(len(ids), device=dev)
+        outside = (index < 0).nonzero().flatten()
+        k = min(cls.NEGATIVES, len(outside))
+        bias = None
+        if k:
+            bias = torch.zeros(len(ids) + k, device=dev)
+            bias[len(ids) :] = math.log(len(outside) / k)
+        return cls(lm_head[ids].contiguous(), index, outside, bias)
+
+    def draw(self, generator: torch.Generator) -> torch.Tensor:
+        """Positions into `outside` of one micro-batch's negatives (host, with replacement)."""
+        n = len(self.outside)
+        if not n:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.randint(n, (min(self.NEGATIVES, n),), generator=generator)
+
+    def labels(self, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token labels as rows of the loss's head; a label outside the data's tokens gets
+        weight 0 and -100 (cross_entropy's ignore_index: loss 0, never "correct")."""
+        at = self.index[labels]
+        return torch.where(at >= 0, at, -100), weights * (at >= 0)
+
+    def head(self, full: torch.Tensor, drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss's LM head (V' + K, H) and logit bias for `drawn` (device ids into `outside`)."""
+        if not len(drawn):
+            return self.lm_head, None
+        neg = full.index_select(0, self.outside.index_select(0, drawn))
+        return torch.cat([self.lm_head, neg]), self.bias
 
 
 def gamma_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -145,7 +203,7 @@ def _chunk_loss(
     if bias is not None:  # sampled softmax's logQ correction (train.loss_vocab)
         logits = logits + bias
     ce = F.cross_entropy(logits, labels, reduction="none")
-    label_prob = torch.exp(-ce.detach())
+    label_prob = torch.where(labels >= 0, torch.exp(-ce.detach()), 0.0)  # an ignored label (-100) is no sure slot
     if t_vals is not None and t_idx is not None and distill > 0:
         # Cross-entropy to the target's top-k distribution (= KL to it plus its entropy, a
         # constant): same gradient as the KL, over the k tokens the target thinks likely.

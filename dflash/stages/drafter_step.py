@@ -111,9 +111,7 @@ def prepare(
         weights = weights * _greedy_prefix(feats, anchors, targets.sel, B, dev)
     negatives = None
     if rep.loss_vocab is not None:  # rows of the loss's LM head; a label outside it counts 0
-        at = rep.loss_vocab.index[labels]
-        weights = weights * (at >= 0)
-        labels = torch.where(at >= 0, at, -100)  # cross_entropy's ignore_index: loss 0, never "correct"
+        labels, weights = rep.loss_vocab.labels(labels, weights)
         g = torch.Generator().manual_seed(sample_seed(seed, b.index, b.epoch) ^ 0x4E6)
         negatives = upload(rep.loss_vocab.draw(g), dev)
     targets = dataclasses.replace(

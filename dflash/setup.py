@@ -281,9 +281,10 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
     loss_tokens = None
     if cfg.train.loss_vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
-        loss_tokens = torch.unique(torch.cat([s.input_ids for s in samples]))
-        stats["loss_vocab"] = int(loss_tokens.numel())
+        loss_tokens = torch.cat([s.input_ids for s in samples])
     replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from, budget, loss_tokens)
+    if replicas[0].loss_vocab is not None:
+        stats["loss_vocab"] = len(replicas[0].loss_vocab.lm_head)  # the distinct tokens LossVocab.of kept
     if loaded is not None:
         restore(loaded, replicas)
     t = cfg.train

@@ -141,6 +141,8 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = load_config(args.config)
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
+    if not Path(args.replies).is_file():
+        sys.exit(f"replay_tau: replies not found: {args.replies} (the regen command in this script's help writes them)")
     replies = replies_with_features(Path(args.replies), tokenizer)
     if not replies:
         sys.exit(f"replay_tau: no reply of {args.replies} has a feature entry (regen.save_features = true?)")

@@ -714,6 +714,37 @@ def test_regen_fits_its_last_batch_into_the_budget() -> None:
     assert _rows_that_fit(5.0, 0.0, 0, 128) == 128  # nothing measured yet: the whole batch
 
 
+def test_regen_runs_the_shared_prompt_prefix_once_with_the_same_result(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's shared prefix (the chat template's system turn) runs once and its KV cache is
+    copied to every row, the padding between it and each row's own tokens: the same greedy
+    tokens and features as feeding every whole prompt left-padded, and as one row alone."""
+    from dflash.data import regen
+
+    target, tokenizer = loaded
+    system = {"role": "system", "content": "You are terse."}
+    convs = [[system, *_prompt_of(c["messages"])] for c in _conversations()[:5]]
+    kw = {"add_generation_prompt": True, "tokenize": True, "return_dict": True}
+    rows = [list(tokenizer.apply_chat_template(c, **kw)["input_ids"]) for c in convs]
+    assert regen._common_prefix(rows) >= regen._MIN_PREFIX
+    assert regen._common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # every row keeps a token to feed
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    raw = {"do_sample": False, **regen._RAW}
+    new, feats = regen._generate(target, rows, pad, eos, 9, raw, True)
+    monkeypatch.setattr(regen, "_MIN_PREFIX", 10**6)  # the whole prompts, left-padded
+    ref_new, ref_feats = regen._generate(target, rows, pad, eos, 9, raw, True)
+    assert torch.equal(new, ref_new)
+    for r, toks in enumerate(rows):
+        n = len(toks) + 8  # the prompt, then every new token but the last
+        assert feats[r].shape[0] >= n
+        torch.testing.assert_close(feats[r][:n], ref_feats[r][:n], atol=1e-4, rtol=1e-4)
+        one, one_feats = regen._generate(target, [toks], pad, eos, 9, raw, True)
+        assert torch.equal(one[0], new[r])
+        torch.testing.assert_close(one_feats[0][:n], feats[r][:n], atol=1e-4, rtol=1e-4)
+
+
 def test_replay_tau_equals_the_speculative_eval_on_the_same_prompts(
     env: Env, loaded: tuple[Any, Any], trained_run: subprocess.CompletedProcess[str]
 ) -> None:

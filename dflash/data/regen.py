@@ -29,6 +29,7 @@ from dflash.data.chat_template import tokenize_many
 from dflash.data.samples import Sample, collate
 from dflash.errors import DataError
 from dflash.feature_files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
+from dflash.model.hf_compat import cache_kwarg, output_cache
 from dflash.packages import package_folder
 from dflash.stages import target_forward
 
@@ -267,6 +268,72 @@ def _batches(items: list[tuple[int, list[int]]], size: int, seed: int = 0) -> It
         yield from out
 
 
+_MIN_PREFIX = 4  # a shorter prefix shared by a batch's prompts is fed with the rest
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    """The length of the token prefix all `rows` share, leaving each at least one token."""
+    n = min(len(t) for t in rows) - 1
+    first = rows[0]
+    for t in rows[1:]:
+        k = 0
+        while k < n and t[k] == first[k]:
+            k += 1
+        n = k
+    return max(n, 0)
+
+
+@torch.no_grad()
+def _generate(
+    target: Any, rows: list[list[int]], pad: int, eos: int, steps: int, kwargs: dict[str, Any], record: bool
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """One batch through `generate`: `(R, steps)` new tokens on the host and, with `record`,
+    each row's features at the positions it fed (its prompt, then its new tokens but the last).
+
+    The prefix the prompts share (the chat template's system turn: 24 of a chatterbot prompt's
+    ~40 tokens) runs once, for one row, and its KV cache is copied to every row; the padding
+    sits between it and each prompt's own tokens, where the attention mask hides it (position
+    ids count only real tokens). So the batch computes each row's own tokens, not the shared
+    ones 128 times and the padding before them."""
+    model, dev = target.model, target.device
+    shared = _common_prefix(rows) if len(rows) > 1 else 0
+    extra: dict[str, Any] = {}
+    head: torch.Tensor | None = None
+    if shared >= _MIN_PREFIX:
+        with target.recording() if record else contextlib.nullcontext([]) as rec:
+            out = model(input_ids=torch.tensor([rows[0][:shared]], device=dev), use_cache=True)
+        cache = output_cache(out)
+        cache.batch_repeat_interleave(len(rows))
+        extra[cache_kwarg(model)] = cache
+        head = rec[0][0].cpu() if record else None
+    else:
+        shared = 0
+    own = [t[shared:] for t in rows]
+    L = max(len(t) for t in own)
+    ids = torch.full((len(rows), shared + L), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), shared + L), dtype=torch.long)
+    ids[:, :shared] = torch.tensor(rows[0][:shared])
+    attn[:, :shared] = 1
+    for r, toks in enumerate(own):  # padded on the left of its own tokens: generation continues at the end
+        ids[r, shared + L - len(toks) :] = torch.tensor(toks)
+        attn[r, shared + L - len(toks) :] = 1
+    with target.recording() if record else contextlib.nullcontext([]) as rec:
+        res = model.generate(
+            input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=steps, pad_token_id=pad,
+            eos_token_id=eos, **extra, **kwargs,
+        )  # fmt: skip
+    new = res[:, shared + L :].cpu()  # one copy of the batch's tokens (and features) to the host, not one a row
+    if new.shape[1] < steps:  # every row stopped early: the rest is padding
+        new = torch.cat([new, new.new_full((len(rows), steps - new.shape[1]), pad)], dim=1)
+    if not record:
+        return new, None
+    got = rec[0].cpu()
+    feats = [got[r, L - len(toks) :] for r, toks in enumerate(own)]
+    if head is not None:
+        feats = [torch.cat([head, f]) for f in feats]
+    return new, feats
+
+
 @torch.no_grad()
 def regenerate(
     cfg: Config,
@@ -312,7 +379,7 @@ def _regenerate(
         )
         todo.append((i, list(ids["input_ids"])))
     already = len(train) - len(todo)
-    model, dev = target.model, target.device
+    dev = target.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     gen = torch.Generator(device=dev).manual_seed(cfg.regen.seed)
@@ -354,12 +421,6 @@ def _regenerate(
                     queue.appendleft(batch[rows:])
                     batch = batch[:rows]
             t_batch = time.perf_counter()
-            L = max(len(x[1]) for x in batch)
-            ids = torch.full((len(batch), L), pad, dtype=torch.long)
-            attn = torch.zeros((len(batch), L), dtype=torch.long)
-            for r, (_, toks) in enumerate(batch):  # left padding: generation continues at the end
-                ids[r, L - len(toks) :] = torch.tensor(toks)
-                attn[r, L - len(toks) :] = 1
             # Greedy is the raw argmax, as greedy verification computes it: the model's own
             # generation settings that bend it (penalties, banned tokens) are off.
             kwargs: dict[str, Any] = {"do_sample": cfg.regen.temperature > 0, **_RAW}
@@ -369,25 +430,19 @@ def _regenerate(
             # Saving features: one token more than the reply keeps, so the last reply token is
             # fed too (its features) and the target's next token after it is known (its label).
             steps = max_new + (features is not None)
-            with target.recording() if features is not None else contextlib.nullcontext([]) as rec:
-                res = model.generate(
-                    input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=steps,
-                    pad_token_id=pad, eos_token_id=eos, **kwargs,
-                )  # fmt: skip
-            res = res.cpu()  # one copy of the batch's tokens (and features) to the host, not one a row
-            recorded = rec[0].cpu() if features is not None else None
+            res, recorded = _generate(target, [t for _, t in batch], pad, eos, steps, kwargs, features is not None)
             convs: list[Messages] = []
             fed: list[list[int]] = []
             after: list[int] = []
             feats: list[torch.Tensor] = []
             for r, (i, toks) in enumerate(batch):
-                reply = res[r, L : L + max_new].tolist()
+                reply = res[r, :max_new].tolist()
                 if eos in reply:
                     reply = reply[: reply.index(eos)]
                 if features is not None:
                     fed.append([*toks, *reply])
-                    after.append(int(res[r, L + len(reply)]))
-                    feats.append(recorded[r, L - len(toks) : L + len(reply)])
+                    after.append(int(res[r, len(reply)]))
+                    feats.append(recorded[r][: len(toks) + len(reply)])
                 new_tokens += len(reply)
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 msgs = [*train[i], {"role": "assistant", "content": text}]

@@ -160,6 +160,8 @@ def run(
 @click.option("--temperature", type=click.FloatRange(min=0.0),
               help="0 (default): greedy, checked lossless; > 0: sampled with speculative sampling's "
                    "verification (eval.temperature)")  # fmt: skip
+@click.option("--batch-size", type=click.IntRange(min=1),
+              help="prompts decoded at once, greedy only (eval.batch_size; 1: single-sequence speedup)")  # fmt: skip
 def eval_cmd(
     config: Path,
     drafter_path: Path,
@@ -168,6 +170,7 @@ def eval_cmd(
     num_prompts: int | None,
     max_new_tokens: int | None,
     temperature: float | None,
+    batch_size: int | None,
 ) -> None:
     """Speculative decoding with a trained drafter, greedy (temperature 0, checked lossless
     against the target's own output) or sampled (--temperature): one `eval` JSON record per
@@ -184,6 +187,7 @@ def eval_cmd(
     extra = [f"eval.num_prompts={num_prompts}"] if num_prompts and not sets else []
     extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
     extra += [f"eval.temperature={temperature!r}"] if temperature is not None else []
+    extra += [f"eval.batch_size={batch_size}"] if batch_size else []
     cfg = load_config(config, [*overrides, *extra])
     logs.configure(sys.stdout)
     from dflash.eval import run_eval
@@ -199,9 +203,11 @@ def eval_cmd(
 def _eval_table(records: list[dict]) -> str:
     """τ per prompt set, like the papers' tables."""
     k = min(6, max(len(r["accept_per_position"]) for r in records))
-    head = f"{'prompt set':<14}{'prompts':>8}{'gens':>6}{'tau':>7}{'tau/gen':>9}  " + " ".join(
-        f"{'p' + str(i + 1):>5}" for i in range(k)
-    ) + f"{'speedup':>9}  lossless"
+    head = (
+        f"{'prompt set':<14}{'prompts':>8}{'gens':>6}{'tau':>7}{'tau/gen':>9}  "
+        + " ".join(f"{'p' + str(i + 1):>5}" for i in range(k))
+        + f"{'speedup':>9}  lossless"
+    )
     rows = [head]
     for r in records:
         acc = " ".join(f"{x:5.2f}" for x in r["accept_per_position"][:k])
@@ -212,6 +218,8 @@ def _eval_table(records: list[dict]) -> str:
             f"{acc}{speed:>9}  {({True: 'yes', False: 'NO', None: 'sampled'})[r['lossless']]}"
         )
     mode = "greedy" if not records[0].get("temperature") else f"sampled at temperature {records[0]['temperature']}"
+    if records[0].get("batch_size", 1) > 1:
+        mode += f", {records[0]['batch_size']} prompts at once: speedup is batched against batched plain decoding"
     return f"dflash eval ({mode}; p_k: share of verify steps accepting at least k drafted tokens)\n" + "\n".join(rows)
 
 

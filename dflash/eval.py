@@ -28,7 +28,16 @@ from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import Target
 
-__all__ = ["SpecOutput", "evaluate", "evaluate_chat", "greedy_generate", "inference_masks", "speculative_generate"]
+__all__ = [
+    "SpecOutput",
+    "evaluate",
+    "evaluate_chat",
+    "greedy_generate",
+    "greedy_generate_batch",
+    "inference_masks",
+    "speculative_generate",
+    "speculative_generate_batch",
+]
 
 
 @dataclass
@@ -178,12 +187,144 @@ def speculative_generate(
     return SpecOutput(_truncate(tokens, max_new, stop_ids), accepted)
 
 
+def _left_padded(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded batch: ids (R, P), valid (R, P) bool, positions (R, P)."""
+    P = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
+    valid = torch.zeros(len(prompts), P, dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        ids[r, P - p.numel() :] = p
+        valid[r, P - p.numel() :] = True
+    return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _batch_masks(
+    drafter: DFlashDrafter, valid: torch.Tensor, ctx_lens: list[int], sizes: list[int], block: int
+) -> dict[str, torch.Tensor]:
+    """Per layer type (R, 1, block, S + block): row r's `inference_masks` for its own context
+    (`ctx_lens[r]` positions, found at the slots `valid[r]` marks among the cache's S) and
+    its own block size `sizes[r]` (the slots past it are left out, as a shorter block would
+    be; each such slot sees only itself, so no row of the softmax is empty)."""
+    R, S = valid.shape
+    out: dict[str, torch.Tensor] = {}
+    slots = [torch.nonzero(valid[r]).flatten() for r in range(R)]
+    for r in range(R):
+        L, bs = ctx_lens[r], sizes[r]
+        for lt, m in inference_masks(drafter, L, bs, valid.device).items():
+            if lt not in out:
+                out[lt] = torch.zeros(R, 1, block, S + block, dtype=torch.bool, device=valid.device)
+                idx = torch.arange(block, device=valid.device)
+                out[lt][:, 0, idx, S + idx] = True
+            out[lt][r, 0, :bs, slots[r]] = m[0, 0, :, :L]
+            out[lt][r, 0, :bs, S : S + bs] = m[0, 0, :, L:]
+    return out
+
+
+@torch.no_grad()
+def speculative_generate_batch(
+    target: Target,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    prompts: Sequence[torch.Tensor],
+    max_new: int,
+    stop_ids: set[int],
+) -> list[SpecOutput]:
+    """Greedy speculative decoding of several prompts at once: each verify step is one target
+    forward over every row's block (on a CPU or a GPU, R rows cost far less than R forwards).
+
+    Each row keeps its own positions. Nothing is cropped: every step appends a block's B slots
+    to both KV caches, and the slots of rejected proposals (and a finished row's) stay there,
+    hidden by the attention masks from then on. Row r's drafter sees exactly the context and
+    block `speculative_generate` gives it (`_batch_masks`), so each row's tokens and verify
+    steps equal the one-prompt loop's, up to the float rounding of batched matmuls."""
+    R = len(prompts)
+    key = cache_kwarg(target.model)
+    dev = target.device
+    ddev = next(drafter.parameters()).device
+    pdtype = next(drafter.parameters()).dtype
+    B, mask_id = drafter.spec.block_size, drafter.spec.mask_token_id
+    ids, valid, pos = _left_padded(prompts)
+    out, feats = target.forward_with_features(
+        input_ids=ids.to(dev), attention_mask=valid.long().to(dev), position_ids=pos.to(dev), use_cache=True
+    )
+    tcache = output_cache(out)
+    dcache = DrafterCache(len(drafter.layers))
+    feats = torch.where(valid[..., None].to(feats.device), feats, 0.0)  # padding: never seen, never NaN
+    drafter.extend_context(dcache, feats.to(ddev, pdtype), pos.to(ddev))
+    tokens = [[t] for t in out.logits[:, -1].argmax(dim=-1).tolist()]
+    accepted: list[list[int]] = [[] for _ in range(R)]
+    ctx = [p.numel() for p in prompts]  # each row's context: its tokens in the caches
+    done = [len(t) >= max_new or t[-1] in stop_ids for t in tokens]
+    valid = valid.to(ddev)
+    while not all(done):
+        sizes = [1 if done[r] else min(B, max_new - len(tokens[r]) + 1) for r in range(R)]
+        block = torch.full((R, B), mask_id, dtype=torch.long, device=ddev)
+        block[:, 0] = torch.tensor([t[-1] for t in tokens], device=ddev)
+        q_pos = torch.tensor(ctx, device=ddev)[:, None] + torch.arange(B, device=ddev)
+        masks = _batch_masks(drafter, valid, ctx, sizes, B)
+        h = drafter.forward_block(dcache, F.embedding(block, head.embed).to(pdtype), q_pos, masks)
+        proposals = (h[:, 1:].to(head.lm_head.dtype) @ head.lm_head.t()).argmax(dim=-1)  # (R, B-1)
+        verify = torch.cat([block[:, :1], proposals], dim=1).to(dev)
+        attn = torch.cat([valid, torch.ones(R, B, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
+        vout, vfeats = target.forward_with_features(
+            input_ids=verify, position_ids=q_pos.to(dev), attention_mask=attn, use_cache=True, **{key: tcache}
+        )
+        tcache = output_cache(vout)
+        post = vout.logits.argmax(dim=-1).tolist()  # (R, B): the target's token after each slot
+        props = proposals.tolist()
+        keep = torch.zeros(R, B, dtype=torch.bool)
+        for r in range(R):
+            if done[r]:
+                continue
+            acc = 0
+            while acc < sizes[r] - 1 and props[r][acc] == post[r][acc]:
+                acc += 1
+            new = [*props[r][:acc], post[r][acc]]
+            tokens[r] += new
+            accepted[r].append(acc)
+            keep[r, : acc + 1] = True
+            ctx[r] += acc + 1
+            done[r] = len(tokens[r]) >= max_new or not stop_ids.isdisjoint(new)
+        valid = torch.cat([valid, keep.to(ddev)], dim=1)
+        drafter.extend_context(dcache, vfeats.to(ddev, pdtype), q_pos)
+    return [SpecOutput(_truncate(tokens[r], max_new, stop_ids), accepted[r]) for r in range(R)]
+
+
+@torch.no_grad()
+def greedy_generate_batch(
+    target: Target, prompts: Sequence[torch.Tensor], max_new: int, stop_ids: set[int]
+) -> list[list[int]]:
+    """The target alone, greedy, several prompts at once (left-padded): `greedy_generate` row
+    by row, up to the float rounding of batched matmuls."""
+    model, key, dev = target.model, cache_kwarg(target.model), target.device
+    ids, valid, pos = _left_padded(prompts)
+    valid = valid.to(dev)
+    out = model(input_ids=ids.to(dev), attention_mask=valid.long(), position_ids=pos.to(dev), use_cache=True)
+    nxt = out.logits[:, -1].argmax(dim=-1)
+    tokens = [[t] for t in nxt.tolist()]
+    last = torch.tensor([p.numel() - 1 for p in prompts], device=dev)
+    done = [t[-1] in stop_ids for t in tokens]
+    while len(tokens[0]) < max_new and not all(done):
+        valid = torch.cat([valid, torch.ones(len(prompts), 1, dtype=torch.bool, device=dev)], dim=1)
+        last = last + 1
+        out = model(
+            input_ids=nxt[:, None], attention_mask=valid.long(), position_ids=last[:, None], use_cache=True,
+            **{key: output_cache(out)},
+        )  # fmt: skip
+        nxt = out.logits[:, -1].argmax(dim=-1)
+        for r, t in enumerate(nxt.tolist()):
+            tokens[r].append(t)
+            done[r] = done[r] or t in stop_ids
+    return [_truncate(t, max_new, stop_ids) for t in tokens]
+
+
 class _Tally:
     """What the `eval` record reports, summed over generations."""
 
-    def __init__(self, block_size: int, temperature: float = 0.0) -> None:
+    def __init__(self, block_size: int, temperature: float = 0.0, batch_size: int = 1) -> None:
         self.B = block_size
         self.temperature = temperature
+        self.batch_size = batch_size if temperature <= 0 else 1
         self.hist = [0] * block_size
         self.spec_s = self.plain_s = 0.0
         self.mismatches = self.generated = 0
@@ -216,7 +357,9 @@ class _Tally:
             "tokens": self.generated,
             "spec_s": round(self.spec_s, 4),
             "plain_s": round(self.plain_s, 4),
+            # at batch_size > 1: batched speculative decoding against batched plain decoding
             "speedup": round(self.plain_s / self.spec_s, 3) if self.spec_s > 0 else None,
+            "batch_size": self.batch_size,
             # sampled: outputs differ from a plain sample by chance; exactness is in distribution
             "lossless": self.mismatches == 0 if self.temperature <= 0 else None,
             "mismatched_prompts": self.mismatches,
@@ -256,6 +399,39 @@ def _generate(
     return spec
 
 
+def _generate_many(
+    target: Target,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    prompts: Sequence[torch.Tensor],
+    max_new: int,
+    stop: set[int],
+    tally: _Tally,
+    generator: torch.Generator | None = None,
+) -> list[SpecOutput]:
+    """`_generate` for each prompt, or (greedy, `tally.batch_size` > 1) batches of them: batched
+    speculative decoding, then batched plain decoding, each batch's time shared by its rows. A
+    row whose two outputs differ is decided one prompt at a time, as batch size 1 decides it:
+    a batched matmul can round a near-tie the other way, and only a mismatch there counts."""
+    if tally.batch_size <= 1:
+        return [_generate(target, drafter, head, p, max_new, stop, tally, generator) for p in prompts]
+    outs = []
+    for s in range(0, len(prompts), tally.batch_size):
+        chunk = prompts[s : s + tally.batch_size]
+        t0 = time.perf_counter()
+        specs = speculative_generate_batch(target, drafter, head, chunk, max_new, stop)
+        t1 = time.perf_counter()
+        plains = greedy_generate_batch(target, chunk, max_new, stop)
+        t2 = time.perf_counter()
+        for p, spec, plain in zip(chunk, specs, plains, strict=True):
+            if spec.tokens != plain:
+                spec = speculative_generate(target, drafter, head, p, max_new, stop)
+                plain = greedy_generate(target, p, max_new, stop)
+            tally.add(spec, plain, (t1 - t0) / len(chunk), (t2 - t1) / len(chunk))
+            outs.append(spec)
+    return outs
+
+
 def evaluate(
     target: Target,
     drafter: DFlashDrafter,
@@ -265,14 +441,15 @@ def evaluate(
     stop_ids: set[int] | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """The `eval` record over token-id prompts: τ, acceptance histogram / per position,
-    speed, lossless (greedy; with a temperature, sampled: exact in distribution)."""
-    tally = _Tally(drafter.spec.block_size, temperature)
+    speed, lossless (greedy; with a temperature, sampled: exact in distribution).
+    `batch_size` > 1 (greedy only): that many prompts decoded at once (`_generate_many`)."""
+    tally = _Tally(drafter.spec.block_size, temperature, batch_size)
     gen = torch.Generator().manual_seed(seed)
     with _eval_mode(drafter):
-        for p in prompts:
-            _generate(target, drafter, head, p, max_new, stop_ids or set(), tally, gen)
+        _generate_many(target, drafter, head, prompts, max_new, stop_ids or set(), tally, gen)
     return tally.record(len(prompts))
 
 
@@ -287,25 +464,31 @@ def evaluate_chat(
     template_kwargs: dict[str, Any] | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """The `eval` record over chat prompts (`data.prompt_sets`): each prompt's turns in
     order, each through the chat template after the target's reply to the one before (the
     speculative output, which equals the plain one when lossless), as the reference's
-    benchmark does for MT-Bench."""
-    tally = _Tally(drafter.spec.block_size, temperature)
+    benchmark does for MT-Bench. With `batch_size` > 1, turn k of every prompt that has one
+    is decoded in batches, after every prompt's turn k - 1."""
+    tally = _Tally(drafter.spec.block_size, temperature, batch_size)
     gen = torch.Generator().manual_seed(seed)
+    histories: list[list[dict[str, str]]] = [[] for _ in prompts]
     with _eval_mode(drafter):
-        for turns in prompts:
-            messages: list[dict[str, str]] = []
-            for turn in turns:
-                messages = [*messages, *turn]
+        for k in range(max((len(turns) for turns in prompts), default=0)):
+            rows = [i for i, turns in enumerate(prompts) if k < len(turns)]
+            ids = []
+            for i in rows:
+                histories[i] = [*histories[i], *prompts[i][k]]
                 enc = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
-                )
-                ids = torch.tensor(list(enc["input_ids"]), dtype=torch.long)
-                spec = _generate(target, drafter, head, ids, max_new, stop_ids or set(), tally, gen)
+                    histories[i], add_generation_prompt=True, tokenize=True, return_dict=True,
+                    **(template_kwargs or {}),
+                )  # fmt: skip
+                ids.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
+            specs = _generate_many(target, drafter, head, ids, max_new, stop_ids or set(), tally, gen)
+            for i, spec in zip(rows, specs, strict=True):
                 reply = tokenizer.decode(spec.tokens, skip_special_tokens=True)
-                messages = [*messages, {"role": "assistant", "content": reply}]
+                histories[i] = [*histories[i], {"role": "assistant", "content": reply}]
     return tally.record(len(prompts))
 
 
@@ -410,7 +593,9 @@ def run_eval(
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
         chat = cfg.data.source == "files" or bool(cfg.eval.prompts)
-        record = evaluate(target, drafter, head, prompts, max_new, stop, cfg.eval.temperature, cfg.run.seed)
+        record = evaluate(
+            target, drafter, head, prompts, max_new, stop, cfg.eval.temperature, cfg.run.seed, cfg.eval.batch_size
+        )
         return [{"prompt_set": "heldout" if chat else "random", **record}]
     if tokenizer is None:
         from dflash.errors import DataError
@@ -423,6 +608,7 @@ def run_eval(
         rec = evaluate_chat(
             target, drafter, head, tokenizer, ps.prompts[:limit], max_new, stop,
             template_kwargs=cfg.data.chat_template_kwargs, temperature=cfg.eval.temperature, seed=cfg.run.seed,
+            batch_size=cfg.eval.batch_size,
         )  # fmt: skip
         records.append({"prompt_set": ps.name, **rec, "chat_template_kwargs": kwargs})
     return records

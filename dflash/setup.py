@@ -182,7 +182,7 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
         faults.check(Stage.EVAL)
         e = cfg.eval
         model, head = replica.model, replica.head
-        rec = evaluate(target, model, head, prompts, e.max_new_tokens, stops, e.temperature, cfg.run.seed)
+        rec = evaluate(target, model, head, prompts, e.max_new_tokens, stops, e.temperature, cfg.run.seed, e.batch_size)
         return {"step": step, **rec}
 
     return run

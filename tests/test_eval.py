@@ -261,3 +261,75 @@ def test_sampled_speculative_decoding_follows_the_target_distribution():
         rejected += out.accepted == [0]
     assert 0.1 * n < rejected < 0.95 * n, rejected
     assert 0.5 * (counts / n - exact).abs().sum() < 0.1
+
+
+class _PartialOracle(DFlashDrafter):
+    """Proposes each row's target continuation except at every fifth position (a wrong
+    token there): partial acceptance, the same on one row or in a batch (`rows`: each batch
+    row's prompt length and greedy continuation)."""
+
+    def __init__(self, spec: DrafterSpec, head: FrozenHead, rows: list[tuple[int, list[int]]]) -> None:
+        super().__init__(spec)
+        self.head, self.rows = head, rows  # (prompt length, greedy continuation) per batch row
+
+    def forward_block(self, cache, emb, q_pos, masks):  # type: ignore[no-untyped-def]
+        R, bs = q_pos.shape
+        h = torch.zeros(R, bs, self.spec.hidden_size)
+        self.head.lm_head.zero_()
+        col = 0
+        for r in range(R):
+            P, plain = self.rows[r]
+            for i in range(1, bs):
+                at = int(q_pos[r, 0]) + i
+                tok = plain[at - P] if at - P < len(plain) else 0
+                if at % 5 == 0:
+                    tok = (tok + 1) % self.spec.vocab_size
+                self.head.lm_head[tok, col] = 1.0
+                h[r, i, col] = 1.0
+                col += 1
+        return h
+
+
+def test_batched_speculative_decoding_equals_one_prompt_at_a_time():
+    """`speculative_generate_batch`: each row's tokens and verify steps equal the one-prompt
+    loop's — a real drafter (2 layers, a sliding one) whose rejected slots leave holes in the
+    caches, and a partly right oracle with a stop id accepted mid-block and max_new inside a
+    block; `greedy_generate_batch` equals `greedy_generate`; eval at batch size 3 reports what
+    batch size 1 does."""
+    from dflash.eval import greedy_generate_batch, speculative_generate_batch
+
+    cfg, t = _tiny_target()
+    common = dict(
+        hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
+        intermediate_size=t.intermediate_size, vocab_size=t.vocab_size, target_layer_ids=t.layer_ids,
+        num_target_layers=t.num_layers, block_size=4, mask_token_id=t.vocab_size - 1,
+    )  # fmt: skip
+    d = DFlashDrafter(_spec(**common, num_layers=2, sliding_window=5))
+    d.init_weights(torch.Generator().manual_seed(0))
+    d.eval()
+    head = FrozenHead(t.embed_weight.clone(), t.lm_head_weight.clone())
+    prompts = [p[: 4 + 3 * i] for i, p in enumerate(draw_prompts(cfg.data, t.vocab_size, 3, 99, t.vocab_size - 1))]
+    for stop in (set(), {int(greedy_generate(t, prompts[1], 8, set())[5])}):
+        plains = [greedy_generate(t, p, 19, stop) for p in prompts]
+        assert greedy_generate_batch(t, prompts, 19, stop) == plains
+        got = speculative_generate_batch(t, d, head, prompts, 19, stop)
+        for p, g, plain in zip(prompts, got, plains, strict=True):
+            one = speculative_generate(t, d, head, p, 19, stop)
+            assert (g.tokens, g.accepted) == (one.tokens, one.accepted) and g.tokens == plain
+        oracle = _PartialOracle(_spec(**common, num_layers=1, layer_types=["full_attention"]), head, [])
+        oracle.init_weights(torch.Generator().manual_seed(0))
+        oracle.rows = [(p.numel(), plain) for p, plain in zip(prompts, plains, strict=True)]
+        got = speculative_generate_batch(t, oracle, head, prompts, 19, stop)
+        accepted = []
+        for r, (p, g, plain) in enumerate(zip(prompts, got, plains, strict=True)):
+            oracle.rows = [(p.numel(), plain)]
+            one = speculative_generate(t, oracle, head, p, 19, stop)
+            assert (g.tokens, g.accepted) == (one.tokens, one.accepted) and g.tokens == plain, r
+            accepted += g.accepted
+        assert max(accepted) == 3 and 0 < sum(accepted) < 3 * len(accepted), "partial acceptance exercised"
+    one = evaluate(t, d, head, prompts, 19)
+    many = evaluate(t, d, head, prompts, 19, batch_size=3)
+    assert many["batch_size"] == 3 and one["batch_size"] == 1 and many["lossless"] is True
+    assert {k: v for k, v in many.items() if not k.endswith(("_s", "speedup", "batch_size"))} == {
+        k: v for k, v in one.items() if not k.endswith(("_s", "speedup", "batch_size"))
+    }

@@ -263,7 +263,8 @@ def speculative_generate_batch(
         q_pos = torch.tensor(ctx, device=ddev)[:, None] + torch.arange(B, device=ddev)
         masks = _batch_masks(drafter, valid, ctx, sizes, B)
         h = drafter.forward_block(dcache, F.embedding(block, head.embed).to(pdtype), q_pos, masks)
-        proposals = (h[:, 1:].to(head.lm_head.dtype) @ head.lm_head.t()).argmax(dim=-1)  # (R, B-1)
+        drafts = h[:, 1:].reshape(-1, h.shape[-1]).to(head.lm_head.dtype)  # 2-D: one plain GEMM with the head
+        proposals = F.linear(drafts, head.lm_head).argmax(dim=-1).view(R, B - 1)
         verify = torch.cat([block[:, :1], proposals], dim=1).to(dev)
         attn = torch.cat([valid, torch.ones(R, B, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
         vout, vfeats = target.forward_with_features(

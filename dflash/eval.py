@@ -326,6 +326,8 @@ class _Tally:
         self.B = block_size
         self.temperature = temperature
         self.batch_size = batch_size if temperature <= 0 else 1
+        self.largest_batch = 1  # the most prompts decoded at once
+        self.singly = 0  # batched rows whose outputs differed, decided again one prompt at a time
         self.hist = [0] * block_size
         self.spec_s = self.plain_s = 0.0
         self.mismatches = self.generated = 0
@@ -360,7 +362,8 @@ class _Tally:
             "plain_s": round(self.plain_s, 4),
             # at batch_size > 1: batched speculative decoding against batched plain decoding
             "speedup": round(self.plain_s / self.spec_s, 3) if self.spec_s > 0 else None,
-            "batch_size": self.batch_size,
+            "batch_size": self.largest_batch,
+            "decided_singly": self.singly,
             # sampled: outputs differ from a plain sample by chance; exactness is in distribution
             "lossless": self.mismatches == 0 if self.temperature <= 0 else None,
             "mismatched_prompts": self.mismatches,
@@ -419,6 +422,7 @@ def _generate_many(
     outs = []
     for s in range(0, len(prompts), tally.batch_size):
         chunk = prompts[s : s + tally.batch_size]
+        tally.largest_batch = max(tally.largest_batch, len(chunk))
         t0 = time.perf_counter()
         specs = speculative_generate_batch(target, drafter, head, chunk, max_new, stop)
         t1 = time.perf_counter()
@@ -426,6 +430,7 @@ def _generate_many(
         t2 = time.perf_counter()
         for p, spec, plain in zip(chunk, specs, plains, strict=True):
             if spec.tokens != plain:
+                tally.singly += 1
                 spec = speculative_generate(target, drafter, head, p, max_new, stop)
                 plain = greedy_generate(target, p, max_new, stop)
             tally.add(spec, plain, (t1 - t0) / len(chunk), (t2 - t1) / len(chunk))

@@ -36,7 +36,7 @@ $(DEMO_STAMP): $(STAMP)
 	@touch $(DEMO_STAMP)
 
 # Regenerate replies with the target (5.5 min budget; resumes; keeps the target features), train (2.5 min budget), evaluate:
-# prints τ on the 32 held-out prompts and on the first 5 MT-Bench questions (both turns), decoded 32 at a time.
+# prints τ on the 32 held-out prompts (decoded 32 at a time) and on the first 5 MT-Bench questions (both turns).
 demo: $(DEMO_STAMP)
 	@mkdir -p runs/demo
 	bin/dflash regen configs/demo.toml > runs/demo/regen.log.jsonl

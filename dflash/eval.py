@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.drafter import DFlashDrafter, DrafterCache, FrozenHead
-from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
+from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache, plain_kv_cache
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import Target
 
@@ -417,7 +417,7 @@ def _generate_many(
     speculative decoding, then batched plain decoding, each batch's time shared by its rows. A
     row whose two outputs differ is decided one prompt at a time, as batch size 1 decides it:
     a batched matmul can round a near-tie the other way, and only a mismatch there counts."""
-    if tally.batch_size <= 1:
+    if tally.batch_size <= 1 or not plain_kv_cache(target.model):  # a sliding window counts hidden slots
         return [_generate(target, drafter, head, p, max_new, stop, tally, generator) for p in prompts]
     outs = []
     for s in range(0, len(prompts), tally.batch_size):
@@ -480,9 +480,13 @@ def evaluate_chat(
     tally = _Tally(drafter.spec.block_size, temperature, batch_size)
     gen = torch.Generator().manual_seed(seed)
     histories: list[list[dict[str, str]]] = [[] for _ in prompts]
+    # One prompt after another (a sampled eval draws in the same order at any --num-prompts), or
+    # with batches every prompt's turn k, then every turn k + 1.
+    everyone = [list(range(len(prompts)))] if prompts else []
+    groups = [[i] for i in range(len(prompts))] if tally.batch_size <= 1 else everyone
     with _eval_mode(drafter):
-        for k in range(max((len(turns) for turns in prompts), default=0)):
-            rows = [i for i, turns in enumerate(prompts) if k < len(turns)]
+        for group, k in ((g, k) for g in groups for k in range(max(len(prompts[i]) for i in g))):
+            rows = [i for i in group if k < len(prompts[i])]
             ids = []
             for i in rows:
                 histories[i] = [*histories[i], *prompts[i][k]]

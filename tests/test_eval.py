@@ -334,3 +334,26 @@ def test_batched_speculative_decoding_equals_one_prompt_at_a_time():
     skip = ("_s", "speedup", "batch_size")
     same = [k for k in one if not k.endswith(skip)]
     assert [many[k] for k in same] == [one[k] for k in same]
+
+
+def test_batching_and_the_shared_prefix_need_full_attention_over_a_plain_cache():
+    """`plain_kv_cache`: HF applies sliding windows by cache slot (mid-sequence padding and
+    hidden slots would narrow them) and a generation config's own cache type refuses a
+    given cache, so batched eval and regen's shared prefix are for the other targets only;
+    the tiny target (Qwen3, full attention) qualifies, and eval of a sliding one falls back
+    to one prompt at a time."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma2Config, LlamaConfig, Qwen3Config
+
+    from dflash.model.hf_compat import plain_kv_cache
+
+    def model(cfg: object, cache: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(config=cfg, generation_config=SimpleNamespace(cache_implementation=cache))
+
+    assert plain_kv_cache(model(LlamaConfig())) and plain_kv_cache(model(Qwen3Config()))
+    assert not plain_kv_cache(model(Gemma2Config()))  # sliding layers
+    assert not plain_kv_cache(model(Qwen3Config(use_sliding_window=True, sliding_window=8, max_window_layers=0)))
+    assert not plain_kv_cache(model(LlamaConfig(), cache="hybrid"))
+    _, t = _tiny_target()
+    assert plain_kv_cache(t.model)

@@ -416,10 +416,11 @@ class EvalConfig(_Section):
     )  # fmt: skip
     batch_size: int = Field(
         1, ge=1, le=4096,
-        description="prompts decoded at once (greedy only; sampled eval decodes one at a time). 1: the "
-        "papers' single-sequence speedup. More: far faster on a CPU or GPU, the same tokens and verify steps "
-        "(a row whose output differs from the batched plain one is decided one prompt at a time), and "
-        "speedup is then batched speculative against batched plain decoding",
+        description="prompts decoded at once (greedy only, and only for targets whose layers are all full "
+        "attention; otherwise one at a time). 1: the papers' single-sequence speedup. More: far faster on a CPU "
+        "or GPU, the same tokens and verify steps up to the float rounding of batched matmuls (a row whose "
+        "output differs from the batched plain one is decided again one prompt at a time: decided_singly), "
+        "and speedup is then batched speculative against batched plain decoding",
     )  # fmt: skip
     every_steps: int = Field(0, ge=0, description="eval every N optimizer steps; 0 = never")
     at_end: bool = Field(True, description="evaluate the trained drafter when training ends")

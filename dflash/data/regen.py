@@ -29,7 +29,7 @@ from dflash.data.chat_template import tokenize_many
 from dflash.data.samples import Sample, collate
 from dflash.errors import DataError
 from dflash.feature_files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
-from dflash.model.hf_compat import cache_kwarg, output_cache
+from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
 from dflash.packages import package_folder
 from dflash.stages import target_forward
 
@@ -293,19 +293,25 @@ def _generate(
     The prefix the prompts share (the chat template's system turn: 24 of a chatterbot prompt's
     ~40 tokens) runs once, for one row, and its KV cache is copied to every row; the padding
     sits between it and each prompt's own tokens, where the attention mask hides it (position
-    ids count only real tokens). So the batch computes each row's own tokens, not the shared
-    ones 128 times and the padding before them."""
+    ids count only real tokens). So the batch computes the shared tokens once, not once a row.
+    Only for targets whose every layer is full attention over a plain KV cache
+    (`plain_kv_cache`): a sliding window is applied by cache slot, so padding mid-sequence
+    would narrow it."""
     model, dev = target.model, target.device
-    shared = _common_prefix(rows) if len(rows) > 1 else 0
+    shared = _common_prefix(rows) if len(rows) > 1 and plain_kv_cache(model) else 0
     extra: dict[str, Any] = {}
     head: torch.Tensor | None = None
     if shared >= _MIN_PREFIX:
         with target.recording() if record else contextlib.nullcontext([]) as rec:
             out = model(input_ids=torch.tensor([rows[0][:shared]], device=dev), use_cache=True)
         cache = output_cache(out)
-        cache.batch_repeat_interleave(len(rows))
-        extra[cache_kwarg(model)] = cache
-        head = rec[0][0].cpu() if record else None
+        try:
+            cache.batch_repeat_interleave(len(rows))
+        except (AttributeError, NotImplementedError, TypeError):  # a cache that cannot be copied: feed it all
+            shared = 0
+        else:
+            extra[cache_kwarg(model)] = cache
+            head = rec[0][0].cpu() if record else None
     else:
         shared = 0
     own = [t[shared:] for t in rows]

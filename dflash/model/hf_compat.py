@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["cache_kwarg", "crop_cache", "output_cache"]
+__all__ = ["cache_kwarg", "crop_cache", "output_cache", "plain_kv_cache"]
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -35,3 +35,18 @@ def crop_cache(cache: Any, keep: int) -> None:
         cache.crop(-remove)
     except (ValueError, AssertionError, TypeError):
         cache.crop(keep)
+
+
+def plain_kv_cache(model: nn.Module) -> bool:
+    """Whether every layer of `model` attends over all earlier positions through an ordinary
+    key/value cache: no sliding windows (HF applies those by cache slot, so padding or hidden
+    slots in mid-sequence would change what a row sees), no linear-attention or recurrent
+    state, no cache type of its own in the generation config."""
+    cfg = getattr(model, "config", None)
+    gen = getattr(model, "generation_config", None)
+    if cfg is None or getattr(gen, "cache_implementation", None) is not None:
+        return False
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False

@@ -82,6 +82,15 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def greedy_accepted(props: list[int], post: list[int], limit: int) -> int:
+    """Greedy verification: how many of the first `limit` proposals equal the target's token
+    at their slot (`post[i]`: its greedy token after slot i), up to the first that does not."""
+    acc = 0
+    while acc < limit and props[acc] == post[acc]:
+        acc += 1
+    return acc
+
+
 def verify_sampled(
     props: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[int, int]:
@@ -173,9 +182,7 @@ def speculative_generate(
             acc, nxt = verify_sampled(props, q, p, generator)
         else:
             post = vout.logits[0].argmax(dim=-1).tolist()  # target's next token after each slot
-            acc = 0
-            while acc < bs - 1 and props[acc] == post[acc]:
-                acc += 1
+            acc = greedy_accepted(props, post, bs - 1)
             nxt = post[acc]
         new = [*props[:acc], nxt]
         tokens += new
@@ -277,9 +284,7 @@ def speculative_generate_batch(
         for r in range(R):
             if done[r]:
                 continue
-            acc = 0
-            while acc < sizes[r] - 1 and props[r][acc] == post[r][acc]:
-                acc += 1
+            acc = greedy_accepted(props[r], post[r], sizes[r] - 1)
             new = [*props[r][:acc], post[r][acc]]
             tokens[r] += new
             accepted[r].append(acc)

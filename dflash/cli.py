@@ -281,6 +281,7 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
             f"dflash regen: {stats['generated']} replies written ({stats['resumed_from']} already there), "
             f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
             + (f" (+ features, {stats['features_mb']} MB)" if stats["features"] else "")
+            + (f"; {stats['too_long']} prompts over regen.max_prompt_tokens skipped" if stats["too_long"] else "")
             + (f"; regen.max_minutes reached with {stats['unanswered']} prompts unanswered (a later regen "
                "answers them)" if stats["unanswered"] else "")
         )  # fmt: skip

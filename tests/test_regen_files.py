@@ -369,6 +369,24 @@ def test_regen_max_minutes_stops_between_batches_and_a_later_regen_finishes(env:
     assert (done["generated"], done["resumed_from"], done["unanswered"]) == (0, 12, 0)
 
 
+def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, loaded: tuple[Any, Any]) -> None:
+    """`regen.max_prompt_tokens`: training prompts longer than the cap (with the chat
+    template) are skipped and counted (`too_long`), not left unanswered; the rest are answered."""
+    from dflash.data.regen import load_prompts
+
+    _, tokenizer = loaded
+    cfg = env.cfg("cap", "regen.max_prompts=12")
+    train, _ = load_prompts(cfg)
+    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True) for p in train]
+    lengths = [len(x["input_ids"]) for x in ids]
+    cap = sorted(lengths)[len(lengths) // 2]
+    keep = {i for i, n in enumerate(lengths) if n <= cap}
+    assert 0 < len(keep) < len(train)
+    stats = regen_in_process(env, loaded, "cap", "regen.max_prompts=12", f"regen.max_prompt_tokens={cap}")
+    assert (stats["generated"], stats["too_long"], stats["unanswered"]) == (len(keep), len(train) - len(keep), 0)
+    assert {r["id"] for r in read_jsonl(env.cfg("cap").regen_output)} == keep
+
+
 def test_greedy_regen_is_deterministic(
     env: Env, loaded: tuple[Any, Any], regen_run: subprocess.CompletedProcess[str]
 ) -> None:

@@ -387,8 +387,13 @@ class RegenConfig(_Section):
     seed: int = Field(0, ge=0, description="order of the prompts, and sampling")
     max_minutes: float = Field(
         0.0, ge=0, description="start no batch that would end past this many minutes, judged by the last batch's "
-        "time (one batch always runs; prompts go shortest first, so it may overshoot a little; 0 = no limit); "
-        "the prompts answered so far are kept and a later regen answers the rest",
+        "time (one batch always runs; the last one is cut to the rows that fit, so it may overshoot a little; "
+        "0 = no limit); the prompts answered so far are kept and a later regen answers the rest",
+    )  # fmt: skip
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="skip training prompts longer than this many tokens with the chat template (0 = none): "
+        "a long prompt costs its whole length in every row of its batch before the first reply token, so under "
+        "max_minutes a cap buys more replies; held-out prompts are never skipped",
     )  # fmt: skip
     save_features: bool = Field(
         False, description="keep the target features computed while generating (a folder beside the output: "

@@ -377,14 +377,19 @@ def _regenerate(
         raise DataError(msg)
     write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(held)])
     todo = []
+    too_long = 0
+    cap = cfg.regen.max_prompt_tokens or math.inf
     for i, p in enumerate(train):
         if _prompt_key(p) in done:
             continue
         ids = tokenizer.apply_chat_template(
             p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
         )
+        if len(ids["input_ids"]) > cap:
+            too_long += 1
+            continue
         todo.append((i, list(ids["input_ids"])))
-    already = len(train) - len(todo)
+    already = len(train) - len(todo) - too_long
     dev = target.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
@@ -486,6 +491,7 @@ def _regenerate(
         "generated": written,
         "resumed_from": already,
         "unanswered": left,
+        "too_long": too_long,
         "target_dtype": target.dtype_name,
         "features": str(features) if features is not None else None,
         "features_mb": round(feature_mb, 2),

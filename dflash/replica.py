@@ -123,12 +123,15 @@ def build_replicas(
             lr=train.lr,
             betas=train.betas,
             weight_decay=train.weight_decay,
-            foreach=dev.type == "cuda",
+            # CPU: the fused kernel (one pass over each tensor; 3-5x faster than the per-tensor
+            # loop for a small drafter, measured); CUDA: the multi-tensor one.
+            foreach=dev.type == "cuda" or None,
+            fused=dev.type == "cpu" or None,
         )
         clock = budget.fraction if budget is not None else None
         f = lr_lambda(total_steps, train.warmup_ratio, train.min_lr_ratio, train.schedule, train.decay_ratio, clock)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
         rhead = head.to(dev, dtype)
-        vocab = LossVocab.of(rhead.lm_head, loss_tokens) if loss_tokens is not None else None
+        vocab = LossVocab.of(rhead.lm_head, loss_tokens, train.loss_negatives) if loss_tokens is not None else None
         out.append(DrafterReplica(i, dev, model, rhead, opt, sched, vocab))
     return out

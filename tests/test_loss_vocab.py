@@ -52,12 +52,9 @@ def test_sampled_negatives_estimate_the_whole_normaliser() -> None:
     """The drawn negatives, each with log(outside / drawn) added to its logit, give an
     unbiased estimate of the softmax normaliser over the whole vocabulary."""
 
-    class Small(LossVocab):
-        NEGATIVES = 256
-
     V = 2000
     head = _head(V, 16)
-    vocab = Small.of(head.lm_head, torch.arange(300))
+    vocab = LossVocab.of(head.lm_head, torch.arange(300), negatives=256)
     h = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.5
     true = torch.exp(head.lm_head @ h).sum()
     g = torch.Generator().manual_seed(4)
@@ -69,6 +66,19 @@ def test_sampled_negatives_estimate_the_whole_normaliser() -> None:
         assert bias[-1] == pytest.approx(math.log(1700 / 256)) and not bias[:300].any()
         est.append(torch.exp(lm @ h + bias).sum())
     assert float(torch.stack(est).mean()) == pytest.approx(float(true), rel=0.02)
+
+
+def test_loss_negatives_sets_how_many_are_drawn_and_zero_draws_none() -> None:
+    """`train.loss_negatives`: each micro-batch draws that many (at most all outside tokens);
+    0 draws none and adds no bias: the softmax over the data's tokens alone."""
+    head = _head(200, 8)
+    tokens = torch.arange(20)
+    for k, drawn in ((64, 64), (500, 180), (0, 0)):
+        vocab = LossVocab.of(head.lm_head, tokens, negatives=k)
+        d = vocab.draw(torch.Generator().manual_seed(0))
+        assert len(d) == drawn
+        lm, bias = vocab.head(head.lm_head, d)
+        assert lm.shape[0] == 20 + drawn and (bias is None) == (drawn == 0)
 
 
 def test_labels_outside_the_data_count_zero_and_never_correct() -> None:
@@ -96,7 +106,7 @@ def test_a_run_with_data_vocab_trains_counts_its_vocab_and_evaluates_losslessly(
     counts the data's distinct tokens, and the full-vocabulary eval stays lossless."""
     cfg = tiny_config(
         **{"data.num_samples": 256, "train.epochs": 4, "train.lr": 2e-2, "train.loss_vocab": "data",
-           "eval.num_prompts": 2, "eval.max_new_tokens": 24, "eval.at_end": "true"}
+           "train.loss_negatives": 8, "eval.num_prompts": 2, "eval.max_new_tokens": 24, "eval.at_end": "true"}
     )  # fmt: skip
     records = run_records(cfg)
     (setup,) = [r for r in records if r["event"] == "setup"]

@@ -279,6 +279,12 @@ class TrainConfig(_Section):
         "of the training data (the LM head, most of a small drafter's step, then costs that share of the "
         "vocabulary; a label outside it counts 0). Eval and the export keep the whole LM head",
     )
+    loss_negatives: int = Field(
+        4096, ge=0, le=1_000_000,
+        description="loss_vocab = data: tokens drawn afresh for each micro-batch from outside the data's tokens, "
+        "their logits corrected for the sampling (sampled softmax), so that tokens the data lacks are pushed down "
+        "too (0: none; then ~a quarter of the drafts were such tokens, measured). Fewer: a cheaper LM head",
+    )  # fmt: skip
     distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
     distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
 

@@ -28,43 +28,44 @@ __all__ = [
 @dataclass(frozen=True)
 class LossVocab:
     """`train.loss_vocab = "data"`: the training loss's softmax over the data's tokens plus,
-    each micro-batch, `NEGATIVES` tokens drawn from the rest (sampled softmax): the rest
+    each micro-batch, `negatives` tokens (`train.loss_negatives`) drawn from the rest (sampled softmax): the rest
     must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw win
     the argmax — a quarter of the drafts without them, measured. Each drawn token stands for
-    `len(outside) / NEGATIVES` of them: its logit gets log of that (logQ correction), so the
+    `len(outside) / negatives` of them: its logit gets log of that (logQ correction), so the
     softmax's normaliser estimates the whole vocabulary's.
 
     `lm_head` (V', H): the LM head's rows of the data's tokens; `index` (V,): each token's
     row there, -1 outside (such a label counts 0); `outside` (V - V',): the other ids;
     `bias` (V' + K,): the logit bias of a head with K drawn negatives."""
 
-    NEGATIVES = 4096
+    NEGATIVES = 4096  # the default of train.loss_negatives
 
     lm_head: torch.Tensor
     index: torch.Tensor
     outside: torch.Tensor
     bias: torch.Tensor | None
+    negatives: int = NEGATIVES
 
     @classmethod
-    def of(cls, lm_head: torch.Tensor, tokens: torch.Tensor) -> LossVocab:  # no-sync: set-up
+    def of(cls, lm_head: torch.Tensor, tokens: torch.Tensor, negatives: int = NEGATIVES) -> LossVocab:  # no-sync: set-up
         dev = lm_head.device
         ids = torch.unique(tokens).to(dev)  # sorted
         index = torch.full((lm_head.shape[0],), -1, dtype=torch.long, device=dev)
         index[ids] = torch.arange(len(ids), device=dev)
         outside = (index < 0).nonzero().flatten()
-        k = min(cls.NEGATIVES, len(outside))
+        k = min(negatives, len(outside))
         bias = None
         if k:
             bias = torch.zeros(len(ids) + k, device=dev)
             bias[len(ids) :] = math.log(len(outside) / k)
-        return cls(lm_head[ids].contiguous(), index, outside, bias)
+        return cls(lm_head[ids].contiguous(), index, outside, bias, negatives)
 
     def draw(self, generator: torch.Generator) -> torch.Tensor:
         """Positions into `outside` of one micro-batch's negatives (host, with replacement)."""
         n = len(self.outside)
-        if not n:
+        if not n or not self.negatives:
             return torch.zeros(0, dtype=torch.long)
-        return torch.randint(n, (min(self.NEGATIVES, n),), generator=generator)
+        return torch.randint(n, (min(self.negatives, n),), generator=generator)
 
     def labels(self, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token labels as rows of the loss's head; a label outside the data's tokens gets

@@ -47,7 +47,9 @@ class LossVocab:
     negatives: int = NEGATIVES
 
     @classmethod
-    def of(cls, lm_head: torch.Tensor, tokens: torch.Tensor, negatives: int = NEGATIVES) -> LossVocab:  # no-sync: set-up
+    def of(  # no-sync: set-up
+        cls, lm_head: torch.Tensor, tokens: torch.Tensor, negatives: int = NEGATIVES
+    ) -> LossVocab:
         dev = lm_head.device
         ids = torch.unique(tokens).to(dev)  # sorted
         index = torch.full((lm_head.shape[0],), -1, dtype=torch.long, device=dev)

@@ -738,3 +738,24 @@ def test_dpace_trains_and_differs_from_the_fixed_decay(tiny_config):
     dpace = losses(**{"train.position_weights": '"dpace"'})
     assert len(dpace) == 4 and all(math.isfinite(x) for x in dpace)
     assert dpace != losses()
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention", "full_attention"],
+                                         ["full_attention", "sliding_attention"]])  # fmt: skip
+def test_drafts_only_forward_equals_the_full_one_at_the_draft_slots(layer_types):
+    """Training's `drafts_only` forward (the last layer skips the anchors' queries and MLP rows)
+    gives the full forward's outputs at every draft slot, and its gradients to the weights."""
+    model = _drafter(layer_types).train()
+    emb, ctx, q_pos, ctx_pos, layout = _inputs()
+    masks = layer_masks(layout, model.spec, use_flex=False)
+    drafts = torch.arange(emb.shape[1]) % _B != 0
+    outs, grads = [], []
+    for only in (False, True):
+        model.zero_grad()
+        out = model(emb, ctx, q_pos, ctx_pos, masks, drafts_only=only)
+        (out[:, drafts] ** 2).sum().backward()
+        outs.append(out[:, drafts].detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for g1, g0 in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)

@@ -121,18 +121,23 @@ class Attention(nn.Module):
         rope_q: tuple[torch.Tensor, torch.Tensor],
         rope_k: tuple[torch.Tensor, torch.Tensor],
         mask: Any,
+        xq: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`xq` (R, Q', H): the block states that ask (default: all of `x`; `rope_q` and
+        `mask` then cover those Q' queries); keys and values always come from all of `x`."""
         R, Q, _ = x.shape
         T = ctx.shape[1]
         hd = self.head_dim
-        q = self.q_norm(self.q_proj(x).view(R, Q, self.num_heads, hd)).transpose(1, 2)
+        xq = x if xq is None else xq
+        Qq = xq.shape[1]
+        q = self.q_norm(self.q_proj(xq).view(R, Qq, self.num_heads, hd)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], dim=1)  # (R, T+Q, H): KV injection, same projections
         k = self.k_norm(self.k_proj(kv_in).view(R, T + Q, self.num_kv_heads, hd)).transpose(1, 2)
         v = self.v_proj(kv_in).view(R, T + Q, self.num_kv_heads, hd).transpose(1, 2)
         q = _apply_rope(q, *rope_q)
         k = _apply_rope(k, *rope_k)
-        out = attend(q, k, v, mask)  # (R, h, Q, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * hd))
+        out = attend(q, k, v, mask)  # (R, h, Q', hd)
+        return self.o_proj(out.transpose(1, 2).reshape(R, Qq, self.num_heads * hd))
 
     def context_kv(
         self, ctx: torch.Tensor, rope_c: tuple[torch.Tensor, torch.Tensor]
@@ -174,6 +179,27 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_drafts(
+        self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """`forward` for the draft slots only (every slot but each block's anchor, slot 0):
+        the anchors still give keys and values, but ask no query and skip the MLP. Equal to
+        `forward` at the draft slots; the anchors' rows come back as they went in. For the
+        last layer in training, where the anchors' outputs feed nothing (a quarter of the
+        layer's queries and MLP rows at B = 4). `mask`: dense (R, 1, Q, S)."""
+        R, Q, H = x.shape
+        B, N = block_size, Q // block_size
+        h = self.input_layernorm(x)
+        hq = h.view(R, N, B, H)[:, :, 1:].reshape(R, N * (B - 1), H)
+
+        def drafts(t: torch.Tensor) -> torch.Tensor:  # (R, 1, Q, D) -> (R, 1, N·(B-1), D)
+            return t.unflatten(2, (N, B))[:, :, :, 1:].flatten(2, 3)
+
+        y = x.view(R, N, B, H)[:, :, 1:].reshape(R, N * (B - 1), H)
+        y = y + self.self_attn(h, ctx, tuple(drafts(t) for t in rope_q), rope_k, drafts(mask), xq=hq)
+        y = y + self.mlp(self.post_attention_layernorm(y))
+        return torch.cat([x.view(R, N, B, H)[:, :, :1], y.view(R, N, B - 1, H)], dim=2).view(R, Q, H)
 
 
 class DFlashDrafter(nn.Module):
@@ -247,13 +273,22 @@ class DFlashDrafter(nn.Module):
         q_pos: torch.Tensor,  # (R, Q) absolute positions of block slots (anchor + k)
         ctx_pos: torch.Tensor,  # (R, T) absolute positions of the context
         masks: dict[str, Any],  # layer type -> mask (dense bool or BlockMask)
+        drafts_only: bool = False,
     ) -> torch.Tensor:
+        """`drafts_only`: the rows of the blocks' anchors (slot 0) in the output are not
+        computed by the last layer (training: no loss there); the draft slots' are the same.
+        With dense masks only (a BlockMask cannot drop queries): ignored with flex."""
         ctx = self.hidden_norm(self.fc(context))  # (R, T, H): one feature for all layers
         rope_q = self._rope(q_pos)
         rope_k = self._rope(torch.cat([ctx_pos, q_pos], dim=1))
         x = block_emb
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            mask = masks[layer.layer_type]
+            if drafts_only and i == last and isinstance(mask, torch.Tensor) and self.spec.block_size > 1:
+                x = layer.forward_drafts(x, ctx, rope_q, rope_k, mask, self.spec.block_size)
+            else:
+                x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x)
 
     # -- inference: context keys/values cached, one block at a time ------------------------

@@ -178,7 +178,8 @@ def compute(
     autocast = torch.autocast(rep.device.type, dtype=torch.bfloat16) if low else contextlib.nullcontext()
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         emb = F.embedding(p.block_ids, rep.head.embed)
-        hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks)  # (R, N·B, H)
+        # (R, N·B, H); the anchors' rows (no loss there) are not computed by the last layer
+        hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks, drafts_only=True)
         lm_head, bias = rep.head.lm_head, None
         if rep.loss_vocab is not None and p.negatives is not None:
             lm_head, bias = rep.loss_vocab.head(rep.head.lm_head, p.negatives)

@@ -279,8 +279,16 @@ def restore(loaded: Loaded, replicas: list[Any]) -> None:
         except RuntimeError as err:
             msg = f"{loaded.path}: drafter weights do not fit this config: {' '.join(str(err).split())[:200]}"
             raise CheckpointError(msg) from None
+        # The kernel choice (fused on a CPU, multi-tensor on CUDA) is this run's, not the
+        # checkpoint's: a run resumed on another device kind, or from an older checkpoint,
+        # is configured like a fresh one.
+        impl = ("foreach", "fused", "capturable", "differentiable")
+        own = r.optimizer.param_groups
+        groups = [
+            {**g, **({k: own[i][k] for k in impl if k in own[i]} if i < len(own) else {})}
+            for i, g in enumerate(loaded.optimizer["param_groups"])
+        ]
         r.optimizer.load_state_dict(
-            {"state": {k: dict(v) for k, v in loaded.optimizer["state"].items()},
-             "param_groups": loaded.optimizer["param_groups"]}
-        )  # fmt: skip
+            {"state": {k: dict(v) for k, v in loaded.optimizer["state"].items()}, "param_groups": groups}
+        )
         r.scheduler.load_state_dict({**loaded.scheduler, "lr_lambdas": [None] * len(r.optimizer.param_groups)})

@@ -442,3 +442,30 @@ def test_rope_scaling_is_the_targets_in_training_and_in_the_export(tmp_path):
     ))  # fmt: skip
     inv, factor = scaled_rope(8, 10000.0, yarn, 64)
     assert torch.equal(inv, ref.inv_freq) and factor == ref.attention_scaling != 1.0
+
+
+def test_restore_keeps_this_runs_optimizer_kernel_not_the_checkpoints():
+    """The AdamW kernel (fused on a CPU, multi-tensor on CUDA) is the resuming run's: a
+    checkpoint written by the per-tensor loop (or on another device kind) does not switch it;
+    the state itself (moments, step) is loaded."""
+    from types import SimpleNamespace
+
+    from dflash.checkpoint import Loaded, restore
+
+    def replica(**kernel):
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, **kernel)
+        return SimpleNamespace(model=model, optimizer=opt, device=torch.device("cpu"),
+                               scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))  # fmt: skip
+
+    old = replica(foreach=False, fused=None)
+    old.model(torch.randn(2, 4)).sum().backward()
+    old.optimizer.step()
+    saved = old.optimizer.state_dict()
+    loaded = Loaded(Path("ckpt"), 1, None, old.model.state_dict(), saved, old.scheduler.state_dict(), {})
+    new = replica(fused=True)
+    restore(loaded, [new])
+    group = new.optimizer.param_groups[0]
+    assert group["fused"] is True and not group["foreach"]
+    exp_avg = saved["state"][0]["exp_avg"]
+    assert torch.equal(new.optimizer.state[new.model.weight]["exp_avg"], exp_avg)

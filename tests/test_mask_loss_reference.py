@@ -757,5 +757,8 @@ def test_drafts_only_forward_equals_the_full_one_at_the_draft_slots(layer_types)
         outs.append(out[:, drafts].detach())
         grads.append([p.grad.clone() for p in model.parameters()])
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the fast path ran: the anchors' rows are the last layer's input there
+        full, fast = (model(emb, ctx, q_pos, ctx_pos, masks, drafts_only=o)[:, ~drafts] for o in (False, True))
+    assert not torch.allclose(full, fast)
     for g1, g0 in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)

@@ -399,7 +399,8 @@ class RegenConfig(_Section):
     max_prompt_tokens: int = Field(
         0, ge=0, description="skip training prompts longer than this many tokens with the chat template (0 = none): "
         "a long prompt costs its whole length in every row of its batch before the first reply token, so under "
-        "max_minutes a cap buys more replies; held-out prompts are never skipped",
+        "max_minutes a cap buys more replies; held-out prompts are never skipped; with max_prompts, of those "
+        "prompts",
     )  # fmt: skip
     save_features: bool = Field(
         False, description="keep the target features computed while generating (a folder beside the output: "

@@ -478,7 +478,7 @@ def _regenerate(
                 last_line = now
                 done_n = already + written
                 el = now - t0
-                line = f"regen {done_n}/{len(train)} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
+                line = f"regen {done_n}/{len(train) - too_long} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
                 print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
     if tty and todo:
         print(file=sys.stderr)

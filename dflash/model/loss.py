@@ -31,7 +31,7 @@ class LossVocab:
     each micro-batch, `negatives` tokens (`train.loss_negatives`) drawn from the rest (sampled softmax): the rest
     must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw win
     the argmax — a quarter of the drafts without them, measured. Each drawn token stands for
-    `len(outside) / negatives` of them: its logit gets log of that (logQ correction), so the
+    `len(outside) / min(negatives, len(outside))` of them: its logit gets log of that (logQ correction), so the
     softmax's normaliser estimates the whole vocabulary's.
 
     `lm_head` (V', H): the LM head's rows of the data's tokens; `index` (V,): each token's

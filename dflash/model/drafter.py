@@ -188,18 +188,16 @@ class DecoderLayer(nn.Module):
         `forward` at the draft slots; the anchors' rows come back as they went in. For the
         last layer in training, where the anchors' outputs feed nothing (a quarter of the
         layer's queries and MLP rows at B = 4). `mask`: dense (R, 1, Q, S)."""
-        R, Q, H = x.shape
-        B, N = block_size, Q // block_size
+        N, B = x.shape[1] // block_size, block_size
+
+        def drafts(t: torch.Tensor, dim: int) -> torch.Tensor:  # the slots 1..B-1 of every block along `dim`
+            return t.unflatten(dim, (N, B)).narrow(dim + 1, 1, B - 1).flatten(dim, dim + 1)
+
         h = self.input_layernorm(x)
-        hq = h.view(R, N, B, H)[:, :, 1:].reshape(R, N * (B - 1), H)
-
-        def drafts(t: torch.Tensor) -> torch.Tensor:  # (R, 1, Q, D) -> (R, 1, N·(B-1), D)
-            return t.unflatten(2, (N, B))[:, :, :, 1:].flatten(2, 3)
-
-        y = x.view(R, N, B, H)[:, :, 1:].reshape(R, N * (B - 1), H)
-        y = y + self.self_attn(h, ctx, tuple(drafts(t) for t in rope_q), rope_k, drafts(mask), xq=hq)
+        rq = tuple(drafts(t, 2) for t in rope_q)  # (R, 1, Q, hd) -> (R, 1, N·(B-1), hd)
+        y = drafts(x, 1) + self.self_attn(h, ctx, rq, rope_k, drafts(mask, 2), xq=drafts(h, 1))
         y = y + self.mlp(self.post_attention_layernorm(y))
-        return torch.cat([x.view(R, N, B, H)[:, :, :1], y.view(R, N, B - 1, H)], dim=2).view(R, Q, H)
+        return torch.cat([x.unflatten(1, (N, B))[:, :, :1], y.unflatten(1, (N, B - 1))], dim=2).flatten(1, 2)
 
 
 class DFlashDrafter(nn.Module):

@@ -28,15 +28,15 @@ __all__ = [
 @dataclass(frozen=True)
 class LossVocab:
     """`train.loss_vocab = "data"`: the training loss's softmax over the data's tokens plus,
-    each micro-batch, `negatives` tokens (`train.loss_negatives`) drawn from the rest (sampled softmax): the rest
-    must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw win
-    the argmax — a quarter of the drafts without them, measured. Each drawn token stands for
-    `len(outside) / min(negatives, len(outside))` of them: its logit gets log of that (logQ correction), so the
+    each micro-batch, `train.loss_negatives` tokens drawn from the rest (sampled softmax): the
+    rest must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw
+    win the argmax — a quarter of the drafts without them, measured. Each drawn token stands
+    for `len(outside) / K` of them: its logit gets log of that (logQ correction), so the
     softmax's normaliser estimates the whole vocabulary's.
 
     `lm_head` (V', H): the LM head's rows of the data's tokens; `index` (V,): each token's
     row there, -1 outside (such a label counts 0); `outside` (V - V',): the other ids;
-    `bias` (V' + K,): the logit bias of a head with K drawn negatives."""
+    `bias` (V' + K,): the logit bias of a head with K drawn negatives (None: K = 0)."""
 
     NEGATIVES = 4096  # the default of train.loss_negatives
 
@@ -44,7 +44,6 @@ class LossVocab:
     index: torch.Tensor
     outside: torch.Tensor
     bias: torch.Tensor | None
-    negatives: int = NEGATIVES
 
     @classmethod
     def of(  # no-sync: set-up
@@ -60,14 +59,12 @@ class LossVocab:
         if k:
             bias = torch.zeros(len(ids) + k, device=dev)
             bias[len(ids) :] = math.log(len(outside) / k)
-        return cls(lm_head[ids].contiguous(), index, outside, bias, negatives)
+        return cls(lm_head[ids].contiguous(), index, outside, bias)
 
     def draw(self, generator: torch.Generator) -> torch.Tensor:
-        """Positions into `outside` of one micro-batch's negatives (host, with replacement)."""
-        n = len(self.outside)
-        if not n or not self.negatives:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.randint(n, (min(self.negatives, n),), generator=generator)
+        """Positions into `outside` of one micro-batch's K negatives (host, with replacement)."""
+        k = 0 if self.bias is None else len(self.bias) - len(self.lm_head)
+        return torch.randint(len(self.outside), (k,), generator=generator) if k else torch.zeros(0, dtype=torch.long)
 
     def labels(self, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token labels as rows of the loss's head; a label outside the data's tokens gets

@@ -376,7 +376,7 @@ def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, 
 
     _, tokenizer = loaded
     cfg = env.cfg("cap", "regen.max_prompts=12")
-    train, _ = load_prompts(cfg)
+    train = load_prompts(cfg).train
     ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True) for p in train]
     lengths = [len(x["input_ids"]) for x in ids]
     cap = sorted(lengths)[len(lengths) // 2]
@@ -385,6 +385,41 @@ def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, 
     stats = regen_in_process(env, loaded, "cap", "regen.max_prompts=12", f"regen.max_prompt_tokens={cap}")
     assert (stats["generated"], stats["too_long"], stats["unanswered"]) == (len(keep), len(train) - len(keep), 0)
     assert {r["id"] for r in read_jsonl(env.cfg("cap").regen_output)} == keep
+
+
+def test_regen_answers_several_prompt_sets_one_after_the_other(
+    env: Env, loaded: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """`regen.prompts` as a list: the held-out prompts and the first set's training order are
+    those of the first set alone; a second set (here a ShareGPT-style JSON array cut short)
+    follows, its repeats of earlier prompts and of itself dropped; max_prompts counts over
+    both; the stats count replies per set. A record cut short is an error unless
+    data.skip_invalid."""
+    from dflash.data.regen import load_prompts
+
+    second = [
+        {"conversations": [{"from": "human", "value": f"what is the {w} sky"}, {"from": "gpt", "value": "blue"}]}
+        for w in ("red", "blue", "green", "red")  # "red" twice: once only
+    ]
+    second.append({"conversations": [{"from": "human", "value": "tell me about the red cat"}]})  # in the first set
+    second.append({"conversations": [{"from": "gpt", "value": "hello"}]})  # no user turn: not a prompt
+    arr = tmp_path / "more.json"
+    text = json.dumps(second)
+    arr.write_text(text[:-1] + ', {"conversations": [{"from": "human", "va', encoding="utf-8")  # cut short
+    both = f"regen.prompts=[{json.dumps(str(env.prompts))}, {json.dumps(str(arr))}]"
+
+    one = load_prompts(env.cfg("sets"))
+    with pytest.raises(DataError, match="more.json"):
+        load_prompts(env.cfg("sets", both))
+    two = load_prompts(env.cfg("sets", both, "data.skip_invalid=true"))
+    assert two.held == one.held and two.train[:NUM_TRAIN] == one.train
+    extra = sorted(p[0]["content"] for p in two.train[NUM_TRAIN:])
+    assert extra == ["what is the blue sky", "what is the green sky", "what is the red sky"]
+    assert [n for _, n in two.sets] == [NUM_TRAIN, 3]
+
+    stats = regen_in_process(env, loaded, "sets", both, "data.skip_invalid=true", f"regen.max_prompts={NUM_TRAIN + 2}")
+    assert list(stats["generated_per_set"].values()) == [NUM_TRAIN, 2]
+    assert stats["prompts"] == NUM_TRAIN + 2
 
 
 def test_greedy_regen_is_deterministic(

@@ -383,7 +383,13 @@ class ProfileConfig(_Section):
 class RegenConfig(_Section):
     """`dflash regen`: the target writes the assistant turns (self-distillation)."""
 
-    prompts: str = Field("chatterbot", description="'chatterbot' (the chatterbot-corpus package) or a chat JSONL file")
+    prompts: str | list[str] = Field(
+        "chatterbot", description="'chatterbot' (the chatterbot-corpus package), or a chat file: JSONL, or any file "
+        "data.files reads (a JSON array such as ShareGPT's, parquet, pkg:PACKAGE/FILE), each conversation cut before "
+        "its first assistant turn; or a list of these: the held-out prompts come from the first, training answers "
+        "the first's prompts, then the next's (each in its own shuffled order, repeats dropped), as far as "
+        "max_prompts and max_minutes go",
+    )  # fmt: skip
     output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
     max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
     holdout: int = Field(32, ge=0, description="prompts kept out of training, for eval")
@@ -402,6 +408,20 @@ class RegenConfig(_Section):
         "max_minutes a cap buys more replies; held-out prompts are never skipped; with max_prompts, of those "
         "prompts",
     )  # fmt: skip
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_sources(cls, v: str | list[str]) -> str | list[str]:
+        names = [v] if isinstance(v, str) else v
+        if not names or any(not n.strip() for n in names):
+            msg = "name at least one prompt set, none empty"
+            raise ValueError(msg)
+        return v
+
+    @property
+    def prompt_sources(self) -> list[str]:
+        return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
+
     save_features: bool = Field(
         False, description="keep the target features computed while generating (a folder beside the output: "
         "regen.jsonl -> regen.features/, k x hidden x 2 bytes a token); training on the output then skips the "

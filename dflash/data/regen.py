@@ -3,16 +3,18 @@
 This is how production drafters are trained — on the target's own outputs, which is
 exactly what the drafter must predict at inference — and it makes a small prompt set
 enough. `dflash regen CONFIG` reads prompts (the chatterbot-corpus package, or a chat
-JSONL whose conversations are cut before their first assistant turn), keeps `holdout` of
-them aside for eval, and generates replies in batches (greedy, or sampled) in a seeded random
-order, like lengths batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended batch by
-batch and flushed: an interrupted regen resumes where it stopped.
+file whose conversations are cut before their first assistant turn; or several such sets,
+answered one after the other), keeps `holdout` of the first set aside for eval, and
+generates replies in batches (greedy, or sampled) in a seeded random order, like lengths
+batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended
+batch by batch and flushed: an interrupted regen resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -20,7 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,7 +35,15 @@ from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
 from dflash.packages import package_folder
 from dflash.stages import target_forward
 
-__all__ = ["chatterbot_prompts", "jsonl_prompts", "load_prompts", "regenerate", "write_jsonl"]
+__all__ = [
+    "Prompts",
+    "chatterbot_prompts",
+    "file_prompts",
+    "jsonl_prompts",
+    "load_prompts",
+    "regenerate",
+    "write_jsonl",
+]
 
 Messages = list[dict[str, str]]
 
@@ -97,16 +107,81 @@ def jsonl_prompts(path: Path) -> list[Messages]:
     return out
 
 
-def load_prompts(cfg: Config) -> tuple[list[Messages], list[Messages]]:
-    """(training prompts, held-out prompts), in a fixed shuffled order."""
-    src = cfg.regen.prompts
-    prompts = chatterbot_prompts() if src == "chatterbot" else jsonl_prompts(Path(src).expanduser())
-    random.Random(cfg.regen.seed).shuffle(prompts)
-    held = prompts[: cfg.regen.holdout]
-    train = prompts[cfg.regen.holdout :]
-    if cfg.regen.max_prompts:
-        train = train[: cfg.regen.max_prompts]
-    return train, held
+class Prompts(NamedTuple):
+    """regen's prompts: `train` in the order regen answers them, `held` kept for eval, and
+    `sets`: (source, how many of `train` come from it), in `train`'s order."""
+
+    train: list[Messages]
+    held: list[Messages]
+    sets: list[tuple[str, int]]
+
+    def source_of(self) -> list[str]:
+        """The source of each training prompt, by its index."""
+        return [src for src, n in self.sets for _ in range(n)]
+
+
+def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
+    """A prompt set from a file: JSONL as `jsonl_prompts` reads it; any other file training
+    reads (a JSON array such as ShareGPT's, parquet, a datasets folder, pkg:PACKAGE/FILE)
+    through the data loader, each conversation cut before its first assistant turn. Invalid
+    records (a dump cut short ends in one) are skipped with `skip_invalid`, else an error."""
+    from dflash.config import DataFile
+    from dflash.data.conversation import InvalidRecord
+    from dflash.data.formats import iter_records
+    from dflash.packages import local_path
+
+    try:
+        path = local_path(source)
+    except LookupError as err:
+        raise DataError(f"regen.prompts: {err}") from None
+    if path.suffix == ".jsonl":
+        return jsonl_prompts(path)
+    if not path.exists():
+        msg = f"regen.prompts: file not found: {path}"
+        raise DataError(msg)
+    out = []
+    for rec in iter_records(DataFile(path=source)):
+        if isinstance(rec, InvalidRecord):
+            if skip_invalid:
+                continue
+            msg = f"regen.prompts: {rec.where}: {rec.reason} (data.skip_invalid = true skips such records)"
+            raise DataError(msg)
+        prompt = list(itertools.takewhile(lambda m: m["role"] != "assistant", rec.messages))
+        if any(m["role"] == "user" for m in prompt):
+            out.append(prompt)
+    if not out:
+        msg = f"regen.prompts: {source}: no prompts (no conversation with a user turn)"
+        raise DataError(msg)
+    return out
+
+
+def load_prompts(cfg: Config) -> Prompts:
+    """Training and held-out prompts, in a fixed shuffled order: the held-out ones are the
+    first set's first `regen.holdout`; training takes the rest of the first set, then each
+    further set's prompts (shuffled on their own, those seen before dropped)."""
+    sources = cfg.regen.prompt_sources
+    sets: list[list[Messages]] = []
+    seen: set[str] = set()
+    for i, src in enumerate(sources):
+        got = chatterbot_prompts() if src == "chatterbot" else file_prompts(src, cfg.data.skip_invalid)
+        if i:  # the first set is kept whole (its split is what earlier regens of it wrote)
+            fresh = {}
+            for p in got:
+                fresh.setdefault(_prompt_key(p), p)
+            got = [p for k, p in fresh.items() if k not in seen]
+        seen.update(_prompt_key(p) for p in got)
+        random.Random(cfg.regen.seed if i == 0 else f"{cfg.regen.seed}/{i}").shuffle(got)
+        sets.append(got)
+    held = sets[0][: cfg.regen.holdout]
+    sets[0] = sets[0][cfg.regen.holdout :]
+    train: list[Messages] = []
+    counts = []
+    for got in sets:
+        if cfg.regen.max_prompts:
+            got = got[: max(0, cfg.regen.max_prompts - len(train))]
+        train += got
+        counts.append(len(got))
+    return Prompts(train, held, list(zip(sources, counts, strict=True)))
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -347,7 +422,7 @@ def regenerate(
     tokenizer: Any,
     *,
     progress: bool = True,
-    prompts: tuple[list[Messages], list[Messages]] | None = None,
+    prompts: Prompts | None = None,
 ) -> dict[str, Any]:
     """Generate replies for every training prompt not yet in the output; returns stats.
 
@@ -361,10 +436,13 @@ def _regenerate(
     target: Any,
     tokenizer: Any,
     progress: bool,
-    prompts: tuple[list[Messages], list[Messages]] | None,
+    prompts: Prompts | None,
 ) -> dict[str, Any]:
     out_path = cfg.regen_output
-    train, held = prompts if prompts is not None else load_prompts(cfg)
+    prompts = prompts if prompts is not None else load_prompts(cfg)
+    train, held = prompts.train, prompts.held
+    source = prompts.source_of()
+    per_set = dict.fromkeys((src for src, _ in prompts.sets), 0)  # replies written, by prompt set
     _drop_torn_tail(out_path)
     template_kwargs = cfg.data.chat_template_kwargs
     done = _done_prompts(out_path, template_kwargs)
@@ -455,6 +533,7 @@ def _regenerate(
                     after.append(int(res[r, len(reply)]))
                     feats.append(recorded[r][: len(toks) + len(reply)])
                 new_tokens += len(reply)
+                per_set[source[i]] += 1
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 msgs = [*train[i], {"role": "assistant", "content": text}]
                 convs.append(msgs)
@@ -489,6 +568,7 @@ def _regenerate(
         "heldout": str(cfg.regen_heldout),
         "prompts": len(train),
         "generated": written,
+        "generated_per_set": per_set,
         "resumed_from": already,
         "unanswered": left,
         "too_long": too_long,

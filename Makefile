@@ -35,7 +35,7 @@ $(DEMO_STAMP): $(STAMP)
 		|| (echo "set-up: demo packages failed to install" >&2; exit 1)
 	@touch $(DEMO_STAMP)
 
-# Regenerate replies with the target (4.25 min budget; resumes; keeps the target features), train (3.75 min budget), evaluate:
+# Regenerate replies with the target (5 min budget: chatterbot prompts, then ShareGPT first turns; resumes; keeps the target features), train (3.75 min budget), evaluate:
 # prints τ on the 32 held-out prompts (decoded 32 at a time) and on the first 5 MT-Bench questions (both turns).
 demo: $(DEMO_STAMP)
 	@mkdir -p runs/demo

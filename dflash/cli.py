@@ -247,10 +247,10 @@ def export_cmd(checkpoint: Path, out_dir: Path) -> None:
 
 
 def _per_set(counts: dict[str, int]) -> str:
-    """' (chatterbot 1765, ShareGPT_V3_....json 412)' for several prompt sets, else ''."""
+    """'chatterbot 1765, ShareGPT_V3_....json 412; ' for several prompt sets, else ''."""
     if len(counts) < 2:
         return ""
-    return " (" + ", ".join(f"{Path(src.removeprefix('pkg:')).name} {n}" for src, n in counts.items()) + ")"
+    return ", ".join(f"{Path(src.removeprefix('pkg:')).name} {n}" for src, n in counts.items()) + "; "
 
 
 @main.command()
@@ -285,8 +285,8 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         stats = regenerate(cfg, target, tokenizer, prompts=prompts)
         structlog.get_logger("dflash").info("regen", **stats)
         logs.human(
-            f"dflash regen: {stats['generated']} replies written{_per_set(stats['generated_per_set'])} "
-            f"({stats['resumed_from']} already there), "
+            f"dflash regen: {stats['generated']} replies written "
+            f"({_per_set(stats['generated_per_set'])}{stats['resumed_from']} already there), "
             f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
             + (f" (+ features, {stats['features_mb']} MB)" if stats["features"] else "")
             + (f"; {stats['too_long']} prompts over regen.max_prompt_tokens skipped" if stats["too_long"] else "")

@@ -81,6 +81,20 @@ def test_loss_negatives_sets_how_many_are_drawn_and_zero_draws_none() -> None:
         assert lm.shape[0] == 20 + drawn and (bias is None) == (drawn == 0)
 
 
+def test_the_loss_head_is_the_data_rows_and_each_draw_in_the_asked_dtype() -> None:
+    """`head` reuses one buffer per dtype: every call gives the data's rows, then exactly the
+    rows of that call's draw, in the dtype asked (bf16: the cast autocast would make)."""
+    head = _head(500, 8)
+    vocab = LossVocab.of(head.lm_head, torch.arange(40), negatives=32)
+    g = torch.Generator().manual_seed(1)
+    for dtype in (None, torch.bfloat16, None, torch.bfloat16):
+        drawn = vocab.draw(g)
+        lm, _ = vocab.head(head.lm_head, drawn, dtype)
+        want = torch.cat([head.lm_head[:40], head.lm_head[vocab.outside[drawn]]])
+        assert lm.dtype == (dtype or torch.float32) and torch.equal(lm, want.to(lm.dtype))
+    assert len(vocab._heads) == 2  # one buffer per dtype, reused
+
+
 def test_labels_outside_the_data_count_zero_and_never_correct() -> None:
     """A label outside the data's tokens (e.g. the target's greedy token on text that never
     contains it) gets weight 0 and the ignore index: no loss, not counted correct."""

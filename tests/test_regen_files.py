@@ -409,7 +409,7 @@ def test_regen_answers_several_prompt_sets_one_after_the_other(
     both = f"regen.prompts=[{json.dumps(str(env.prompts))}, {json.dumps(str(arr))}]"
 
     one = load_prompts(env.cfg("sets"))
-    with pytest.raises(DataError, match="more.json"):
+    with pytest.raises(DataError, match=r"more\.json"):
         load_prompts(env.cfg("sets", both))
     two = load_prompts(env.cfg("sets", both, "data.skip_invalid=true"))
     assert two.held == one.held and two.train[:NUM_TRAIN] == one.train

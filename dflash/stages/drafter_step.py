@@ -182,7 +182,7 @@ def compute(
         hidden = rep.model(emb, p.context, p.q_pos, p.positions, p.masks, drafts_only=True)
         lm_head, bias = rep.head.lm_head, None
         if rep.loss_vocab is not None and p.negatives is not None:
-            lm_head, bias = rep.loss_vocab.head(rep.head.lm_head, p.negatives)
+            lm_head, bias = rep.loss_vocab.head(rep.head.lm_head, p.negatives, torch.bfloat16 if low else None)
         parts = block_loss(
             hidden, lm_head, p.targets, B, loss_chunk, distill, distill_temperature, dpace_alpha, logit_bias=bias
         )

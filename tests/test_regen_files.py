@@ -393,15 +393,16 @@ def test_regen_answers_several_prompt_sets_one_after_the_other(
     """`regen.prompts` as a list: the held-out prompts and the first set's training order are
     those of the first set alone; a second set (here a ShareGPT-style JSON array cut short)
     follows, its repeats of earlier prompts and of itself dropped; max_prompts counts over
-    both; the stats count replies per set. A record cut short is an error unless
-    data.skip_invalid."""
+    both; the stats count replies per set. A record without a reply is a prompt; one cut
+    short is an error unless data.skip_invalid (then counted in a warning)."""
     from dflash.data.regen import load_prompts
 
     second = [
         {"conversations": [{"from": "human", "value": f"what is the {w} sky"}, {"from": "gpt", "value": "blue"}]}
         for w in ("red", "blue", "green", "red")  # "red" twice: once only
     ]
-    second.append({"conversations": [{"from": "human", "value": "tell me about the red cat"}]})  # in the first set
+    second.append({"conversations": [{"from": "human", "value": "tell me about the red dog"}]})  # in the first set
+    second.append({"conversations": [{"from": "human", "value": "hello there"}]})  # no reply: a prompt all the same
     second.append({"conversations": [{"from": "gpt", "value": "hello"}]})  # no user turn: not a prompt
     arr = tmp_path / "more.json"
     text = json.dumps(second)
@@ -411,13 +412,17 @@ def test_regen_answers_several_prompt_sets_one_after_the_other(
     one = load_prompts(env.cfg("sets"))
     with pytest.raises(DataError, match=r"more\.json"):
         load_prompts(env.cfg("sets", both))
-    two = load_prompts(env.cfg("sets", both, "data.skip_invalid=true"))
+    with pytest.warns(UserWarning, match="skipped 1 invalid record"):
+        two = load_prompts(env.cfg("sets", both, "data.skip_invalid=true"))
     assert two.held == one.held and two.train[:NUM_TRAIN] == one.train
     extra = sorted(p[0]["content"] for p in two.train[NUM_TRAIN:])
-    assert extra == ["what is the blue sky", "what is the green sky", "what is the red sky"]
-    assert [n for _, n in two.sets] == [NUM_TRAIN, 3]
+    assert extra == ["hello there", "what is the blue sky", "what is the green sky", "what is the red sky"]
+    assert [n for _, n in two.sets] == [NUM_TRAIN, 4]
 
-    stats = regen_in_process(env, loaded, "sets", both, "data.skip_invalid=true", f"regen.max_prompts={NUM_TRAIN + 2}")
+    with pytest.warns(UserWarning, match="skipped 1 invalid record"):
+        stats = regen_in_process(
+            env, loaded, "sets", both, "data.skip_invalid=true", f"regen.max_prompts={NUM_TRAIN + 2}"
+        )
     assert list(stats["generated_per_set"].values()) == [NUM_TRAIN, 2]
     assert stats["prompts"] == NUM_TRAIN + 2
 

@@ -56,6 +56,7 @@ class InvalidRecord:
     index: int
     unit: Literal["line", "row", "item"]
     reason: str
+    prompt: list[Message] | None = None  # a record whose one fault is no assistant turn: a prompt (regen)
 
     @property
     def where(self) -> str:
@@ -78,7 +79,8 @@ def _type_name(v: Any) -> str:
 
 def normalize_record(record: Any) -> list[Message] | str:
     """The record's messages as ``[{"role", "content"}]`` with canonical roles, or the
-    reason (one line) it cannot be used."""
+    reason (one line) it cannot be read. Whether it has an assistant turn to train on is
+    `parse_record`'s question (a prompt needs none)."""
     if not isinstance(record, dict):
         return f"expected a JSON object with 'messages' or 'conversations', got {_type_name(record)}"
     if "messages" in record:
@@ -114,9 +116,8 @@ def _normalize_messages(turns: Any, key: str, role_key: str, content_key: str) -
         if not isinstance(content, str):
             return f"'{key}'[{i}].{content_key} must be a string, got {_type_name(content)}"
         out.append({"role": canonical, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
-        # Nothing to supervise: the loss mask would be all zeros.
-        return "conversation has no assistant turn" if out else f"'{key}' is empty"
+    if not out:
+        return f"'{key}' is empty"
     return out
 
 
@@ -126,4 +127,6 @@ def parse_record(
     got = normalize_record(record)
     if isinstance(got, str):
         return InvalidRecord(path, index, unit, got)
+    if not any(m["role"] == "assistant" for m in got):  # nothing to supervise: the loss mask would be all zeros
+        return InvalidRecord(path, index, unit, "conversation has no assistant turn", prompt=got)
     return Conversation(path, index, unit, got)

@@ -20,6 +20,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -140,15 +141,23 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
         msg = f"regen.prompts: file not found: {path}"
         raise DataError(msg)
     out = []
+    skipped: list[InvalidRecord] = []
     for rec in iter_records(DataFile(path=source)):
-        if isinstance(rec, InvalidRecord):
+        if isinstance(rec, InvalidRecord) and rec.prompt is None:
             if skip_invalid:
+                skipped.append(rec)
                 continue
             msg = f"regen.prompts: {rec.where}: {rec.reason} (data.skip_invalid = true skips such records)"
             raise DataError(msg)
-        prompt = list(itertools.takewhile(lambda m: m["role"] != "assistant", rec.messages))
+        messages = rec.prompt if isinstance(rec, InvalidRecord) else rec.messages  # no assistant turn: all prompt
+        prompt = list(itertools.takewhile(lambda m: m["role"] != "assistant", messages or []))
         if any(m["role"] == "user" for m in prompt):
             out.append(prompt)
+    if skipped:  # as the data loader reports them
+        first = skipped[0]
+        warnings.warn(
+            f"{source}: skipped {len(skipped)} invalid record(s); first: {first.where}: {first.reason}", stacklevel=2
+        )
     if not out:
         msg = f"regen.prompts: {source}: no prompts (no conversation with a user turn)"
         raise DataError(msg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import IO
 
@@ -278,7 +279,11 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         from dflash.data.regen import load_prompts
 
         dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
-        prompts = load_prompts(cfg)  # before the model: a bad prompt file fails in a second
+        with warnings.catch_warnings(record=True) as caught:  # skipped records: warning records, as in a run
+            warnings.simplefilter("always")
+            prompts = load_prompts(cfg)  # before the model: a bad prompt file fails in a second
+        for w in caught:
+            structlog.get_logger("dflash").info("warning", message=str(w.message))
         tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
         target = load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
         torch.manual_seed(cfg.regen.seed)

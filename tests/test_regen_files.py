@@ -22,7 +22,7 @@ import torch
 
 from dflash.config import Config, load_config
 from dflash.data.regen import regenerate
-from dflash.errors import DataError
+from dflash.errors import ConfigError, DataError
 from tests.conftest import json_lines, run_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,6 +425,18 @@ def test_regen_answers_several_prompt_sets_one_after_the_other(
         )
     assert list(stats["generated_per_set"].values()) == [NUM_TRAIN, 2]
     assert stats["prompts"] == NUM_TRAIN + 2
+    ids = [r["id"] for r in read_jsonl(env.cfg("sets").regen_output)]
+    assert sorted(ids[:NUM_TRAIN]) == list(range(NUM_TRAIN))  # the first set answered first, whole
+
+    # A first set with repeats: none of a held-out prompt's copies is trained on, every prompt once.
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(json.dumps(c) + "\n" for c in _conversations() * 2), encoding="utf-8")
+    dup = load_prompts(env.cfg("sets", f"regen.prompts={json.dumps(str(twice))}"))
+    keys = [_key(p) for p in dup.train]
+    assert len(set(keys)) == len(keys) == NUM_CONVERSATIONS - len({_key(p) for p in dup.held})
+    assert not set(keys) & {_key(p) for p in dup.held}
+    with pytest.raises(ConfigError, match="named twice"):
+        env.cfg("sets", f"regen.prompts=[{json.dumps(str(arr))}, {json.dumps(str(arr))}]")
 
 
 def test_greedy_regen_is_deterministic(

@@ -387,8 +387,8 @@ class RegenConfig(_Section):
         "chatterbot", description="'chatterbot' (the chatterbot-corpus package), or a chat file: JSONL, or any file "
         "data.files reads (a JSON array such as ShareGPT's, parquet, pkg:PACKAGE/FILE), each conversation cut before "
         "its first assistant turn; or a list of these: the held-out prompts come from the first, training answers "
-        "the first's prompts, then the next's (each in its own shuffled order, repeats dropped), as far as "
-        "max_prompts and max_minutes go",
+        "the first's prompts, then the next's (each in its own shuffled order; every prompt once, none held out), "
+        "as far as max_prompts and max_minutes go",
     )  # fmt: skip
     output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
     max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
@@ -415,6 +415,9 @@ class RegenConfig(_Section):
         names = [v] if isinstance(v, str) else v
         if not names or any(not n.strip() for n in names):
             msg = "name at least one prompt set, none empty"
+            raise ValueError(msg)
+        if len(set(names)) < len(names):
+            msg = "a prompt set is named twice"
             raise ValueError(msg)
         return v
 

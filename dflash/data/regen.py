@@ -122,10 +122,11 @@ class Prompts(NamedTuple):
 
 
 def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
-    """A prompt set from a file: JSONL as `jsonl_prompts` reads it; any other file training
-    reads (a JSON array such as ShareGPT's, parquet, a datasets folder, pkg:PACKAGE/FILE)
-    through the data loader, each conversation cut before its first assistant turn. Invalid
-    records (a dump cut short ends in one) are skipped with `skip_invalid`, else an error."""
+    """A prompt set from a file (pkg:PACKAGE/FILE too), each conversation cut before its first
+    assistant turn. A `.json` file (a JSON array such as ShareGPT's, or lines), parquet or a
+    `datasets` folder goes through the data loader: invalid records (a dump cut short ends in
+    one) are skipped with `skip_invalid` and counted in a warning, else an error. Any other
+    name is JSONL, read strictly by `jsonl_prompts` (as regen always read its prompt files)."""
     from dflash.config import DataFile
     from dflash.data.conversation import InvalidRecord
     from dflash.data.formats import iter_records
@@ -135,8 +136,8 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
         path = local_path(source)
     except LookupError as err:
         raise DataError(f"regen.prompts: {err}") from None
-    if path.suffix == ".jsonl":
-        return jsonl_prompts(path)
+    if not (path.is_dir() or path.name.lower().endswith((".json", ".parquet", ".pq"))):
+        return jsonl_prompts(path)  # .jsonl, and any other name, as before: strict JSONL
     if not path.exists():
         msg = f"regen.prompts: file not found: {path}"
         raise DataError(msg)
@@ -151,7 +152,7 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
             raise DataError(msg)
         messages = rec.prompt if isinstance(rec, InvalidRecord) else rec.messages  # no assistant turn: all prompt
         prompt = list(itertools.takewhile(lambda m: m["role"] != "assistant", messages or []))
-        if any(m["role"] == "user" for m in prompt):
+        if any(m["role"] == "user" and m["content"].strip() for m in prompt):
             out.append(prompt)
     if skipped:  # as the data loader reports them
         first = skipped[0]
@@ -167,29 +168,28 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
 def load_prompts(cfg: Config) -> Prompts:
     """Training and held-out prompts, in a fixed shuffled order: the held-out ones are the
     first set's first `regen.holdout`; training takes the rest of the first set, then each
-    further set's prompts (shuffled on their own, those seen before dropped)."""
+    further set's prompts (each set shuffled on its own), every prompt once and none that is
+    held out."""
     sources = cfg.regen.prompt_sources
     sets: list[list[Messages]] = []
-    seen: set[str] = set()
     for i, src in enumerate(sources):
         got = chatterbot_prompts() if src == "chatterbot" else file_prompts(src, cfg.data.skip_invalid)
-        if i:  # the first set is kept whole (its split is what earlier regens of it wrote)
-            fresh = {}
-            for p in got:
-                fresh.setdefault(_prompt_key(p), p)
-            got = [p for k, p in fresh.items() if k not in seen]
-        seen.update(_prompt_key(p) for p in got)
         random.Random(cfg.regen.seed if i == 0 else f"{cfg.regen.seed}/{i}").shuffle(got)
         sets.append(got)
-    held = sets[0][: cfg.regen.holdout]
-    sets[0] = sets[0][cfg.regen.holdout :]
+    held = sets[0][: cfg.regen.holdout]  # as a single set splits: what earlier regens of it held out
+    seen = {_prompt_key(p) for p in held}
     train: list[Messages] = []
     counts = []
-    for got in sets:
+    for j, got in enumerate(sets):
+        fresh = []
+        for p in got[cfg.regen.holdout :] if j == 0 else got:
+            if (k := _prompt_key(p)) not in seen:
+                seen.add(k)
+                fresh.append(p)
         if cfg.regen.max_prompts:
-            got = got[: max(0, cfg.regen.max_prompts - len(train))]
-        train += got
-        counts.append(len(got))
+            fresh = fresh[: max(0, cfg.regen.max_prompts - len(train))]
+        train += fresh
+        counts.append(len(fresh))
     return Prompts(train, held, list(zip(sources, counts, strict=True)))
 
 
@@ -504,7 +504,11 @@ def _regenerate(
     feature_mb = 0.0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
-        queue = collections.deque(_batches(todo, cfg.regen.batch_size, cfg.regen.seed))
+        # Set by set (a batch window spanning two would answer the next set's prompts first).
+        by_set = itertools.groupby(todo, key=lambda item: source[item[0]])
+        queue = collections.deque(
+            b for _, part in by_set for b in _batches(list(part), cfg.regen.batch_size, cfg.regen.seed)
+        )
         b = -1
         last_rows = 0
         while queue:

@@ -72,6 +72,11 @@ def chatterbot_prompts(language: str = "english") -> list[Messages]:
     return [[{"role": "user", "content": u}] for u in seen]
 
 
+def _before_reply(messages: Messages) -> Messages:
+    """A conversation's messages before its first assistant turn: what regen prompts with."""
+    return list(itertools.takewhile(lambda m: m["role"] != "assistant", messages))
+
+
 def jsonl_prompts(path: Path) -> list[Messages]:
     """Conversations from a chat JSONL (`messages` or ShareGPT `conversations`), cut before
     their first assistant turn."""
@@ -95,11 +100,7 @@ def jsonl_prompts(path: Path) -> list[Messages]:
             except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
                 msg = f"{path}:{n}: not a chat record ({type(err).__name__}: {err})"
                 raise DataError(" ".join(msg.split())) from None
-            prompt = []
-            for m in msgs:
-                if m["role"] == "assistant":
-                    break
-                prompt.append(m)
+            prompt = _before_reply(msgs)
             if any(m["role"] == "user" for m in prompt):
                 out.append(prompt)
     if not out:
@@ -151,7 +152,7 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
             msg = f"regen.prompts: {rec.where}: {rec.reason} (data.skip_invalid = true skips such records)"
             raise DataError(msg)
         messages = rec.prompt if isinstance(rec, InvalidRecord) else rec.messages  # no assistant turn: all prompt
-        prompt = list(itertools.takewhile(lambda m: m["role"] != "assistant", messages or []))
+        prompt = _before_reply(messages or [])
         if any(m["role"] == "user" and m["content"].strip() for m in prompt):
             out.append(prompt)
     if skipped:  # as the data loader reports them

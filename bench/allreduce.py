@@ -5,7 +5,7 @@
     python bench/allreduce.py --backend nccl --procs 8    # on a CUDA machine, one process per GPU
     torchrun --nproc-per-node 8 bench/allreduce.py --worker --backend nccl   # same, by torchrun
 
-1. The all-reduce alone: `World.all_reduce` (dflash.distributed: the real bucketing, flatten
+1. The all-reduce alone: `World.all_reduce` (dflash.runtime.distributed: the real bucketing, flatten
    and copy-back) over fp32 gradients shaped like the real drafter's trainable parameters
    (built on the meta device; the embedding and LM head are the target's, frozen, and not
    reduced), plus the step's small float64 sums, as in the optimizer. Drafters: the tiny
@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from dflash.distributed import World, launched
+    from dflash.runtime.distributed import World, launched
 
     rank, size = launched() or (0, 1)
     if args.backend == "nccl":

@@ -252,7 +252,7 @@ class Run:
 def run_dflash(cfg: Any, training: Any = None, observe: Callable[[dict[str, Any]], None] | None = None,
                timeout_s: float | None = None) -> Run:  # fmt: skip
     """One run through the Coordinator (as `dflash run` does: uvloop when installed)."""
-    from dflash.coordinator import Coordinator
+    from dflash.pipeline.coordinator import Coordinator
 
     coord = Coordinator(cfg, log=False, training=training)
     run = Run([], [], coord)
@@ -305,11 +305,11 @@ class Probe:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        import dflash.devices as devices
-        import dflash.feature_cache as feature_cache
+        import dflash.features.cache as feature_cache
         import dflash.model.drafter as drafter
         import dflash.model.masks as masks
-        import dflash.stages.transfer as transfer
+        import dflash.pipeline.stages.transfer as transfer
+        import dflash.runtime.devices as devices
 
         def count(d: dict[str, int], key: str, n: int = 1) -> None:
             d[key] = d.get(key, 0) + n
@@ -392,7 +392,7 @@ class Probe:
         host (a feature cache) and read cache hits from pinned memory. `evaluated`: it ends
         with an eval (speculative decoding against the target's greedy output)."""
         import dflash.model.drafter as drafter
-        from dflash.profile import Stage
+        from dflash.runtime.profiler import Stage
 
         bad = []
         losses = run.losses
@@ -553,7 +553,7 @@ def sync_debug_run(ctx: Context, kind: str, mode: str) -> str:
 
 
 def check_sync_debug(ctx: Context) -> str:
-    """The mode is process-wide and off while any named sync runs (dflash.devices): in the
+    """The mode is process-wide and off while any named sync runs (dflash.runtime.devices): in the
     pipeline, a long named wait in one thread (the D2H wait, the grad-norm sync) leaves the
     others unchecked meanwhile. The serial loop overlaps nothing, so there every stage
     function is checked all the time (D2H, feature-cache hits included); the pipeline run
@@ -718,7 +718,7 @@ def bench_config(ctx: Context, mode: str, steps: int) -> Any:
 
 
 def measure_bench_setup(ctx: Context) -> tuple[dict[str, Any], str]:
-    from dflash.setup import prepare
+    from dflash.train.build import prepare
 
     steps = int(os.environ.get("GPU_CHECK_BENCH_STEPS", "12" if ctx.cuda else "6"))
     cfg = bench_config(ctx, "pipeline", steps)
@@ -737,7 +737,7 @@ def bench_batch(ctx: Context, t: Any, rows: int, length: int) -> Any:
     """One collated batch of `rows` documents of `length` random tokens, the second half
     supervised (no mask token), through the prefetch stage's own function (pinned on CUDA)."""
     from dflash.data.samples import Sample
-    from dflash.stages.prefetch import next_batch
+    from dflash.pipeline.stages.prefetch import next_batch
 
     g = torch.Generator().manual_seed(1)
     mask_id, vocab = t.spec.mask_token_id, t.targets[0].vocab_size
@@ -750,8 +750,8 @@ def bench_batch(ctx: Context, t: Any, rows: int, length: int) -> Any:
 
 
 def measure_target_forward(ctx: Context) -> tuple[dict[str, Any], str]:
-    from dflash.stages.pack import pack
-    from dflash.stages.target_forward import forward
+    from dflash.pipeline.stages.pack import pack
+    from dflash.pipeline.stages.target_forward import forward
 
     if "bench" not in ctx.state:
         raise CheckFailed("no bench set-up (bench_setup failed)")
@@ -789,8 +789,8 @@ def measure_target_forward(ctx: Context) -> tuple[dict[str, Any], str]:
 
 
 def measure_drafter_step(ctx: Context) -> tuple[dict[str, Any], str]:
-    from dflash.devices import Device
-    from dflash.records import HostFeatures
+    from dflash.runtime.devices import Device
+    from dflash.runtime.messages import HostFeatures
 
     if "features" not in ctx.state:
         raise CheckFailed("no target features (target_forward failed)")

@@ -75,7 +75,7 @@ fi
 
 if ! err="$("$PY" -c 'import os, sys
 if os.environ.get("GPU_CHECK_SITE"): sys.path.append(os.environ["GPU_CHECK_SITE"])
-import dflash.coordinator, dflash.setup' 2>&1)"; then
+import dflash.pipeline.coordinator, dflash.train.build' 2>&1)"; then
   echo "gpu_check: dflash does not import with $PY: $(tail -n 1 <<<"$err")" >&2
   fail_json "dflash does not import with $PY (see stderr)"
   exit 2

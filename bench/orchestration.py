@@ -42,9 +42,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from dflash import Coordinator, load_config, synthetic  # noqa: E402
-from dflash.synthetic import StageCost, SyntheticSpec, calibrate  # noqa: E402
+import simulated  # noqa: E402
+from simulated import StageCost, SyntheticSpec, calibrate  # noqa: E402
+
+from dflash import Coordinator, load_config  # noqa: E402
 
 T_MS, D_MS, O_MS = 135.0, 48.0, 13.0
 
@@ -82,8 +85,8 @@ def measure(
         StageCost(Opt * host, Opt * (1 - host)), batches=batches, device_model=model,  # type: ignore[arg-type]
     )  # fmt: skip
     times: list[float] = []
-    cfg, training = synthetic.prepare(_config(n_t, n_d, out, extra), spec)
-    coord = Coordinator(cfg, log=False, training=training)
+    cfg, training = simulated.prepare(_config(n_t, n_d, out, extra), spec)
+    coord = Coordinator(cfg, log=False, training=training, make_device=simulated.device_factory(spec))
     coord.subscribe(lambda r: times.append(time.perf_counter()) if r["event"] == "train_step" else None)
     t0 = time.perf_counter()
     asyncio.run(coord.run())
@@ -122,8 +125,8 @@ def overhead(n_t: int, n_d: int, tmp: Path, batches: int = 600) -> dict:
     """CPU seconds the process spends per batch when every stage costs nothing: the
     coordinator's, channels' and profiler's own share of the GIL."""
     spec = SyntheticSpec(StageCost(0, 0), StageCost(0, 0), StageCost(0, 0), batches=batches)
-    cfg, training = synthetic.prepare(_config(n_t, n_d, tmp, []), spec)
-    coord = Coordinator(cfg, log=False, training=training)
+    cfg, training = simulated.prepare(_config(n_t, n_d, tmp, []), spec)
+    coord = Coordinator(cfg, log=False, training=training, make_device=simulated.device_factory(spec))
     c0, w0 = time.process_time(), time.perf_counter()
     asyncio.run(coord.run())
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0

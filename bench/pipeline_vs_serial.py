@@ -5,7 +5,7 @@
         --set train.epochs=1 --depth-epochs 2                   # demo (after its regen), ~15 minutes
 
 `pipeline.mode = "serial"` calls every stage's function one after another in a plain loop
-(dflash/serial.py) — the loop of the usual trainers (target forward, then drafter forward/backward,
+(dflash/pipeline/serial.py) — the loop of the usual trainers (target forward, then drafter forward/backward,
 then the step), with the same code, data and steps. Runs alternate between the two modes.
 Also sweeps `pipeline.hs_queue_depth` to show that memory is bounded by the queues, not
 by the length of the run. Prints a table, then one JSON line.

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def per_record_us(n: int, trace: bool) -> float:
-    from dflash.profile import Profiler, Trace
+    from dflash.runtime.profiler import Profiler, Trace
 
     p = Profiler(1e9, lambda ev, **kw: None, trace=Trace("/dev/null", n + 1) if trace else None)
     t0 = time.perf_counter()

@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from dflash.config import load_config  # noqa: E402
 from dflash.errors import DFlashError  # noqa: E402
-from dflash.export import load_drafter  # noqa: E402
-from dflash.feature_files import folder_for, read_folder, read_meta  # noqa: E402
+from dflash.features.files import folder_for, read_folder, read_meta  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, FrozenHead  # noqa: E402
+from dflash.model.export import load_drafter  # noqa: E402
 from dflash.model.loading import load_tokenizer  # noqa: E402
 from dflash.model.masks import BlockLayout, layer_masks  # noqa: E402
 from dflash.model.target import load_target  # noqa: E402

@@ -13,10 +13,10 @@ from dflash.errors import CheckpointError, ConfigError, DataError, DFlashError, 
 
 # torch-heavy parts load on first use, so that `dflash config show` and errors are instant.
 _LAZY = {
-    "Coordinator": "dflash.coordinator",
-    "run": "dflash.runner",
-    "export_drafter": "dflash.export",
-    "load_drafter": "dflash.export",
+    "Coordinator": "dflash.pipeline.coordinator",
+    "run": "dflash.pipeline.runner",
+    "export_drafter": "dflash.model.export",
+    "load_drafter": "dflash.model.export",
 }
 
 

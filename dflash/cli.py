@@ -25,7 +25,7 @@ _SET_HELP = "override a config key, e.g. --set drafter.num_layers=2 (repeatable)
 
 def _prog() -> str:
     """`dflash`, or `dflash[rank N]` in a run of several processes (torchrun)."""
-    from dflash.distributed import launched
+    from dflash.runtime.distributed import launched
 
     try:
         ranked = launched()
@@ -113,7 +113,7 @@ def run(
             raise ConfigError(msg)
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
-        from dflash.distributed import launched
+        from dflash.runtime.distributed import launched
 
         ranked = launched()  # under torchrun: JSON on stdout from rank 0 only
         first = ranked is None or ranked[0] == 0
@@ -125,7 +125,7 @@ def run(
                 msg = f"--log-file {log_file}: {err.strerror}"
                 raise ConfigError(msg) from None
         logs.configure(sys.stdout if first else None, log_fh)
-        from dflash.runner import run as run_training
+        from dflash.pipeline.runner import run as run_training
 
         summary = run_training(cfg, resume=resume)
         if not first:
@@ -191,7 +191,7 @@ def eval_cmd(
     extra += [f"eval.batch_size={batch_size}"] if batch_size else []
     cfg = load_config(config, [*overrides, *extra])
     logs.configure(sys.stdout)
-    from dflash.eval import run_eval
+    from dflash.eval.decode import run_eval
 
     records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None)
     import structlog
@@ -230,8 +230,8 @@ def _eval_table(records: list[dict]) -> str:
 def export_cmd(checkpoint: Path, out_dir: Path) -> None:
     """Turn a checkpoint folder (mid-run, emergency or final), or a run folder's latest
     complete checkpoint, into an exported drafter in OUT_DIR."""
-    from dflash.checkpoint import latest_checkpoint
-    from dflash.export import export_checkpoint, is_checkpoint
+    from dflash.model.export import export_checkpoint, is_checkpoint
+    from dflash.train.checkpoint import latest_checkpoint
 
     source = checkpoint
     if checkpoint.is_dir() and not is_checkpoint(checkpoint) and (checkpoint / "checkpoints").is_dir():
@@ -268,15 +268,15 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         import structlog
         import torch
 
-        from dflash.data.regen import regenerate
-        from dflash.devices import check_device
         from dflash.model.loading import load_tokenizer
         from dflash.model.target import load_target
+        from dflash.regen import regenerate
+        from dflash.runtime.devices import check_device
 
         if cfg.target.kind == "tiny":
             msg = "regen needs a real target with a tokenizer (target.kind = 'hf' or 'gguf')"
             raise ConfigError(msg)
-        from dflash.data.regen import load_prompts
+        from dflash.data.prompts import load_prompts
 
         dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
         with warnings.catch_warnings(record=True) as caught:  # skipped records: warning records, as in a run

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import DataError
-from dflash.profile import Stage
+from dflash.runtime.profiler import Stage
 
 __all__ = ["analyze", "format_report", "read_logs", "read_records"]
 

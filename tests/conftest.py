@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "bin" / "dflash"
 TINY = ROOT / "configs" / "tiny.toml"
+sys.path.insert(0, str(ROOT / "bench"))  # the benchmarks' stand-ins (`simulated`) are tested too
 
 # Limit for a subprocess that runs training: far above what it needs (seconds), so that only
 # a hang fails, not a loaded machine.

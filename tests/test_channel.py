@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-import dflash.channel
-from dflash.channel import Channel, ChannelClosed, ConsumerDied, EndOfStream
+import dflash.runtime.channel
+from dflash.runtime.channel import Channel, ChannelClosed, ConsumerDied, EndOfStream
 
 
 async def blocked(task: asyncio.Task) -> bool:
@@ -19,7 +19,7 @@ async def blocked(task: asyncio.Task) -> bool:
 
 
 class FakeTime:
-    """Stands in for the `time` module inside dflash.channel: its clock moves only when a
+    """Stands in for the `time` module inside dflash.runtime.channel: its clock moves only when a
     test moves it, so waits and depth-over-time are exact on any machine."""
 
     def __init__(self) -> None:
@@ -32,7 +32,7 @@ class FakeTime:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     fake = FakeTime()
-    monkeypatch.setattr(dflash.channel, "time", fake)
+    monkeypatch.setattr(dflash.runtime.channel, "time", fake)
     return fake
 
 

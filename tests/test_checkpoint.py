@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash import CheckpointError, Coordinator, load_drafter
-from dflash.checkpoint import latest_checkpoint, load_checkpoint
-from dflash.export import export_drafter
+from dflash.model.export import export_drafter
+from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
 from tests.conftest import ROOT, run_records
 
 # prepare_ahead (off by default on CPU) on: resume stays exact when a batch is taken early.
@@ -85,7 +85,7 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from dflash.checkpoint import Snapshot, write_checkpoint
+    from dflash.train.checkpoint import Snapshot, write_checkpoint
     root = Path(sys.argv[1])
     step = 0
     while True:
@@ -450,7 +450,7 @@ def test_restore_keeps_this_runs_optimizer_kernel_not_the_checkpoints():
     the state itself (moments, step) is loaded."""
     from types import SimpleNamespace
 
-    from dflash.checkpoint import Loaded, restore
+    from dflash.train.checkpoint import Loaded, restore
 
     def replica(**kernel):
         model = torch.nn.Linear(4, 3)

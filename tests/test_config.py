@@ -412,7 +412,7 @@ def test_several_errors_are_reported_on_one_line(tmp_path: Path) -> None:
 def test_lr_schedules_cosine_and_warmup_stable_decay():
     """`train.schedule`: cosine decays from the end of warmup; wsd holds the peak, then decays
     linearly to min_lr_ratio over the last decay_ratio of the steps."""
-    from dflash.replica import lr_lambda
+    from dflash.train.replicas import lr_lambda
 
     cos = lr_lambda(100, 0.1, 0.1, "cosine")
     wsd = lr_lambda(100, 0.1, 0.1, "wsd", 0.2)

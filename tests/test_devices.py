@@ -8,8 +8,9 @@ import asyncio
 
 import torch
 
-from dflash import Coordinator, devices
-from dflash.profile import Stage
+from dflash import Coordinator
+from dflash.runtime import devices
+from dflash.runtime.profiler import Stage
 
 
 def test_every_hand_off_is_held_by_its_consumer(tiny_config):
@@ -120,7 +121,7 @@ def test_multi_gpu_reduce_takes_every_replica_even_without_gradients(monkeypatch
     with no data still all-reduces a whole gradient) — and the result goes back to all."""
     from types import SimpleNamespace
 
-    from dflash.stages import optimizer
+    from dflash.train import step as optimizer
 
     calls: list[int] = []
 

@@ -8,7 +8,7 @@ import torch
 from dflash.config import load_config
 from dflash.data.synthetic import draw_prompts
 from dflash.errors import CheckpointError
-from dflash.eval import check_drafter_fits, evaluate, greedy_generate, inference_masks, speculative_generate
+from dflash.eval.decode import check_drafter_fits, evaluate, greedy_generate, inference_masks, speculative_generate
 from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, FrozenHead
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import load_target
@@ -208,7 +208,7 @@ def test_speculative_sampling_verification_is_exact_in_distribution():
     """The verification rule alone (`verify_sampled`), on fixed distributions: the first
     token it emits — the drafted one when accepted, else the draw from max(0, p - q) — is
     distributed as the target's p, whatever the drafter's q."""
-    from dflash.eval import verify_sampled
+    from dflash.eval.decode import verify_sampled
 
     g = torch.Generator().manual_seed(0)
     V, n = 6, 30_000
@@ -296,7 +296,7 @@ def test_batched_speculative_decoding_equals_one_prompt_at_a_time():
     caches, and a partly right oracle with a stop id accepted mid-block and max_new inside a
     block; `greedy_generate_batch` equals `greedy_generate`; eval at batch size 3 reports what
     batch size 1 does."""
-    from dflash.eval import greedy_generate_batch, speculative_generate_batch
+    from dflash.eval.decode import greedy_generate_batch, speculative_generate_batch
 
     cfg, t = _tiny_target()
     common = dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash.data.batching import Sample, collate
-from dflash.feature_cache import FeatureCache
+from dflash.features.cache import FeatureCache
 from tests.conftest import run_records
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash import ConfigError, Coordinator, StageError
-from dflash.profile import Stage
+from dflash.runtime.profiler import Stage
 from tests.conftest import ROOT, run_records
 
 
@@ -77,7 +77,7 @@ def test_max_minutes_ends_the_run_decayed_with_its_reason(tiny_config, monkeypat
     """train.max_minutes ends the run once its budget is spent, as at the end of the data —
     exported, reason max_minutes — and the LR schedule follows the clock: it decays to near
     its floor over the budget, though the planned steps are far from done."""
-    from dflash import replica
+    from dflash.train import replicas as replica
 
     clock = itertools.count(0.0, 20.0)  # each reading of the clock: 20 s later (5 min: 15 readings)
     monkeypatch.setattr(replica.TimeBudget, "_now", staticmethod(lambda: next(clock)))
@@ -101,8 +101,8 @@ def test_max_minutes_not_reached_ends_with_the_data(tiny_config):
 
 
 def test_max_minutes_needs_one_process(tiny_config):
-    from dflash.distributed import World
-    from dflash.setup import prepare
+    from dflash.runtime.distributed import World
+    from dflash.train.build import prepare
 
     world = World.__new__(World)
     world.size, world.rank = 2, 0

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dflash.profile import Profiler, _percentile
+from dflash.runtime.profiler import Profiler, _percentile
 from tests.conftest import run_records
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from dflash.data.prompt_sets import load_prompt_set
 from dflash.errors import DataError
+from dflash.eval.prompts import load_prompt_set
 
 
 @pytest.fixture

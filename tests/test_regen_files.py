@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from dflash.config import Config, load_config
-from dflash.data.regen import regenerate
 from dflash.errors import ConfigError, DataError
+from dflash.regen import regenerate
 from tests.conftest import json_lines, run_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -372,7 +372,7 @@ def test_regen_max_minutes_stops_between_batches_and_a_later_regen_finishes(env:
 def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, loaded: tuple[Any, Any]) -> None:
     """`regen.max_prompt_tokens`: training prompts longer than the cap (with the chat
     template) are skipped and counted (`too_long`), not left unanswered; the rest are answered."""
-    from dflash.data.regen import load_prompts
+    from dflash.data.prompts import load_prompts
 
     _, tokenizer = loaded
     cfg = env.cfg("cap", "regen.max_prompts=12")
@@ -395,7 +395,7 @@ def test_regen_answers_several_prompt_sets_one_after_the_other(
     follows, its repeats of earlier prompts and of itself dropped; max_prompts counts over
     both; the stats count replies per set. A record without a reply is a prompt; one cut
     short is an error unless data.skip_invalid (then counted in a warning)."""
-    from dflash.data.regen import load_prompts
+    from dflash.data.prompts import load_prompts
 
     second = [
         {"conversations": [{"from": "human", "value": f"what is the {w} sky"}, {"from": "gpt", "value": "blue"}]}
@@ -623,7 +623,7 @@ def test_regen_features_equal_a_training_forward(env: Env, loaded: tuple[Any, An
     them) at every position but the end-of-turn tail, and whose `next` is the target's greedy
     token wherever it is a label (supervised next position); resumed, parts append."""
     from dflash.data.chat_template import tokenize_conversation
-    from dflash.feature_files import read_folder
+    from dflash.features.files import read_folder
 
     target, tokenizer = loaded
     stats, folder = _feature_regen(env, loaded, "feats")
@@ -659,7 +659,7 @@ def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple
     made wrong on purpose) gets its features and labels from a target forward over the
     training tokenization; a matching one keeps what generation computed."""
     from dflash.data.chat_template import tokenize_conversation
-    from dflash.data.regen import _feature_entries
+    from dflash.regen import _feature_entries
 
     target, tokenizer = loaded
     conv = [{"role": "user", "content": "tell me about the cat"}, {"role": "assistant", "content": "the red dog"}]
@@ -683,7 +683,7 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     """A run on a regen output with feature files needs no target forward at all (target
     labels included); features made by another target layout, distillation, a sampled regen
     with target labels, or no feature cache: not used, with a warning that says why."""
-    from dflash.setup import prepare
+    from dflash.train.build import prepare
     from tests.conftest import run_records
 
     _, folder = _feature_regen(env, loaded, "seeded")
@@ -747,7 +747,7 @@ def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outli
     """Regen's batches follow the prompts' (seeded, shuffled) order window by window, so a run
     cut by its budget has answered a random sample, not the shortest prompts; inside a window
     like lengths go together, and a few long prompts get a batch of their own size."""
-    from dflash.data.regen import _batches
+    from dflash.regen import _batches
 
     g = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(30, 60, (100,), generator=g)]
@@ -773,7 +773,7 @@ def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outli
 def test_regen_fits_its_last_batch_into_the_budget() -> None:
     """The batch that would end past `regen.max_minutes` is cut to the rows that fit (a batch
     costs a quarter fixed, three quarters per row), or skipped under 8 rows."""
-    from dflash.data.regen import _rows_that_fit
+    from dflash.regen import _rows_that_fit
 
     assert _rows_that_fit(100.0, 40.0, 128, 128) == 128  # a whole batch fits
     assert _rows_that_fit(40.0, 40.0, 128, 128) == 128  # exactly
@@ -790,7 +790,7 @@ def test_regen_runs_the_shared_prompt_prefix_once_with_the_same_result(
     """A batch's shared prefix (the chat template's system turn) runs once and its KV cache is
     copied to every row, the padding between it and each row's own tokens: the same greedy
     tokens and features as feeding every whole prompt left-padded, and as one row alone."""
-    from dflash.data import regen
+    from dflash import regen
 
     target, tokenizer = loaded
     system = {"role": "system", "content": "You are terse."}
@@ -824,9 +824,9 @@ def test_replay_tau_equals_the_speculative_eval_on_the_same_prompts(
     included); and it reads a regen output's feature files."""
     import importlib.util
 
-    from dflash.eval import speculative_generate, stop_ids
-    from dflash.export import load_drafter
+    from dflash.eval.decode import speculative_generate, stop_ids
     from dflash.model.drafter import FrozenHead
+    from dflash.model.export import load_drafter
 
     assert trained_run.returncode == 0, trained_run.stderr
     spec = importlib.util.spec_from_file_location("replay_tau", ROOT / "bench" / "replay_tau.py")

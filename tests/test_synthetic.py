@@ -5,15 +5,15 @@ from __future__ import annotations
 import time
 
 import pytest
+import simulated
 import torch
+from simulated import SimEvent, StageCost, SyntheticSpec, Timeline, calibrate, work
 
-import dflash.synthetic
-from dflash.synthetic import SimEvent, StageCost, SyntheticSpec, Timeline, calibrate, work
 from tests.conftest import run_records
 
 
 class FakeTime:
-    """Stands in for the `time` module inside dflash.synthetic: the clock moves only by
+    """Stands in for the `time` module inside simulated: the clock moves only by
     `sleep` (which records what was slept) or when a test moves it."""
 
     def __init__(self) -> None:
@@ -32,7 +32,7 @@ class FakeTime:
 def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     calibrate()  # before the clock stops: calibration measures real time
     fake = FakeTime()
-    monkeypatch.setattr(dflash.synthetic, "time", fake)
+    monkeypatch.setattr(simulated, "time", fake)
     return fake
 
 
@@ -77,8 +77,9 @@ def test_sim_device_syncs_where_host_sync_is_called(fake_time: FakeTime):
     thread waits for its queue, and for the events the current launch waits on."""
     import asyncio
 
-    from dflash.devices import host_sync
-    from dflash.synthetic import SimDevice
+    from simulated import SimDevice
+
+    from dflash.runtime.devices import host_sync
 
     dev = SimDevice("cpu", "sim")
     t0 = fake_time.t
@@ -112,8 +113,8 @@ def test_synthetic_5_plus_3_topology_runs_every_batch(tiny_config):
         }
     )
     spec = SyntheticSpec(StageCost(0.2, 2), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=30)
-    cfg, training = dflash.synthetic.prepare(cfg, spec)
-    records = run_records(cfg, training=training)
+    cfg, training = simulated.prepare(cfg, spec)
+    records = run_records(cfg, training=training, make_device=simulated.device_factory(spec))
     steps = [r for r in records if r["event"] == "train_step"]
     assert len(steps) == 10 and sum(s["samples"] for s in steps) == 30
     assert records[-1]["event"] == "run_end" and records[-1]["export_dir"] is None
@@ -134,8 +135,8 @@ def test_synthetic_async_device_model_overlaps_host_and_device(tiny_config, monk
 
     monkeypatch.setattr(Timeline, "launch", observed)
     spec = SyntheticSpec(StageCost(1, 50), StageCost(0.1, 1), StageCost(0.1, 0.5), batches=12, device_model="async")
-    cfg, training = dflash.synthetic.prepare(tiny_config(), spec)
-    records = run_records(cfg, training=training)
+    cfg, training = simulated.prepare(tiny_config(), spec)
+    records = run_records(cfg, training=training, make_device=simulated.device_factory(spec))
     steps = [r for r in records if r["event"] == "train_step"]
     assert sum(s["samples"] for s in steps) == 12
     assert len(backlog) == 12 and any(b > 0 for b in backlog), backlog

@@ -112,11 +112,11 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
     On self-distilled data (the target's own greedy replies) its top-1 is the label itself."""
     import math
 
-    from dflash.devices import Device
-    from dflash.records import HostFeatures
-    from dflash.setup import prepare
-    from dflash.stages import drafter_step, target_forward
-    from dflash.stages.prefetch import next_batch
+    from dflash.pipeline.stages import drafter_step, target_forward
+    from dflash.pipeline.stages.prefetch import next_batch
+    from dflash.runtime.devices import Device
+    from dflash.runtime.messages import HostFeatures
+    from dflash.train.build import prepare
 
     cfg = tiny_config(**{"train.distill": 0.5, "train.distill_topk": 4, "data.num_samples": 16})
     t = prepare(cfg)
@@ -146,11 +146,11 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
 def _prepared_first_batch(cfg: Any) -> tuple[Any, Any]:
     """The first batch of a run and what the drafter step prepares from it (features and
     top-k straight from the target)."""
-    from dflash.devices import Device
-    from dflash.records import HostFeatures
-    from dflash.setup import prepare
-    from dflash.stages import drafter_step, target_forward
-    from dflash.stages.prefetch import next_batch
+    from dflash.pipeline.stages import drafter_step, target_forward
+    from dflash.pipeline.stages.prefetch import next_batch
+    from dflash.runtime.devices import Device
+    from dflash.runtime.messages import HostFeatures
+    from dflash.train.build import prepare
 
     t = prepare(cfg)
     batch = next_batch(iter(t.plan), False)
@@ -169,7 +169,7 @@ def test_target_labels_are_the_targets_greedy_tokens(tiny_config):
     these differ from the data's tokens; on self-distilled data they are the same, and so is
     the whole run's loss."""
     from dflash.model.loss import block_targets
-    from dflash.setup import prepare
+    from dflash.train.build import prepare
 
     cfg = tiny_config(**{"train.labels": '"target"', "data.source": '"random"', "data.num_samples": 16})
     batch, p = _prepared_first_batch(cfg)
@@ -196,7 +196,7 @@ def test_greedy_prefix_only_keeps_later_slots_after_greedy_data_tokens(tiny_conf
     slots 1..k-1 of its block are the target's greedy tokens; slot 1 always keeps it. On the
     target's own greedy replies later slots keep theirs; on random ids they lose them."""
     from dflash.model.loss import block_targets, gamma_weights
-    from dflash.setup import prepare
+    from dflash.train.build import prepare
 
     kept = {}
     for source in ("random", "synthetic"):
@@ -237,7 +237,7 @@ def test_bf16_target_with_a_cpu_drafter_trains(tiny_config):
     import math
 
     from dflash.model.target import load_target
-    from dflash.setup import eval_target
+    from dflash.train.build import eval_target
 
     bf16 = {"target.dtype": '"bfloat16"', "train.max_steps": 4, "eval.num_prompts": 2}
     records = run_records(tiny_config(**bf16, **{"eval.target_dtype": '"float32"'}))

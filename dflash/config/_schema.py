@@ -327,7 +327,7 @@ class PipelineConfig(_Section):
     mode: Literal["pipeline", "serial"] = Field(
         "pipeline",
         description="serial: the same stage functions called one after another in a plain loop "
-        "(dflash/serial.py; the loop of the usual trainers, for comparison)",
+        "(dflash/pipeline/serial.py; the loop of the usual trainers, for comparison)",
     )
     target_devices: list[str] = Field(["cpu"], min_length=1, description="one target chain each")
     drafter_devices: list[str] = Field(["cpu"], min_length=1, description="one replica each")

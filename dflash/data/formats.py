@@ -37,7 +37,7 @@ from typing import Any, Literal
 from dflash.config import DataFile
 from dflash.data.conversation import ROLE_ALIASES, Conversation, InvalidRecord, Message, normalize_record, parse_record
 from dflash.errors import DataError
-from dflash.packages import local_path
+from dflash.store.packages import local_path
 
 __all__ = [
     "ROLE_ALIASES",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.records import Batch
+from dflash.runtime.messages import Batch
 
 __all__ = ["Rows", "Sample", "batch_padding_fraction", "collate"]
 

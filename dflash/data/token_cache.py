@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.atomic import atomic_path
 from dflash.config import DataConfig, DataFile
 from dflash.data.formats import resolve_format
+from dflash.store.atomic import atomic_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

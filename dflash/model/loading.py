@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from dflash.atomic import atomic_path
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError
-from dflash.packages import PREFIX, local_path
+from dflash.store.atomic import atomic_path
+from dflash.store.packages import PREFIX, local_path
 
 __all__ = ["cache_root", "load_tokenizer", "model_folder", "resolve_gguf"]
 

@@ -12,14 +12,14 @@ import asyncio
 import dataclasses
 from collections.abc import Iterator
 
-from dflash import faults
-from dflash.channel import Channel
 from dflash.data.batching import BatchPlan, collate
-from dflash.devices import Device
-from dflash.distributed import World, shard
-from dflash.profile import Stage
-from dflash.records import Batch
-from dflash.stages._link import linked
+from dflash.pipeline.stages._link import linked
+from dflash.runtime import faults
+from dflash.runtime.channel import Channel
+from dflash.runtime.devices import Device
+from dflash.runtime.distributed import World, shard
+from dflash.runtime.messages import Batch
+from dflash.runtime.profiler import Stage
 
 __all__ = ["next_batch", "run"]
 

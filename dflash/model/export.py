@@ -1,6 +1,6 @@
 """Export a drafter in the format the reference DFlash code and vLLM / SGLang load:
 a folder with a Qwen3-style `config.json` and `model.safetensors` (no embedding, no LM
-head), written atomically (`dflash.atomic.atomic_path`). `load_drafter` reads it back, and
+head), written atomically (`dflash.store.atomic.atomic_path`). `load_drafter` reads it back, and
 reads a training checkpoint folder too; `export_checkpoint` turns any checkpoint (mid-run,
 emergency, final) into an export (`dflash export CHECKPOINT OUT_DIR`).
 """
@@ -16,11 +16,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash.atomic import atomic_path
 from dflash.errors import CheckpointError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
+from dflash.store.atomic import atomic_path
 
-_MODELING = Path(__file__).parent / "model" / "modeling_dflash.py"
+_MODELING = Path(__file__).parent / "modeling_dflash.py"
 
 __all__ = ["drafter_config_json", "export_checkpoint", "export_drafter", "is_checkpoint", "is_export", "load_drafter"]
 

@@ -1,7 +1,7 @@
 """The serial loop: the readable specification of one training run (`pipeline.mode = "serial"`).
 
 Every stage function the pipeline runs, called one after another, top to bottom: the
-pipeline (dflash/topology.py) computes exactly this — the same losses and the same
+pipeline (dflash/pipeline/topology.py) computes exactly this — the same losses and the same
 weights for one target and one replica — only with the stages overlapped. (With a feature
 cache, which later batches find their features cached depends on timing, and cached
 features are bf16: then the two agree to rounding, not bit for bit.) Each call still
@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from dflash.devices import Device
-from dflash.feature_cache import FeatureCache
-from dflash.profile import Profiler, Stage
-from dflash.records import StepGrads
-from dflash.setup import Training
-from dflash.stages import pack, prefetch, target_forward, transfer
-from dflash.stages.drafter_step import Accumulator, prepared
-from dflash.steps import StepBook
+from dflash.features.cache import FeatureCache
+from dflash.pipeline.stages import pack, prefetch, target_forward, transfer
+from dflash.pipeline.stages.drafter_step import prepared
+from dflash.runtime.devices import Device
+from dflash.runtime.messages import StepGrads
+from dflash.runtime.profiler import Profiler, Stage
+from dflash.train.build import Training
+from dflash.train.hooks import StepBook
+from dflash.train.step import Accumulator
 
 __all__ = ["train"]
 

@@ -20,189 +20,28 @@ import math
 import random
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from dflash.config import Config
 from dflash.data.chat_template import tokenize_many
+from dflash.data.prompts import Messages, Prompts, load_prompts, prompt_key
 from dflash.data.samples import Sample, collate
 from dflash.errors import DataError
-from dflash.feature_files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
+from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
-from dflash.packages import package_folder
-from dflash.stages import target_forward
+from dflash.pipeline.stages import target_forward
 
-__all__ = [
-    "Prompts",
-    "chatterbot_prompts",
-    "file_prompts",
-    "jsonl_prompts",
-    "load_prompts",
-    "regenerate",
-    "write_jsonl",
-]
-
-Messages = list[dict[str, str]]
-
-
-def chatterbot_prompts(language: str = "english") -> list[Messages]:
-    """Every distinct utterance of the chatterbot corpus, as a one-turn user prompt."""
-    package = package_folder("chatterbot_corpus")
-    if package is None:
-        msg = "regen.prompts = 'chatterbot' needs the package: pip install chatterbot-corpus==1.3.3 pyyaml"
-        raise DataError(msg)
-    import yaml
-
-    folder = package / "data" / language
-    seen: dict[str, None] = {}
-    for f in sorted(folder.glob("*.yml")):
-        try:
-            doc = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
-            msg = f"{f}: unreadable corpus file: {err}".splitlines()[0]
-            raise DataError(msg) from None
-        for conv in doc.get("conversations") or []:
-            for utt in conv or []:
-                if isinstance(utt, str) and utt.strip():
-                    seen.setdefault(utt.strip(), None)
-    return [[{"role": "user", "content": u}] for u in seen]
-
-
-def _before_reply(messages: Messages) -> Messages:
-    """A conversation's messages before its first assistant turn: what regen prompts with."""
-    return list(itertools.takewhile(lambda m: m["role"] != "assistant", messages))
-
-
-def jsonl_prompts(path: Path) -> list[Messages]:
-    """Conversations from a chat JSONL (`messages` or ShareGPT `conversations`), cut before
-    their first assistant turn."""
-    if not path.is_file():
-        msg = f"regen.prompts: file not found: {path}"
-        raise DataError(msg)
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "model": "assistant", "system": "system"}  # fmt: skip
-    out = []
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-                turns = rec.get("messages") or rec.get("conversations")
-                msgs = [
-                    {"role": roles[t.get("role", t.get("from"))], "content": str(t.get("content", t.get("value")))}
-                    for t in turns
-                ]
-            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
-                msg = f"{path}:{n}: not a chat record ({type(err).__name__}: {err})"
-                raise DataError(" ".join(msg.split())) from None
-            prompt = _before_reply(msgs)
-            if any(m["role"] == "user" for m in prompt):
-                out.append(prompt)
-    if not out:
-        msg = f"{path}: no prompts (no conversation with a user turn)"
-        raise DataError(msg)
-    return out
-
-
-class Prompts(NamedTuple):
-    """regen's prompts: `train` in the order regen answers them, `held` kept for eval, and
-    `sets`: (source, how many of `train` come from it), in `train`'s order."""
-
-    train: list[Messages]
-    held: list[Messages]
-    sets: list[tuple[str, int]]
-
-    def source_of(self) -> list[str]:
-        """The source of each training prompt, by its index."""
-        return [src for src, n in self.sets for _ in range(n)]
-
-
-def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
-    """A prompt set from a file (pkg:PACKAGE/FILE too), each conversation cut before its first
-    assistant turn. A `.json` file (a JSON array such as ShareGPT's, or lines), parquet or a
-    `datasets` folder goes through the data loader: invalid records (a dump cut short ends in
-    one) are skipped with `skip_invalid` and counted in a warning, else an error. Any other
-    name is JSONL, read strictly by `jsonl_prompts` (as regen always read its prompt files)."""
-    from dflash.config import DataFile
-    from dflash.data.conversation import InvalidRecord
-    from dflash.data.formats import iter_records
-    from dflash.packages import local_path
-
-    try:
-        path = local_path(source)
-    except LookupError as err:
-        raise DataError(f"regen.prompts: {err}") from None
-    if not (path.is_dir() or path.name.lower().endswith((".json", ".parquet", ".pq"))):
-        return jsonl_prompts(path)  # .jsonl, and any other name, as before: strict JSONL
-    if not path.exists():
-        msg = f"regen.prompts: file not found: {path}"
-        raise DataError(msg)
-    out = []
-    skipped: list[InvalidRecord] = []
-    for rec in iter_records(DataFile(path=source)):
-        if isinstance(rec, InvalidRecord) and rec.prompt is None:
-            if skip_invalid:
-                skipped.append(rec)
-                continue
-            msg = f"regen.prompts: {rec.where}: {rec.reason} (data.skip_invalid = true skips such records)"
-            raise DataError(msg)
-        messages = rec.prompt if isinstance(rec, InvalidRecord) else rec.messages  # no assistant turn: all prompt
-        prompt = _before_reply(messages or [])
-        if any(m["role"] == "user" and m["content"].strip() for m in prompt):
-            out.append(prompt)
-    if skipped:  # as the data loader reports them
-        first = skipped[0]
-        warnings.warn(
-            f"{source}: skipped {len(skipped)} invalid record(s); first: {first.where}: {first.reason}", stacklevel=2
-        )
-    if not out:
-        msg = f"regen.prompts: {source}: no prompts (no conversation with a user turn)"
-        raise DataError(msg)
-    return out
-
-
-def load_prompts(cfg: Config) -> Prompts:
-    """Training and held-out prompts, in a fixed shuffled order: the held-out ones are the
-    first set's first `regen.holdout`; training takes the rest of the first set, then each
-    further set's prompts (each set shuffled on its own), every prompt once and none that is
-    held out."""
-    sources = cfg.regen.prompt_sources
-    sets: list[list[Messages]] = []
-    for i, src in enumerate(sources):
-        got = chatterbot_prompts() if src == "chatterbot" else file_prompts(src, cfg.data.skip_invalid)
-        random.Random(cfg.regen.seed if i == 0 else f"{cfg.regen.seed}/{i}").shuffle(got)
-        sets.append(got)
-    held = sets[0][: cfg.regen.holdout]  # as a single set splits: what earlier regens of it held out
-    seen = {_prompt_key(p) for p in held}
-    train: list[Messages] = []
-    counts = []
-    for j, got in enumerate(sets):
-        fresh = []
-        for p in got[cfg.regen.holdout :] if j == 0 else got:
-            if (k := _prompt_key(p)) not in seen:
-                seen.add(k)
-                fresh.append(p)
-        if cfg.regen.max_prompts:
-            fresh = fresh[: max(0, cfg.regen.max_prompts - len(train))]
-        train += fresh
-        counts.append(len(fresh))
-    return Prompts(train, held, list(zip(sources, counts, strict=True)))
-
+__all__ = ["regenerate", "write_jsonl"]
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     tmp.replace(path)
-
-
-def _prompt_key(messages: Messages) -> str:
-    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -230,7 +69,7 @@ def _done_prompts(path: Path, template_kwargs: dict[str, Any]) -> set[str]:
         for n, raw in enumerate(f, 1):
             try:
                 record = json.loads(raw)
-                done.add(_prompt_key(record["messages"][:-1]))
+                done.add(prompt_key(record["messages"][:-1]))
                 written = record.get("chat_template_kwargs", {})
             except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 msg = f"{path}:{n}: not a regen record; remove the line (or the file) and run regen again"
@@ -273,7 +112,7 @@ def _feature_entries(
     template_kwargs: dict[str, Any],
     greedy: bool,
 ) -> list[Entry | None]:
-    """The feature-file entries of one batch of replies (see dflash/feature_files.py).
+    """The feature-file entries of one batch of replies (see dflash/features/files.py).
 
     `convs`: each conversation as written; `fed[r]`: the token ids the target ran over while
     generating it (prompt, then reply); `feats[r]` (len(fed[r]), k·H): its features there;
@@ -456,7 +295,7 @@ def _regenerate(
     _drop_torn_tail(out_path)
     template_kwargs = cfg.data.chat_template_kwargs
     done = _done_prompts(out_path, template_kwargs)
-    held_keys = {_prompt_key(p) for p in held}
+    held_keys = {prompt_key(p) for p in held}
     if done & held_keys:
         msg = (
             f"{out_path} already answers {len(done & held_keys)} prompts that are now held out "
@@ -468,7 +307,7 @@ def _regenerate(
     too_long = 0
     cap = cfg.regen.max_prompt_tokens or math.inf
     for i, p in enumerate(train):
-        if _prompt_key(p) in done:
+        if prompt_key(p) in done:
             continue
         ids = tokenizer.apply_chat_template(
             p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs

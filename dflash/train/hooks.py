@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash.devices import Device, host_sync, named_sync, set_sync_debug
-from dflash.profile import Profiler, Stage
+from dflash.runtime.devices import Device, host_sync, named_sync, set_sync_debug
+from dflash.runtime.profiler import Profiler, Stage
 
 __all__ = ["EvalHook", "Progress", "StepBook", "StepContext", "StepHook", "StepResult", "SyncDebugHook", "to_records"]
 

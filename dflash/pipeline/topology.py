@@ -9,7 +9,7 @@ every stage.
 One target chain per `pipeline.target_devices` entry, one drafter replica per
 `pipeline.drafter_devices` entry. Task names are the stage names of the profiler and of
 fault injection (`Stage`), with the chain or replica index: `target.model_forward[0]`.
-`pipeline.mode = "serial"` builds one task instead, the serial loop (dflash/serial.py),
+`pipeline.mode = "serial"` builds one task instead, the serial loop (dflash/pipeline/serial.py),
 over the same devices.
 """
 
@@ -20,16 +20,16 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash import serial
-from dflash.channel import Channel
 from dflash.config import Config
-from dflash.devices import Device, PinnedPool
-from dflash.feature_cache import FeatureCache
-from dflash.profile import Profiler, Stage
-from dflash.records import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
-from dflash.setup import Training
-from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
-from dflash.steps import StepBook, StepHook
+from dflash.features.cache import FeatureCache
+from dflash.pipeline import serial
+from dflash.pipeline.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
+from dflash.runtime.channel import Channel
+from dflash.runtime.devices import Device, DeviceFactory, PinnedPool
+from dflash.runtime.messages import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
+from dflash.runtime.profiler import Profiler, Stage
+from dflash.train.build import Training
+from dflash.train.hooks import StepBook, StepHook
 
 __all__ = ["Topology", "build"]
 
@@ -50,11 +50,12 @@ def build(
     emit: Any,
     stop: asyncio.Event,
     hooks: Sequence[StepHook],
+    make_device: DeviceFactory = Device,
 ) -> Topology:
     devices: list[Device] = []
 
     def device(spec: str, name: str) -> Device:
-        d = t.make_device(spec, name, profiler)
+        d = make_device(spec, name, profiler)
         devices.append(d)
         return d
 

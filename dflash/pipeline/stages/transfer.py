@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from dflash import faults
-from dflash.channel import Channel
-from dflash.devices import Device, PinnedPool
-from dflash.feature_cache import FeatureCache
-from dflash.profile import Profiler, Stage
-from dflash.records import HostFeatures, PackedFeatures, Teacher
-from dflash.stages._link import linked
+from dflash.features.cache import FeatureCache
+from dflash.pipeline.stages._link import linked
+from dflash.runtime import faults
+from dflash.runtime.channel import Channel
+from dflash.runtime.devices import Device, PinnedPool
+from dflash.runtime.messages import HostFeatures, PackedFeatures, Teacher
+from dflash.runtime.profiler import Profiler, Stage
 
 __all__ = ["host_features", "run", "to_host"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import DataError
-from dflash.packages import package_folder
+from dflash.store.packages import package_folder
 
 __all__ = ["BUILTIN", "PromptSet", "load_prompt_set"]
 
@@ -89,7 +89,7 @@ def _lines(path: Path) -> list[dict]:
 def _chat_file(path: Path) -> list[Turns]:
     """`{"turns": [...]}` lines (one generation per user turn), or chat records cut before
     their first assistant turn (like regen's prompts; system messages kept): one generation."""
-    from dflash.data.regen import jsonl_prompts
+    from dflash.data.prompts import jsonl_prompts
 
     if not path.is_file():
         msg = f"--prompts: file not found: {path}"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import Config
-from dflash.coordinator import Coordinator, Record
+from dflash.pipeline.coordinator import Coordinator, Record
 
 __all__ = ["run"]
 

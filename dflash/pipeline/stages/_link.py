@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from dflash.channel import Channel, ChannelClosed, ConsumerDied
 from dflash.errors import StageError
+from dflash.runtime.channel import Channel, ChannelClosed, ConsumerDied
 
 __all__ = ["linked", "relay", "root_error", "stage_task"]
 

@@ -1,43 +1,36 @@
-"""drafter step: one replica's forward and backward over hidden-state batches.
+"""One optimizer step's math: prepare → forward → loss → backward (per replica and batch),
+then the update (once per step, over every replica).
 
-Per optimizer step a replica takes `grad_accum` batches from the hidden-state channel
-(waiting there is `drafter.queue_wait`: starved by the targets) and runs each in two
-phases: *prepare* (H2D, anchors, labels, block ids, masks — no weights touched) and
-*compute* (forward + loss, backward; gradients accumulate in .grad). It sends its
-StepGrads to the optimizer and waits for the optimizer's reply (`drafter.step_wait`)
-before touching its weights again — meanwhile it takes and prepares the next batch, so
-the compute after the reply waits only on the weight update. It ends when the optimizer says stop or the channel
-ends (it then sends a last StepGrads with 0 micro-batches).
+The pipeline's stages (`pipeline/stages/drafter_step.py`, `optimizer.py`) and the serial
+loop call these same functions; they never touch a channel or an event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.cuda.comm as comm  # not imported by `import torch`
 import torch.nn.functional as F
 
-from dflash import faults
-from dflash.channel import Channel, EndOfStream
 from dflash.config import DrafterConfig
-from dflash.devices import Device, upload
 from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.loss import BlockTargets, LossParts, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, layer_masks
-from dflash.profile import Profiler, Stage
-from dflash.records import Batch, HostFeatures, StepGrads, StepReply
-from dflash.replica import DrafterReplica
-from dflash.stages._link import linked
+from dflash.runtime import faults
+from dflash.runtime.devices import Device, host_sync, upload
+from dflash.runtime.distributed import World
+from dflash.runtime.messages import Batch, HostFeatures, StepGrads
+from dflash.runtime.profiler import Stage
+from dflash.train.hooks import Progress, StepResult
+from dflash.train.replicas import DrafterReplica, TimeBudget
 
-__all__ = ["Accumulator", "MicroStep", "Prepared", "compute", "prepare", "prepared", "run"]
+__all__ = ["Accumulator", "MicroStep", "Prepared", "apply_step", "compute", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -200,7 +193,7 @@ def compute(
 class MicroStep:
     """How a replica turns one batch into gradients, in two phases: `prepare` (no weights
     touched) and `compute` (forward + backward), with their settings bound. The functions
-    are slots: the orchestration benchmarks put work of known cost there."""
+    a subclass may replace (the orchestration benchmarks put work of known cost there)."""
 
     cfg: DrafterConfig
     seed: int
@@ -212,11 +205,9 @@ class MicroStep:
     target_labels: bool = False  # labels: the target's greedy token (train.labels = "target")
     greedy_prefix_only: bool = False  # target labels: later slots only after greedy data tokens
     dpace_alpha: float | None = None  # D-PACE position weights (train.position_weights = "dpace")
-    prepare_fn: Callable[..., Any] = prepare
-    compute_fn: Callable[..., LossParts] = compute
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> Prepared:
-        return self.prepare_fn(
+        return prepare(
             rep,
             device,
             feats,
@@ -230,7 +221,7 @@ class MicroStep:
         )
 
     def compute(self, rep: DrafterReplica, device: Device, prepared: Prepared) -> LossParts:
-        return self.compute_fn(
+        return compute(
             rep, device, prepared, loss_chunk=self.loss_chunk, distill=self.distill,
             distill_temperature=self.distill_temperature, dpace_alpha=self.dpace_alpha,
         )  # fmt: skip
@@ -269,93 +260,184 @@ class Accumulator:
         )  # fmt: skip
 
 
-async def _take(
-    rep: DrafterReplica,
-    micro: MicroStep,
+def _take_over(device: Device, replicas: list[DrafterReplica], contribs: list[StepGrads]) -> None:
+    """The hand-off of the replicas' gradients and sums to this (the optimizer's) worker: on
+    CUDA, each replica's GPU gets a stream of the optimizer's (`drafter.optimizer_step` on
+    that GPU) that waits on the replica's backward and becomes this thread's current stream
+    there, so every read of its gradients (reduce, broadcast, its own update) is ordered
+    after the backward; and every tensor read is held for that stream (`Device.hold`). The
+    first GPU's stream is the one `Device.run` already set, waiting on `wait_for`."""
+    dev0 = device.device
+    by_replica = {c.replica: c for c in contribs}
+    for r in replicas:
+        c = by_replica.get(r.index)
+        tensors = [p.grad for p in r.params if p.grad is not None]
+        if c is not None:
+            tensors += [t for t in (c.loss_sum, c.correct_per_slot) if t is not None]
+        stream = None
+        if r.device.type == "cuda":
+            if r.device != dev0:
+                stream = device.stream(Stage.OPTIMIZER_STEP, on=r.device)
+                if c is not None and c.ready is not None:
+                    stream.wait_event(c.ready)
+                torch.cuda.set_stream(stream)  # this thread's current stream on that GPU
+            else:
+                stream = torch.cuda.current_stream(dev0)
+        device.hold(Stage.GRAD_REDUCE, tensors, stream)
+    if dev0.type == "cuda":
+        torch.cuda.set_device(dev0)
+
+
+def _multi_gpu(replicas: list[DrafterReplica]) -> bool:
+    devs = [r.device for r in replicas]
+    return all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs) and len(devs) > 1
+
+
+def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch.device) -> list[torch.Tensor]:
+    """Σ of the contributing replicas' gradients on the first replica's device, in a fixed
+    order (the same sum on every run). One replica: its own `.grad` tensors, no copy.
+    Replicas on distinct GPUs: torch's multi-GPU reduce (NCCL where available), bucketed."""
+    def grads_of(r: DrafterReplica) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in r.params]
+
+    if len(replicas) == 1:
+        return grads_of(replicas[0])
+    if _multi_gpu(replicas):
+        # Every replica, zeros for one without a contribution: reduce_add wants an input on
+        # the destination, and the result must be the whole gradient even when no replica
+        # of this rank has data (its ranks' all-reduce then sums zeros from it).
+        inputs = [grads_of(r) if r.index in contributing else [torch.zeros_like(p) for p in r.params] for r in replicas]
+        return list(comm.reduce_add_coalesced(inputs, destination=dev0.index or 0))
+    grads = []
+    for i, p in enumerate(replicas[0].params):
+        total = torch.zeros_like(p, device=dev0)
+        for r in replicas:
+            g = r.params[i].grad
+            if r.index in contributing and g is not None:
+                total.add_(g.to(dev0, non_blocking=True))  # no-sync: device to device
+        grads.append(total)
+    return grads
+
+
+def _spread(replicas: list[DrafterReplica], grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The step's gradient for every replica: the tensors themselves for the first, a copy
+    on each other replica's device (torch's multi-GPU broadcast on distinct GPUs)."""
+    if len(replicas) == 1:
+        return [grads]
+    if _multi_gpu(replicas):
+        copies = comm.broadcast_coalesced(grads, [r.device.index or 0 for r in replicas])
+        return [grads, *(list(c) for c in copies[1:])]
+    copies = [[g.to(r.device, copy=True, non_blocking=True) for g in grads] for r in replicas[1:]]  # no-sync: d2d
+    return [grads, *copies]
+
+
+def _update(device: Device, r: DrafterReplica, grads: list[torch.Tensor]) -> Any:
+    """AdamW and schedule of one replica, on its own GPU's stream of this thread; the event
+    of its update on another GPU (None for the first: `Device.run`'s event covers it)."""
+    for p, g in zip(r.params, grads, strict=True):
+        p.grad = g
+    r.optimizer.step()
+    r.scheduler.step()
+    r.optimizer.zero_grad(set_to_none=True)
+    if r.device.type != "cuda" or r.device == device.device:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(device.stream(Stage.OPTIMIZER_STEP, on=r.device))
+    return ev
+
+
+def _sums(contribs: list[StepGrads], dev0: torch.device, block_size: int) -> tuple[Any, Any, Any, Any]:
+    """The step's Σ loss weight (host float), Σ loss, per-slot correct (device) and counts (host)."""
+    weight = sum(c.weight_sum for c in contribs)
+    losses = [c.loss_sum.to(dev0, non_blocking=True) for c in contribs if c.loss_sum is not None]  # no-sync: d2d
+    loss = sum(losses, torch.zeros((), device=dev0))
+    per_slot = [c.correct_per_slot for c in contribs if c.correct_per_slot is not None]
+    per_slot = [t.to(dev0, non_blocking=True) for t in per_slot]  # no-sync: device to device
+    correct = sum(per_slot, torch.zeros(block_size, device=dev0))
+    counts = [c.count_per_slot for c in contribs if c.count_per_slot is not None]
+    count = sum(counts, torch.zeros(block_size, dtype=torch.long))
+    return weight, loss, correct, count
+
+
+def _across_ranks(world: World, grads: list[torch.Tensor], sums: tuple[Any, ...], dev0: torch.device) -> tuple:
+    """Gradients and the step's sums, summed over every rank (`drafter.allreduce`). The loss
+    weight and the per-slot counts come back as one device tensor `[Σ w, counts...]`: the
+    update divides by the global Σ w, and the step's one host sync brings both over."""
+    weight, loss, correct, count = sums
+    B = correct.shape[0]
+    host = torch.cat([torch.tensor([float(weight)], dtype=torch.float64), count.double()])  # no-sync: host values
+    stats = torch.cat([upload(host, dev0), loss.double()[None], correct.double()])
+    world.all_reduce([*grads, stats], "the gradient all-reduce")
+    return stats[: 1 + B], stats[1 + B].float(), stats[2 + B :].float(), None
+
+
+def apply_step(
+    replicas: list[DrafterReplica],
+    contribs: list[StepGrads],
     device: Device,
-    inbox: Channel[HostFeatures],
-    profiler: Profiler,
     step: int,
-    early: bool = False,
-) -> tuple[Prepared | None, float]:
-    """The next batch, prepared (None at the end of the stream), and when it arrived.
-    `early`: taken while the optimizer steps (its wait is counted after the reply)."""
-    try:
-        feats, waited = await inbox.get()
-    except EndOfStream:
-        return None, time.perf_counter()
-    arrived = time.perf_counter()
-    if not early:  # waited for in the step itself: starved by the targets
-        profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-    return await prepared(rep, micro, device, feats, step), arrived
-
-
-async def prepared(rep: DrafterReplica, micro: MicroStep, device: Device, feats: HostFeatures, step: int) -> Prepared:
-    """The prepare phase of one batch: after the features' event when they are still on the
-    target's GPU (and holding their memory for this stream); a pooled pinned buffer goes
-    back to its pool with the event after its upload."""
-    on_device = [t for t in (feats.hidden, *(feats.teacher or ())) if t.device.type == "cuda"]
-    out, ready = await device.run(None, micro.prepare, rep, device, feats, step, wait_for=[feats.ready], uses=on_device)
-    if feats.release is not None:  # (after a failure it stays out: the pool makes another)
-        feats.release(ready)
-    return out
-
-
-async def run(
-    rep: DrafterReplica,
-    micro: MicroStep,
-    grad_accum: int,
-    device: Device,
-    inbox: Channel[HostFeatures],
-    outbox: Channel[StepGrads],
-    replies: Channel[StepReply],
-    profiler: Profiler,
-    start_step: int = 0,
-    lookahead: bool = False,
-) -> None:
-    """`lookahead`: take and prepare the next batch while the optimizer steps. Only for a
-    single replica: with several, a batch taken ahead by a fast replica would fall behind
-    the ones a slower replica still takes for the same step, and the step's data cursor
-    (its highest batch index) would pass over it."""
-    step = start_step
-    wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
-    ahead: asyncio.Task[tuple[Prepared | None, float]] | None = None
-    take = functools.partial(_take, rep, micro, device, inbox, profiler)
-
-    with linked([inbox, replies], [outbox]):
-        try:
-            while True:
-                acc = Accumulator()
-                ready = None
-                for _ in range(grad_accum):
-                    prepared, _ = await (ahead if ahead is not None else take(step))
-                    ahead = None
-                    if prepared is None:
-                        break
-                    _, ready = await device.run(None, acc.compute, micro, rep, device, prepared, wait_for=wait_for)
-                    profiler.count("drafter_tokens", prepared.batch.num_tokens)
-                await outbox.put(acc.grads(rep.index, step, ready))
-                if acc.n == 0:
-                    return
-                if lookahead:  # prepared while the optimizer steps: after the reply, only the forward is left
-                    ahead = asyncio.ensure_future(take(step + 1, early=True))
-                try:
-                    reply, waited = await replies.get()
-                except EndOfStream:
-                    return
-                profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
-                if reply.stop:
-                    return
-                if ahead is not None:  # starved only for the part of its wait after the reply
-                    replied = time.perf_counter()
-                    _, arrived = await asyncio.shield(ahead)
-                    profiler.record(Stage.DRAFTER_QUEUE_WAIT, max(0.0, arrived - replied), worker=device.name)
-                wait_for = [reply.ready]
-                step = reply.step
-        finally:
-            if ahead is not None:  # a batch taken ahead is dropped, like queued ones
-                if not ahead.done():
-                    ahead.cancel()
-                    await asyncio.wait([ahead])
-                if not ahead.cancelled():
-                    ahead.exception()  # retrieved: the stage is ending either way
+    progress: Progress,
+    *,
+    grad_clip: float,
+    world: World | None = None,
+    budget: TimeBudget | None = None,
+) -> StepResult:
+    """Reduce, normalise, clip and apply one step to every replica (in the optimizer's worker).
+    `progress.updating` is set just before the first change of state and cleared, with the
+    step and cursor advanced, when the last replica is updated: whenever a crash stops the
+    run, `progress` says whether the state is consistent and which step it is. With a
+    `world`, gradients and sums are summed over every rank too (this rank may contribute
+    nothing: its shard has ended while others' have not)."""
+    faults.check(Stage.OPTIMIZER_STEP)
+    if budget is not None:
+        budget.tick()  # one reading for every replica's schedule and the stop check after the step
+    dev0 = replicas[0].device
+    block_size = replicas[0].model.spec.block_size
+    with device.span(Stage.GRAD_REDUCE):
+        _take_over(device, replicas, contribs)
+        grads = _reduced(replicas, {c.replica for c in contribs}, dev0)
+        sums = _sums(contribs, dev0, block_size)
+    if world is not None:
+        with device.span(Stage.ALLREDUCE):
+            sums = _across_ranks(world, grads, sums, dev0)
+    weight, loss, correct, count = sums  # with a world: weight = [Σ w, counts...] on the device
+    scale = (1.0 / weight[0].clamp(min=1e-12)).float() if world is not None else 1.0 / max(weight, 1e-12)
+    torch._foreach_mul_(grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
+    with device.span(Stage.GRAD_NORM_SYNC):
+        norm = torch.nn.utils.get_total_norm(grads, foreach=dev0.type == "cuda")
+        # The one host sync per step, on purpose: a NaN/Inf step must touch neither the
+        # weights nor the optimizer state, and only the host can decide to skip it.
+        ok = torch.isfinite(norm) & torch.isfinite(loss)
+        if world is None:
+            finite, weight_h = bool(host_sync(ok)), weight
+        else:  # the global Σ w and per-slot counts come over in the same sync
+            host = host_sync(torch.cat([ok.double()[None], weight]))
+            finite, weight_h = bool(host[0]), float(host[1])  # no-sync: host tensor
+            count = host[2:].round().long()
+        if grad_clip > 0 and finite:
+            coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)  # stays a tensor: no sync
+            torch._foreach_mul_(grads, coef)
+    if not finite:
+        for r in replicas:
+            r.optimizer.zero_grad(set_to_none=True)
+    updated: dict[int, Any] = {}
+    with device.span(Stage.OPTIMIZER_STEP) if finite else contextlib.nullcontext():
+        lr = replicas[0].optimizer.param_groups[0]["lr"]
+        progress.updating = finite  # from here until StepBook.end, weights and AdamW state may disagree
+        for r, g in zip(replicas, _spread(replicas, grads) if finite else [], strict=False):
+            updated[r.index] = _update(device, r, g)
+    last = world.cursor if world is not None else max(c.last_batch for c in contribs)
+    progress.finish(step, last)
+    return StepResult(
+        step=step,
+        loss=loss * scale,  # float32 × float32 scale, as with one process
+        grad_norm=norm,
+        lr=lr,
+        correct=correct,
+        count=count,
+        tokens=sum(c.tokens for c in contribs),
+        samples=sum(c.samples for c in contribs),
+        weight_sum=weight_h,
+        skipped=not finite,
+        updated={r: ev for r, ev in updated.items() if ev is not None},
+    )

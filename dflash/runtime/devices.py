@@ -44,9 +44,11 @@ from typing import Any, TypeVar
 import torch
 
 from dflash.errors import ConfigError
-from dflash.profile import Profiler
+from dflash.runtime.profiler import Profiler
 
-__all__ = ["Device", "PinnedPool", "check_device", "host_sync", "named_sync", "set_sync_debug", "upload"]
+__all__ = [
+    "Device", "DeviceFactory", "PinnedPool", "check_device", "host_sync", "named_sync", "set_sync_debug", "upload",
+]  # fmt: skip
 
 R = TypeVar("R")
 
@@ -175,6 +177,13 @@ class PinnedPool:
 def _wait(ready: Any) -> None:
     with named_sync():
         ready.synchronize()  # sync: named by the caller's span or record
+
+
+# How the pipeline makes its devices: `(spec, name, profiler) -> Device`. `Device` itself by
+# default; a `Device` subclass plugs in here to run the real stages on other semantics (the
+# orchestration benchmarks' simulated device queue, `bench/simulated.py`). Passed as
+# `Coordinator(cfg, make_device=...)`.
+DeviceFactory = Callable[[str, str, "Profiler | None"], "Device"]
 
 
 class Device:

@@ -19,8 +19,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from dflash.atomic import atomic_path
-from dflash.channel import Channel
+from dflash.runtime.channel import Channel
+from dflash.store.atomic import atomic_path
 
 __all__ = ["Profiler", "Stage", "Trace"]
 

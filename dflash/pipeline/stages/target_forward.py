@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from dflash import faults
-from dflash.channel import Channel
-from dflash.devices import Device, upload
-from dflash.feature_cache import FeatureCache
+from dflash.features.cache import FeatureCache
 from dflash.model.target import Target
-from dflash.profile import Profiler, Stage
-from dflash.records import Batch, TargetFeatures, Teacher
-from dflash.stages._link import relay
+from dflash.pipeline.stages._link import relay
+from dflash.runtime import faults
+from dflash.runtime.channel import Channel
+from dflash.runtime.devices import Device, upload
+from dflash.runtime.messages import Batch, TargetFeatures, Teacher
+from dflash.runtime.profiler import Profiler, Stage
 
 __all__ = ["forward", "run"]
 

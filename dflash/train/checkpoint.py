@@ -26,9 +26,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash.atomic import atomic_path
 from dflash.config import Config, dump_toml
 from dflash.errors import CheckpointError
+from dflash.store.atomic import atomic_path
 
 __all__ = [
     "Checkpointer",
@@ -225,7 +225,7 @@ class Checkpointer:
         await self.finish()
 
     async def _save(self, ctx: Any) -> None:
-        from dflash.profile import Stage
+        from dflash.runtime.profiler import Stage
 
         if not self.writer:
             return

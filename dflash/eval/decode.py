@@ -554,7 +554,7 @@ def eval_prompts(cfg: Any, target: Target, tokenizer: Any, mask_id: int) -> list
     n = cfg.eval.num_prompts
     if cfg.data.source != "files" and not cfg.eval.prompts:
         return draw_prompts(cfg.data, target.vocab_size, n, cfg.run.seed + 104_729, mask_id)
-    from dflash.data.regen import jsonl_prompts
+    from dflash.data.prompts import jsonl_prompts
     from dflash.errors import DataError
 
     if tokenizer is None:
@@ -584,11 +584,11 @@ def run_eval(
     evaluate on each prompt set (`data.prompt_sets`: mtbench, humaneval, heldout, a file;
     none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
     record per set, with `prompt_set`. `limit`: at most this many prompts per set."""
-    from dflash.data.prompt_sets import load_prompt_set
-    from dflash.devices import check_device
-    from dflash.export import load_drafter
+    from dflash.eval.prompts import load_prompt_set
+    from dflash.model.export import load_drafter
     from dflash.model.loading import load_tokenizer
     from dflash.model.target import load_target
+    from dflash.runtime.devices import check_device
 
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")

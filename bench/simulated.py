@@ -15,7 +15,7 @@ and hide the GIL limit) and then `device_ms` of device work, in one of two model
   reads, the optimizer's grad-norm sync), so host work overlaps device work as on a GPU.
 
 `prepare(cfg, spec)` gives the config and the `Training` of stand-ins to run with
-`Coordinator(cfg, training=t)`: the coordinator, topology, stages and devices are the
+`Coordinator(cfg, training=t, make_device=device_factory(spec))`: the coordinator, topology, stages and devices are the
 production ones and know nothing of this module. Used by `bench/orchestration.py` and its
 test.
 """
@@ -31,12 +31,16 @@ from typing import Any, Literal
 
 import torch
 
-from dflash.devices import Device, host_sync
-from dflash.feature_cache import FeatureCache
+from dflash.features.cache import FeatureCache
 from dflash.model.loss import LossParts
-from dflash.profile import Stage
+from dflash.runtime.devices import Device, DeviceFactory, host_sync
+from dflash.runtime.profiler import Stage
+from dflash.train.step import MicroStep
 
-__all__ = ["SimEvent", "StageCost", "SyntheticSpec", "Timeline", "calibrate", "prepare", "work"]
+__all__ = [
+    "SimDevice", "SimEvent", "StageCost", "SyntheticSpec", "SyntheticStep", "Timeline", "calibrate", "device_factory",
+    "prepare", "work",
+]  # fmt: skip
 
 _ITERS_PER_MS: float | None = None
 
@@ -192,22 +196,31 @@ class SimDevice(Device):
         self.timeline.drained().synchronize()
 
 
-def _prepare(rep: Any, device: Any, feats: Any, **_: Any) -> Any:
-    return feats  # a HostFeatures carries the batch, all that compute and the accumulator read
+@dataclass(frozen=True)
+class SyntheticStep(MicroStep):
+    """A micro-step of known cost: prepare hands the features on, compute works `drafter`."""
 
+    cost: StageCost = StageCost(0.0, 0.0)
+    block_size: int = 4
 
-def _compute(spec: SyntheticSpec) -> Any:
-    def step(rep: Any, device: Any, prepared: Any, **_: Any) -> LossParts:
+    def prepare(self, rep: Any, device: Any, feats: Any, step: int) -> Any:
+        return feats  # a HostFeatures carries the batch, all that compute and the accumulator read
+
+    def compute(self, rep: Any, device: Any, prepared: Any) -> LossParts:
         with device.span(Stage.DRAFTER_FORWARD):
-            work(spec.drafter)
-        B = spec.block_size
+            work(self.cost)
+        B = self.block_size
         return LossParts(torch.zeros(()), 1.0, torch.zeros(B), torch.zeros(B, dtype=torch.long))
 
-    return step
+
+def device_factory(spec: SyntheticSpec) -> DeviceFactory:
+    """The `Device` the pipeline runs the stand-ins on: `Coordinator(cfg, training=t,
+    make_device=device_factory(spec))`."""
+    return SimDevice if spec.device_model == "async" else Device
 
 
 def _apply_step(spec: SyntheticSpec) -> Any:
-    from dflash.steps import StepResult
+    from dflash.train.hooks import StepResult
 
     def apply(replicas: Any, contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
@@ -231,8 +244,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
     asks for no checkpoint, export or eval."""
     from dflash.data.batching import BatchPlan, Sample
     from dflash.model.drafter import DrafterSpec
-    from dflash.setup import Training
-    from dflash.stages.drafter_step import MicroStep
+    from dflash.train.build import Training
 
     targets = [SyntheticTarget(spec.target) for _ in cfg.pipeline.target_devices]
     replicas = [SyntheticReplica(i, torch.device("cpu")) for i in range(len(cfg.pipeline.drafter_devices))]
@@ -243,7 +255,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
         rms_norm_eps=1e-6, rope_theta=1.0, target_layer_ids=[0], num_target_layers=1,
         block_size=spec.block_size, mask_token_id=0, layer_types=["full_attention"], sliding_window=1,
     )  # fmt: skip
-    micro = MicroStep(cfg.drafter, cfg.run.seed, 1, False, prepare_fn=_prepare, compute_fn=_compute(spec))
+    micro = SyntheticStep(cfg.drafter, cfg.run.seed, 1, False, cost=spec.drafter, block_size=spec.block_size)
 
     off = {
         "checkpoint": cfg.checkpoint.model_copy(update={"at_end": False, "every_steps": 0, "export_final": False}),
@@ -261,5 +273,4 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
         total_steps=-(-spec.batches // len(replicas)),
         padding_fraction=0.0,
         cache=FeatureCache.from_config(cfg.data.feature_cache_mb),
-        make_device=SimDevice if spec.device_model == "async" else Device,
     )

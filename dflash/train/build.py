@@ -21,25 +21,24 @@ from typing import Any
 
 import torch
 
-from dflash import faults
-from dflash.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
 from dflash.config import Config, TrainConfig
 from dflash.data.batching import BatchPlan, Sample
-from dflash.devices import Device, check_device
-from dflash.distributed import World
 from dflash.errors import CheckpointError, ConfigError, DataError
-from dflash.eval import require_eval_prompts
-from dflash.feature_cache import FeatureCache
-from dflash.feature_files import FeatureMeta, folder_for, seed_cache
+from dflash.eval.decode import require_eval_prompts
+from dflash.features.cache import FeatureCache
+from dflash.features.files import FeatureMeta, folder_for, seed_cache
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.target import Target, load_target, resolve_dtype
-from dflash.packages import local_path
-from dflash.profile import Stage
-from dflash.replica import DrafterReplica, TimeBudget, build_replicas
-from dflash.stages.drafter_step import MicroStep
-from dflash.stages.optimizer import apply_step
-from dflash.steps import StepResult
+from dflash.runtime import faults
+from dflash.runtime.devices import check_device
+from dflash.runtime.distributed import World
+from dflash.runtime.profiler import Stage
+from dflash.store.packages import local_path
+from dflash.train.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
+from dflash.train.hooks import StepResult
+from dflash.train.replicas import DrafterReplica, TimeBudget, build_replicas
+from dflash.train.step import MicroStep, apply_step
 
 __all__ = ["Training", "prepare"]
 
@@ -63,7 +62,6 @@ class Training:
     data_stats: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
-    make_device: Callable[..., Device] = Device  # (spec, name, profiler) -> Device; stand-ins bring their own
     world: World | None = None  # this process's rank among several (torchrun), else None
     budget: TimeBudget | None = None  # train.max_minutes: the time budget, started with the first step
     cache: FeatureCache | None = None  # data.feature_cache_mb: seeded from feature files beside the data files
@@ -172,7 +170,7 @@ def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
 def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: Any) -> Callable[[int], dict[str, Any]]:
     """Speculative decoding with replica 0 against target 0 on the held-out prompts, which
     are loaded now: missing prompts fail the run before its first step, not after its last."""
-    from dflash.eval import eval_prompts, evaluate, stop_ids
+    from dflash.eval.decode import eval_prompts, evaluate, stop_ids
 
     target = eval_target(cfg, target)
     prompts = eval_prompts(cfg, target, tokenizer, replica.model.spec.mask_token_id)

@@ -1,7 +1,7 @@
 """The Coordinator: one run, start to end, inside any event loop.
 
-It owns the run, not its parts: set-up (dflash/setup.py) builds the `Training` in a
-worker thread, the topology (dflash/topology.py) wires channels, devices and stage tasks,
+It owns the run, not its parts: set-up (dflash/train/build.py) builds the `Training` in a
+worker thread, the topology (dflash/pipeline/topology.py) wires channels, devices and stage tasks,
 and the coordinator runs them in one TaskGroup — the first stage to fail cancels the
 others and comes out as one StageError naming it — then tears down in a fixed order
 (profiler, trace, devices) and ends the run: export, end-of-run eval, summary. Step hooks
@@ -23,18 +23,19 @@ from typing import Any
 import structlog
 import torch
 
-from dflash import distributed, faults, topology
-from dflash.checkpoint import Checkpointer
 from dflash.config import Config, dump_toml
-from dflash.devices import set_sync_debug
-from dflash.distributed import World
 from dflash.errors import ConfigError
-from dflash.export import export_drafter
 from dflash.logs import ProgressLine, RunLog
-from dflash.profile import Profiler, Trace
-from dflash.setup import Training, prepare
-from dflash.stages._link import root_error, stage_task
-from dflash.steps import EvalHook, StepHook, SyncDebugHook
+from dflash.model.export import export_drafter
+from dflash.pipeline import topology
+from dflash.pipeline.stages._link import root_error, stage_task
+from dflash.runtime import distributed, faults
+from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
+from dflash.runtime.distributed import World
+from dflash.runtime.profiler import Profiler, Trace
+from dflash.train.build import Training, prepare
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
 
 __all__ = ["Coordinator", "Record"]
 
@@ -51,13 +52,17 @@ class Coordinator:
         log: bool = True,
         resume: str | Path | None = None,
         training: Training | None = None,
+        make_device: DeviceFactory = Device,
     ) -> None:
         """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder.
         `training`: run on this `Training` instead of building one from the config (set-up
-        skipped; e.g. stand-ins of known cost: `dflash.synthetic.prepare`)."""
+        skipped; e.g. the stand-ins of known cost in `bench/simulated.py`). `make_device`: how
+        the pipeline makes each `Device` (`runtime.devices.DeviceFactory`): `Device` itself,
+        or a subclass that runs the same stages on other semantics (a simulated device queue)."""
         self.config = config
         self.resume = resume
         self._given = training
+        self._make_device = make_device
         self.run_dir = config.run_dir
         self._log = structlog.get_logger("dflash") if log else None
         self._subscribers: list[Callable[[Record], None]] = []
@@ -181,7 +186,7 @@ class Coordinator:
             hooks.append(distributed.SameWeights(self.world, t.replicas[0].params, cfg.distributed.check_every))
         if cfg.pipeline.sync_debug:
             hooks.append(SyncDebugHook(t.start_step + 3))
-        topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks)
+        topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks, self._make_device)
         progress = ProgressLine(t.total_steps, t.start_step)
         self.subscribe(progress)
         t_train = time.perf_counter()
@@ -288,12 +293,3 @@ class Coordinator:
         }
         self.emit("run_end", **self.summary)
         return self.summary
-
-
-def __getattr__(name: str) -> Any:
-    if name == "run":  # `from dflash.coordinator import run` still works; it lives in runner.py
-        from dflash.runner import run
-
-        return run
-    msg = f"module 'dflash.coordinator' has no attribute {name!r}"
-    raise AttributeError(msg)

@@ -43,9 +43,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dflash.atomic import atomic_path
 from dflash.data.samples import Sample
-from dflash.feature_cache import FeatureCache
+from dflash.features.cache import FeatureCache
+from dflash.store.atomic import atomic_path
 
 __all__ = [
     "FORMAT",

@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from dflash.records import Batch, Teacher
+from dflash.runtime.messages import Batch, Teacher
 
 __all__ = ["FeatureCache"]
 

@@ -1,0 +1,158 @@
+"""The package's layout is its architecture: each folder is one concern, and imports run one
+way only. A module may import its own layer and any layer below it, never one above:
+
+    top        dflash (the public face), cli, report, regen
+    pipeline   the asyncio coordinator, topology, the serial loop and the stages
+    train      building a run, the step's math, replicas, schedule, hooks, checkpoints
+    eval       speculative decoding, tallies, prompt sets
+    features   the feature cache and regen's feature files
+    data       samples, formats, tokenizing, batching, prompt sets' files
+    model      target, drafter, masks, loss, export
+    runtime    devices and their syncs, processes, profiler, faults, channels, messages
+    base       config, errors, logs, store (atomic writes, package files)
+
+So the step's math (`train`) never imports the pipeline that drives it, and nothing but the
+top imports the pipeline. Imports inside functions count too: a lazy import is still a
+dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dflash"
+
+# top to bottom; a layer is a set of module-path prefixes
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("top", ("dflash", "dflash.__main__", "dflash.cli", "dflash.report", "dflash.regen")),
+    ("pipeline", ("dflash.pipeline",)),
+    ("train", ("dflash.train",)),
+    ("eval", ("dflash.eval",)),
+    ("features", ("dflash.features",)),
+    ("data", ("dflash.data",)),
+    ("model", ("dflash.model",)),
+    ("runtime", ("dflash.runtime",)),
+    ("base", ("dflash.config", "dflash.errors", "dflash.logs", "dflash.store")),
+]
+
+
+def layer_of(module: str) -> int:
+    """Index into LAYERS (0 = top) of a dflash module: its longest matching prefix."""
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{module}: in no layer of tests/test_layers.py (add it to one)"
+    return rank
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def dflash_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every dflash import in a file, at any depth (lazy ones too)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "dflash"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's package
+                base = ".".join(package[: len(package) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "dflash":
+                continue
+            if mod == "dflash":  # `from dflash import X`: X may be a module (dflash.cli) or a name
+                out += [(node.lineno, f"dflash.{a.name}") if (PACKAGE / f"{a.name}.py").exists() or
+                        (PACKAGE / a.name).is_dir() else (node.lineno, "dflash") for a in node.names]  # fmt: skip
+            else:
+                out.append((node.lineno, mod))
+    return out
+
+
+def upward_imports(root: Path = PACKAGE) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        me = layer_of(module_name(path))
+        for line, mod in dflash_imports(path):
+            them = layer_of(mod)
+            if them < me:
+                rel = path.relative_to(ROOT)
+                bad.append(f"{rel}:{line}: {LAYERS[me][0]} imports {mod} ({LAYERS[them][0]}, a layer above)")
+    return bad
+
+
+def test_imports_run_downward_only():
+    """No module imports a layer above its own (lazy imports included)."""
+    assert upward_imports() == []
+
+
+def test_every_module_has_a_layer():
+    """A new top-level module or folder must be placed in a layer, or this test's map is stale."""
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(module_name(path))
+
+
+def test_a_planted_upward_import_is_caught(tmp_path, monkeypatch):
+    """The check can fail: the step's math importing the pipeline is reported, with its line."""
+    train = tmp_path / "dflash" / "train"
+    train.mkdir(parents=True)
+    (train / "planted.py").write_text("def f():\n    from dflash.pipeline import topology\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    bad = upward_imports(tmp_path / "dflash")
+    assert bad == ["dflash/train/planted.py:2: train imports dflash.pipeline (pipeline, a layer above)"]
+
+
+def module_level_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module → the dflash modules it imports when it loads (module-level statements only:
+    lazy imports inside functions cannot make a cycle at import time)."""
+    graph: dict[str, set[str]] = {}
+    modules = {module_name(p) for p in root.rglob("*.py")}
+    for path in root.rglob("*.py"):
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[module_name(path)] = {d for d in deps if d in modules} - {module_name(path)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, found by depth-first search (each reported once, from its first module)."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append([*path[path.index(node) :], node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_circular_import():
+    """No module needs, while it loads, a module that needs it back."""
+    assert cycles(module_level_graph()) == []
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # and the search does see one

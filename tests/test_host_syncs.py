@@ -26,6 +26,7 @@ HOT = [
     ROOT / "dflash" / "runtime" / "devices.py",
     ROOT / "dflash" / "train" / "hooks.py",
     ROOT / "dflash" / "train" / "step.py",
+    ROOT / "dflash" / "train" / "reduce.py",
     ROOT / "dflash" / "pipeline" / "serial.py",
 ]
 _READS = {"item", "tolist", "cpu", "numpy", "synchronize"}

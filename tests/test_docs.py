@@ -1,0 +1,190 @@
+"""The documents are a user's reference, so what they name must be true of the code: module
+paths exist, config keys exist in the schema, every benchmark script has its section, and the
+README stays short and speaks of the tool, not of how it was made. Standard library and
+`dflash.config` only: no model is built."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from dflash.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+EXPERIMENTS = ROOT / "docs" / "experiments.md"
+DOCS = [README, BENCHMARKS, ARCHITECTURE, EXPERIMENTS]
+
+README_MAX_LINES = 300
+# Words that belong to a diary, not a reference (whole words, any case).
+DENYLIST = [r"\bsessions?\b", r"\bsittings?\b", r"\byesterday\b", r"\blead for the next\b"]
+
+# Folders a path may start with, relative to the repository root.
+_ROOTS = ("dflash/", "bench/", "tests/", "configs/", "bin/", "docs/")
+# Subpackages of dflash/: a path starting with one of these is relative to dflash/.
+_SUBPACKAGES = tuple(f"{p.name}/" for p in (ROOT / "dflash").iterdir() if (p / "__init__.py").exists())
+_DFLASH_PATH = re.compile(r"(?<![\w./-])dflash/[\w./-]*")
+_SPAN = re.compile(r"`([^`\n]+)`")
+_FILE_IN_SPAN = re.compile(r"(?<![\w./-])[\w./-]+\.(?:py|sh|toml)\b")
+_KEY = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:\s*=.*)?$")
+_SET = re.compile(r"--set\s+'?([a-z_]+(?:\.[a-z_]+)+)=")
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks (commands and program output)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _resolve(name: str) -> Path | None:
+    """Where a path named in the docs lives, or None when it is not one of ours to check."""
+    name = name.rstrip(".,;:")
+    if name.startswith(_ROOTS):
+        return ROOT / name
+    if name.startswith(_SUBPACKAGES):
+        return ROOT / "dflash" / name
+    return None
+
+
+def _named_paths(text: str) -> set[str]:
+    """Every `dflash/...` path in the text, and every file path inside a `code span`."""
+    found = {m.rstrip(".,;:") for m in _DFLASH_PATH.findall(text)}
+    found = {p for p in found if p.endswith((".py", "/"))}
+    for span in _SPAN.findall(text):
+        found.update(_FILE_IN_SPAN.findall(span))
+    return found
+
+
+def _exists(name: str) -> bool:
+    """Whether a path named in the docs is there (True for one that is not ours to check)."""
+    path = _resolve(name)
+    if path is not None:
+        return path.exists()
+    if "/" not in name and name.endswith(".py"):  # a bare module name: ours, somewhere
+        return any(next((ROOT / d).rglob(name), None) for d in ("dflash", "bench", "tests"))
+    return True
+
+
+def _missing_paths(doc: Path) -> list[str]:
+    return [name for name in sorted(_named_paths(_text(doc))) if not _exists(name)]
+
+
+def _has_key(key: str) -> bool:
+    """Whether `section.key` (or a deeper `section.sub.key`) is a field of the config schema."""
+    model: type[BaseModel] | None = Config
+    for part in key.split("."):
+        if model is None or part not in model.model_fields:
+            return False
+        ann = model.model_fields[part].annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return True
+
+
+def _stage_names() -> set[str]:
+    """The profiler's stage names (`target.model_forward`, ...), read from its source: they look
+    like config keys (`drafter.forward`) but are not."""
+    src = _text(ROOT / "dflash" / "runtime" / "profiler.py")
+    return set(re.findall(r'=\s*"([a-z_]+\.[a-z_]+)"', src))
+
+
+def _table_keys(text: str) -> set[str]:
+    """Config keys in the first column of the text's tables."""
+    keys = set()
+    for line in text.splitlines():
+        if line.startswith("|"):
+            first = line.split("|")[1]
+            for span in _SPAN.findall(first):
+                m = _KEY.match(span.strip())
+                if m and m.group(1).split(".")[0] in Config.model_fields:
+                    keys.add(m.group(1))
+    return keys
+
+
+def test_module_paths_named_in_docs_exist():
+    """Every module or folder path the README, BENCHMARKS, the architecture map and the
+    experiments name (`dflash/...`, `bench/...`, `model/loss.py`, `modeling_dflash.py`) exists, so
+    a reorganisation cannot leave the map pointing at files that are gone."""
+    missing = {doc.name: _missing_paths(doc) for doc in DOCS}
+    assert not any(missing.values()), missing
+
+
+def test_architecture_names_every_package_folder():
+    """The architecture map names every folder of the package (each is one layer's concern), and
+    every path it names was found: a new folder must be placed on the map."""
+    named = _named_paths(_text(ARCHITECTURE))
+    folders = sorted(f"dflash/{p}" for p in _SUBPACKAGES)
+    assert [f for f in folders if f not in named] == []
+
+
+def test_readme_config_keys_exist_in_schema():
+    """Every config key in the first column of the README's tables, and every `--set KEY=` in the
+    README and BENCHMARKS commands, is a field of the schema (`dflash.config.Config`): a renamed or
+    moved key cannot survive in the user's reference. The README's tables name the main keys of
+    every section, the optimizer, schedule and loss ones included."""
+    readme = _text(README)
+    table = _table_keys(readme)
+    sets = set(_SET.findall(readme)) | set(_SET.findall(_text(BENCHMARKS)))
+    assert len(table) >= 40, sorted(table)  # the config tables are there, written `section.key`
+    sections = {k.split(".")[0] for k in table}
+    assert {"train", "optimizer", "schedule", "loss", "pipeline", "eval"} <= sections, sorted(sections)
+    unknown = sorted(k for k in table | sets if not _has_key(k))
+    assert unknown == [], f"not in the config schema: {unknown}"
+
+
+def test_readme_prose_config_keys_exist_in_schema():
+    """A `section.key` in the README's prose (outside code blocks; stage names such as
+    `drafter.forward` excepted) is a field of the schema too."""
+    stages = _stage_names()
+    assert "drafter.forward" in stages  # the stage names were read
+    keys = set()
+    for span in _SPAN.findall(_prose(_text(README))):
+        m = _KEY.match(span.strip())
+        if m and m.group(1).split(".")[0] in Config.model_fields and m.group(1) not in stages:
+            keys.add(m.group(1))
+    assert keys, "no config key found in the README's prose"
+    unknown = sorted(k for k in keys if not _has_key(k))
+    assert unknown == [], f"not in the config schema: {unknown}"
+
+
+def test_readme_is_short_and_speaks_of_the_tool():
+    """The README stays under 300 lines, and no document speaks of who worked on the project or
+    when (no 'session', 'sitting', 'yesterday', 'a lead for the next')."""
+    lines = _text(README).splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines"
+    found = {
+        doc.name: sorted({m.group(0) for pat in DENYLIST for m in re.finditer(pat, _text(doc), re.I)}) for doc in DOCS
+    }
+    assert not any(found.values()), found
+
+
+def test_readme_figures_say_when_where_and_how():
+    """Each measured row of the README's figures table names a date, a commit and a command to
+    reproduce it; a row without a measurement says so."""
+    text = _text(README)
+    section = text.split("## Current figures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")][1:]
+    assert len(rows) >= 3
+    for row in rows:
+        if "not yet measured" in row:
+            continue
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", row), row
+        assert re.search(r"\b[0-9a-f]{7}\b", row), row
+        assert re.search(r"`[^`]*(make|dflash|bench/)[^`]*`\s*\|\s*$", row), row
+
+
+def test_every_benchmark_script_has_a_section():
+    """BENCHMARKS.md has a section heading naming each benchmark script in bench/ (a Python file
+    that runs as a script, or a shell script), so a new benchmark comes with its figures."""
+    headings = [line for line in _text(BENCHMARKS).splitlines() if line.startswith("## ")]
+    scripts = [p for p in sorted((ROOT / "bench").glob("*.py")) if "__main__" in _text(p)]
+    scripts += sorted((ROOT / "bench").glob("*.sh"))
+    assert scripts
+    missing = [p.name for p in scripts if not any(f"`bench/{p.name}`" in h for h in headings)]
+    assert missing == []

@@ -24,16 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> (what it changes, --set overrides)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "baseline": ("the config as it is", []),
-    "wsd": ("warmup-stable-decay schedule", ["train.schedule='wsd'"]),
+    "wsd": ("warmup-stable-decay schedule", ["schedule.kind='wsd'"]),
     "gamma_x2": ("flatter position weights (γ doubled)", []),  # γ filled in from the block size
-    "noise": ("noise schedule: reveal 30 % of block slots, falling to 0", ["train.noise_reveal_start=0.3"]),
+    "noise": ("noise schedule: reveal 30 % of block slots, falling to 0", ["loss.noise_reveal_start=0.3"]),
     "init_target": ("draft layers start from the target's", ["drafter.init_from_target=true"]),
     "distill": (
         "distillation: half the loss is the cross-entropy to the target's top-32 (kept in the feature cache)",
-        ["train.distill=0.5"],
+        ["loss.distill=0.5"],
     ),
-    "dpace": ("D-PACE position weights (α = 0.5)", ["train.position_weights='dpace'"]),
-    "target_labels": ("labels: the target's greedy token at each slot", ["train.labels='target'"]),
+    "dpace": ("D-PACE position weights (α = 0.5)", ["loss.position_weights='dpace'"]),
+    "target_labels": ("labels: the target's greedy token at each slot", ["loss.labels='target'"]),
 }
 
 

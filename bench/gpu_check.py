@@ -718,12 +718,12 @@ def bench_config(ctx: Context, mode: str, steps: int) -> Any:
 
 
 def measure_bench_setup(ctx: Context) -> tuple[dict[str, Any], str]:
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
 
     steps = int(os.environ.get("GPU_CHECK_BENCH_STEPS", "12" if ctx.cuda else "6"))
     cfg = bench_config(ctx, "pipeline", steps)
     reset_peak(ctx)
-    t, secs = first_call(ctx.dev, lambda: prepare(cfg))
+    t, secs = first_call(ctx.dev, lambda: build_training(cfg))
     ctx.state["bench"] = (t, steps)
     tgt, rep = t.targets[0], t.replicas[0]
     params = sum(p.numel() for p in rep.params)

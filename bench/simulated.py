@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from dflash.features.cache import FeatureCache
-from dflash.model.loss import LossParts
+from dflash.model.loss import LossParts, LossSpec
 from dflash.runtime.devices import Device, DeviceFactory, host_sync
 from dflash.runtime.profiler import Stage
 from dflash.train.step import MicroStep
@@ -201,7 +201,6 @@ class SyntheticStep(MicroStep):
     """A micro-step of known cost: prepare hands the features on, compute works `drafter`."""
 
     cost: StageCost = StageCost(0.0, 0.0)
-    block_size: int = 4
 
     def prepare(self, rep: Any, device: Any, feats: Any, step: int) -> Any:
         return feats  # a HostFeatures carries the batch, all that compute and the accumulator read
@@ -209,7 +208,7 @@ class SyntheticStep(MicroStep):
     def compute(self, rep: Any, device: Any, prepared: Any) -> LossParts:
         with device.span(Stage.DRAFTER_FORWARD):
             work(self.cost)
-        B = self.block_size
+        B = self.loss.block_size
         return LossParts(torch.zeros(()), 1.0, torch.zeros(B), torch.zeros(B, dtype=torch.long))
 
 
@@ -222,7 +221,7 @@ def device_factory(spec: SyntheticSpec) -> DeviceFactory:
 def _apply_step(spec: SyntheticSpec) -> Any:
     from dflash.train.hooks import StepResult
 
-    def apply(replicas: Any, contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
+    def apply(contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
             work(spec.optimizer)
         with device.span(Stage.GRAD_NORM_SYNC):  # the real step's one host sync, through the same helper
@@ -245,6 +244,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
     from dflash.data.batching import BatchPlan, Sample
     from dflash.model.drafter import DrafterSpec
     from dflash.train.build import Training
+    from dflash.train.schedule import StepPlan
 
     targets = [SyntheticTarget(spec.target) for _ in cfg.pipeline.target_devices]
     replicas = [SyntheticReplica(i, torch.device("cpu")) for i in range(len(cfg.pipeline.drafter_devices))]
@@ -255,7 +255,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
         rms_norm_eps=1e-6, rope_theta=1.0, target_layer_ids=[0], num_target_layers=1,
         block_size=spec.block_size, mask_token_id=0, layer_types=["full_attention"], sliding_window=1,
     )  # fmt: skip
-    micro = SyntheticStep(cfg.drafter, cfg.run.seed, 1, False, cost=spec.drafter, block_size=spec.block_size)
+    micro = SyntheticStep(LossSpec(block_size=spec.block_size), cfg.run.seed, cost=spec.drafter)
 
     off = {
         "checkpoint": cfg.checkpoint.model_copy(update={"at_end": False, "every_steps": 0, "export_final": False}),
@@ -268,8 +268,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
         spec=dspec,
         micro=micro,
         apply=_apply_step(spec),
-        grad_accum=cfg.train.grad_accum,
-        max_steps=cfg.train.max_steps,
+        steps=StepPlan(cfg.train.grad_accum, cfg.train.max_steps),
         total_steps=-(-spec.batches // len(replicas)),
         padding_fraction=0.0,
         cache=FeatureCache.from_config(cfg.data.feature_cache_mb),

@@ -191,7 +191,7 @@ def eval_cmd(
     extra += [f"eval.batch_size={batch_size}"] if batch_size else []
     cfg = load_config(config, [*overrides, *extra])
     logs.configure(sys.stdout)
-    from dflash.eval.decode import run_eval
+    from dflash.eval.command import run_eval
 
     records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None)
     import structlog

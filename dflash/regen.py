@@ -22,26 +22,30 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from dflash.config import Config
-from dflash.data.chat_template import tokenize_many
+from dflash.data.chat_template import prompt_ids, tokenize_many
 from dflash.data.prompts import Messages, Prompts, load_prompts, prompt_key
 from dflash.data.samples import Sample, collate
 from dflash.errors import DataError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
 from dflash.pipeline.stages import target_forward
+from dflash.store.atomic import atomic_path
 
 __all__ = ["regenerate", "write_jsonl"]
 
+Todo = list[tuple[int, list[int]]]  # prompts to answer: (index among the training prompts, its token ids)
+
+
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """`records` as a JSONL file, in place at once: a kill leaves the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -119,13 +123,13 @@ def _feature_entries(
     `after[r]`: the token it generated after the last one fed. A conversation whose training
     tokenization does not start with `fed[r]` gets its features from one more target forward
     over that tokenization; one training would skip (invalid) gets None."""
-    toks = tokenize_many(tokenizer, convs, template_kwargs)
+    tokenized = tokenize_many(tokenizer, convs, template_kwargs)
     entries: list[Entry | None] = [None] * len(convs)
     redo: list[tuple[int, list[int]]] = []
-    for r, t in enumerate(toks):
-        if isinstance(t, str):
+    for r, result in enumerate(tokenized):
+        if isinstance(result, str):  # training skips it: no entry
             continue
-        ids, f = t[0], fed[r]
+        ids, f = result[0], fed[r]
         if ids[: len(f)] != f:
             redo.append((r, ids))
             continue
@@ -170,7 +174,7 @@ def _rows_that_fit(left_s: float, last_s: float, last_rows: int, rows: int) -> i
     return max(0, min(rows, int(last_rows * (frac - 0.25) / 0.75)))
 
 
-def _batches(items: list[tuple[int, list[int]]], size: int, seed: int = 0) -> Iterator[list[tuple[int, list[int]]]]:
+def _batches(items: Todo, size: int, seed: int = 0) -> Iterator[Todo]:
     """Batches in the items' (shuffled) order, so a run cut short has answered a random sample
     of the prompts, like the held-out ones (shortest first would train on one-word prompts and
     test on the rest). Within a window of 8 batches, like lengths go together (little padding)
@@ -183,7 +187,7 @@ def _batches(items: list[tuple[int, list[int]]], size: int, seed: int = 0) -> It
     for w in range(0, len(items), window):
         chunk = sorted(items[w : w + window], key=lambda x: len(x[1]))
         cap = size * 2 * len(chunk[len(chunk) // 2][1])
-        out: list[list[tuple[int, list[int]]]] = [[]]
+        out: list[Todo] = [[]]
         for item in chunk:
             if out[-1] and (len(out[-1]) == size or (len(out[-1]) + 1) * len(item[1]) > cap):
                 out.append([])
@@ -197,11 +201,11 @@ _MIN_PREFIX = 4  # a shorter prefix shared by a batch's prompts is fed with the 
 
 def _common_prefix(rows: list[list[int]]) -> int:
     """The length of the token prefix all `rows` share, leaving each at least one token."""
-    n = min(len(t) for t in rows) - 1
+    n = min(len(row) for row in rows) - 1
     first = rows[0]
-    for t in rows[1:]:
+    for row in rows[1:]:
         k = 0
-        while k < n and t[k] == first[k]:
+        while k < n and row[k] == first[k]:
             k += 1
         n = k
     return max(n, 0)
@@ -238,8 +242,8 @@ def _generate(
             head = rec[0][0].cpu() if record else None
     else:
         shared = 0
-    own = [t[shared:] for t in rows]
-    L = max(len(t) for t in own)
+    own = [row[shared:] for row in rows]
+    L = max(len(row) for row in own)
     ids = torch.full((len(rows), shared + L), pad, dtype=torch.long)
     attn = torch.zeros((len(rows), shared + L), dtype=torch.long)
     ids[:, :shared] = torch.tensor(rows[0][:shared])
@@ -280,6 +284,205 @@ def regenerate(
         return _regenerate(cfg, target, tokenizer, progress, prompts)
 
 
+def _check_held_out(out_path: Path, done: set[str], held: list[Messages]) -> None:
+    """A prompt answered for training must not be held out for eval now."""
+    answered = done & {prompt_key(p) for p in held}
+    if answered:
+        msg = (
+            f"{out_path} already answers {len(answered)} prompts that are now held out "
+            "(regen.seed, holdout or prompts changed); use a new regen.output"
+        )
+        raise DataError(msg)
+
+
+def _unanswered(cfg: Config, tokenizer: Any, train: list[Messages], done: set[str]) -> tuple[Todo, int]:
+    """The training prompts not yet in the output, as token ids, and how many more were left
+    out as longer than regen.max_prompt_tokens."""
+    todo: Todo = []
+    too_long = 0
+    cap = cfg.regen.max_prompt_tokens or math.inf
+    for i, p in enumerate(train):
+        if prompt_key(p) in done:
+            continue
+        ids = prompt_ids(tokenizer, p, cfg.data.chat_template_kwargs)
+        if len(ids) > cap:
+            too_long += 1
+            continue
+        todo.append((i, ids))
+    return todo, too_long
+
+
+class _FeatureParts:
+    """regen.save_features: the folder beside the output, the metadata of what this regen
+    writes there, the next part's index and the megabytes written."""
+
+    def __init__(self, out_path: Path, target: Any, greedy: bool) -> None:
+        self.folder = folder_for(out_path)
+        self.meta = FeatureMeta.of(target, greedy)
+        self.part = next_part_index(self.folder)
+        self.mb = 0.0
+        made = read_meta(self.folder)
+        why = made.differs_from(self.meta) if made is not None else ""
+        if made is not None and not why and made.greedy != self.meta.greedy:
+            kind = {True: "greedy", False: "sampled"}
+            why = f"made by {kind[made.greedy]} regen, this one is {kind[self.meta.greedy]}"
+        if why:
+            msg = f"{self.folder}: {why} (regen.save_features); use a new regen.output, or delete that folder"
+            raise DataError(msg)
+
+    def write(self, entries: list[Entry | None]) -> None:
+        kept = [e for e in entries if e is not None]
+        if kept:
+            path = write_part(self.folder, self.part, kept, self.meta)
+            self.part += 1
+            self.mb += path.stat().st_size / 2**20
+
+
+class _Budget:
+    """regen.max_minutes: how much of the next batch fits the time left, judged by the last
+    batch (`_rows_that_fit`)."""
+
+    def __init__(self, minutes: float, batch_size: int, t0: float) -> None:
+        self.t0 = t0
+        self.budget_s = 60 * minutes if minutes else math.inf
+        self.batch_size = batch_size
+        self.last_s = 0.0
+        self.last_rows = 0
+
+    def take(self, queue: collections.deque[Todo], first: bool) -> Todo | None:
+        """The next batch, cut to what fits (the first batch of a call runs whole); None when
+        what fits is not worth a batch: then the queue keeps it."""
+        batch = queue.popleft()
+        if first:
+            return batch
+        left_s = self.budget_s - (time.perf_counter() - self.t0)
+        rows = _rows_that_fit(left_s, self.last_s, self.last_rows, len(batch))
+        if rows >= len(batch):
+            return batch
+        if rows < _MIN_ROWS:
+            queue.appendleft(batch)
+            return None
+        queue.appendleft(batch[rows:])
+        return batch[:rows]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A batch of `rows` took `seconds`; a small one (a few outliers) does not judge the next."""
+        if rows >= min(_MIN_ROWS, self.batch_size) or not self.last_rows:
+            self.last_s, self.last_rows = seconds, rows
+
+
+class _ProgressLine:
+    """A live line on a terminal; otherwise one line every 30 s (and after the first batch)."""
+
+    def __init__(self, enabled: bool, t0: float, already: int, total: int) -> None:
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.t0 = self.last = t0
+        self.already, self.total = already, total
+
+    def update(self, first: bool, written: int, new_tokens: int, now: float) -> None:
+        if not self.enabled or not (self.tty or now - self.last >= 30 or first):
+            return
+        self.last = now
+        el = now - self.t0
+        line = f"regen {self.already + written}/{self.total} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def end(self, any_batch: bool) -> None:
+        if self.tty and any_batch:
+            print(file=sys.stderr)
+
+
+class _Replier:
+    """Generates one regen's replies batch by batch, appends them to the output (and their
+    features to the feature files), and counts them."""
+
+    def __init__(self, cfg: Config, target: Any, tokenizer: Any, prompts: Prompts) -> None:
+        self.regen, self.target, self.tokenizer = cfg.regen, target, tokenizer
+        self.template_kwargs = cfg.data.chat_template_kwargs
+        self.train, self.source = prompts.train, prompts.source_of()
+        self.per_set = dict.fromkeys((src for src, _ in prompts.sets), 0)  # replies written, by prompt set
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos = tokenizer.eos_token_id
+        self.generator = torch.Generator(device=target.device).manual_seed(cfg.regen.seed)
+        self.features: _FeatureParts | None = None
+        self.new_tokens = self.written = 0
+
+    def queue(self, todo: Todo) -> collections.deque[Todo]:
+        """The batches to answer, set by set (a batch window spanning two would answer the next
+        set's prompts first)."""
+        by_set = itertools.groupby(todo, key=lambda item: self.source[item[0]])
+        seed = self.regen.seed
+        return collections.deque(b for _, part in by_set for b in _batches(list(part), self.regen.batch_size, seed))
+
+    def _generate_kwargs(self) -> dict[str, Any]:
+        # Greedy is the raw argmax, as greedy verification computes it: the model's own
+        # generation settings that bend it (penalties, banned tokens) are off.
+        kwargs: dict[str, Any] = {"do_sample": self.regen.temperature > 0, **_RAW}
+        if self.regen.temperature > 0:
+            kwargs["temperature"] = self.regen.temperature
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=self.generator)))
+        return kwargs
+
+    def answer(self, batch: Todo, out: IO[str]) -> None:
+        """One batch: generated, its replies appended to `out` and flushed, then its features."""
+        max_new, saving = self.regen.max_new_tokens, self.features is not None
+        # Saving features: one token more than the reply keeps, so the last reply token is
+        # fed too (its features) and the target's next token after it is known (its label).
+        steps = max_new + saving
+        kwargs = self._generate_kwargs()
+        res, recorded = _generate(self.target, [ids for _, ids in batch], self.pad, self.eos, steps, kwargs, saving)
+        convs: list[Messages] = []
+        fed: list[list[int]] = []
+        after: list[int] = []
+        feats: list[torch.Tensor] = []
+        for r, (i, toks) in enumerate(batch):
+            reply = res[r, :max_new].tolist()
+            if self.eos in reply:
+                reply = reply[: reply.index(self.eos)]
+            if recorded is not None:
+                fed.append([*toks, *reply])
+                after.append(int(res[r, len(reply)]))
+                feats.append(recorded[r][: len(toks) + len(reply)])
+            convs.append(self._write(out, i, reply))
+        out.flush()
+        if self.features is not None:  # after the replies: a part without its replies is never read
+            greedy = self.regen.temperature == 0
+            self.features.write(
+                _feature_entries(self.target, self.tokenizer, convs, fed, after, feats, self.template_kwargs, greedy)
+            )
+        self.written += len(batch)
+
+    def _write(self, out: IO[str], i: int, reply: list[int]) -> Messages:
+        """Training prompt i with its reply, as written to `out`."""
+        self.new_tokens += len(reply)
+        self.per_set[self.source[i]] += 1
+        text = self.tokenizer.decode(reply, skip_special_tokens=True).strip()
+        msgs = [*self.train[i], {"role": "assistant", "content": text}]
+        record: dict[str, Any] = {"id": i, "messages": msgs}
+        if self.template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
+            record["chat_template_kwargs"] = self.template_kwargs
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return msgs
+
+
+def _answer_all(
+    replier: _Replier, queue: collections.deque[Todo], out: IO[str], budget: _Budget, line: _ProgressLine
+) -> None:
+    """The queued batches in order, until the queue or the time budget runs out."""
+    first = True
+    while queue:
+        batch = budget.take(queue, first)
+        if batch is None:
+            break
+        t_batch = time.perf_counter()
+        replier.answer(batch, out)
+        now = time.perf_counter()
+        budget.observe(len(batch), now - t_batch)
+        line.update(first, replier.written, replier.new_tokens, now)
+        first = False
+
+
 def _regenerate(
     cfg: Config,
     target: Any,
@@ -289,146 +492,36 @@ def _regenerate(
 ) -> dict[str, Any]:
     out_path = cfg.regen_output
     prompts = prompts if prompts is not None else load_prompts(cfg)
-    train, held = prompts.train, prompts.held
-    source = prompts.source_of()
-    per_set = dict.fromkeys((src for src, _ in prompts.sets), 0)  # replies written, by prompt set
     _drop_torn_tail(out_path)
-    template_kwargs = cfg.data.chat_template_kwargs
-    done = _done_prompts(out_path, template_kwargs)
-    held_keys = {prompt_key(p) for p in held}
-    if done & held_keys:
-        msg = (
-            f"{out_path} already answers {len(done & held_keys)} prompts that are now held out "
-            "(regen.seed, holdout or prompts changed); use a new regen.output"
-        )
-        raise DataError(msg)
-    write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(held)])
-    todo = []
-    too_long = 0
-    cap = cfg.regen.max_prompt_tokens or math.inf
-    for i, p in enumerate(train):
-        if prompt_key(p) in done:
-            continue
-        ids = tokenizer.apply_chat_template(
-            p, add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.data.chat_template_kwargs
-        )
-        if len(ids["input_ids"]) > cap:
-            too_long += 1
-            continue
-        todo.append((i, list(ids["input_ids"])))
-    already = len(train) - len(todo) - too_long
-    dev = target.device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
-    gen = torch.Generator(device=dev).manual_seed(cfg.regen.seed)
-    t0 = last_line = time.perf_counter()
-    tty = progress and sys.stderr.isatty()
-    new_tokens = written = 0
-    last_batch_s = 0.0
-    budget_s = 60 * cfg.regen.max_minutes if cfg.regen.max_minutes else math.inf
-    greedy = cfg.regen.temperature == 0
-    max_new = cfg.regen.max_new_tokens
-    features = folder_for(out_path) if cfg.regen.save_features else None
-    meta = FeatureMeta.of(target, greedy)
-    part = 0
-    if features is not None:
-        part = next_part_index(features)
-        made = read_meta(features)
-        why = made.differs_from(meta) if made is not None else ""
-        if made is not None and not why and made.greedy != meta.greedy:
-            kind = {True: "greedy", False: "sampled"}
-            why = f"made by {kind[made.greedy]} regen, this one is {kind[meta.greedy]}"
-        if why:
-            msg = f"{features}: {why} (regen.save_features); use a new regen.output, or delete that folder"
-            raise DataError(msg)
-    feature_mb = 0.0
+    done = _done_prompts(out_path, cfg.data.chat_template_kwargs)
+    _check_held_out(out_path, done, prompts.held)
+    write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(prompts.held)])
+    todo, too_long = _unanswered(cfg, tokenizer, prompts.train, done)
+    already = len(prompts.train) - len(todo) - too_long
+    replier = _Replier(cfg, target, tokenizer, prompts)
+    t0 = time.perf_counter()
+    if cfg.regen.save_features:
+        replier.features = _FeatureParts(out_path, target, cfg.regen.temperature == 0)
+    line = _ProgressLine(progress, t0, already, len(prompts.train) - too_long)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as out:
-        # Set by set (a batch window spanning two would answer the next set's prompts first).
-        by_set = itertools.groupby(todo, key=lambda item: source[item[0]])
-        queue = collections.deque(
-            b for _, part in by_set for b in _batches(list(part), cfg.regen.batch_size, cfg.regen.seed)
-        )
-        b = -1
-        last_rows = 0
-        while queue:
-            batch = queue.popleft()
-            b += 1
-            if b:  # at least one batch a call; then only what the last batch's time says fits the budget
-                rows = _rows_that_fit(budget_s - (time.perf_counter() - t0), last_batch_s, last_rows, len(batch))
-                if rows < len(batch):
-                    if rows < _MIN_ROWS:
-                        queue.appendleft(batch)
-                        break
-                    queue.appendleft(batch[rows:])
-                    batch = batch[:rows]
-            t_batch = time.perf_counter()
-            # Greedy is the raw argmax, as greedy verification computes it: the model's own
-            # generation settings that bend it (penalties, banned tokens) are off.
-            kwargs: dict[str, Any] = {"do_sample": cfg.regen.temperature > 0, **_RAW}
-            if cfg.regen.temperature > 0:
-                kwargs["temperature"] = cfg.regen.temperature
-                torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-            # Saving features: one token more than the reply keeps, so the last reply token is
-            # fed too (its features) and the target's next token after it is known (its label).
-            steps = max_new + (features is not None)
-            res, recorded = _generate(target, [t for _, t in batch], pad, eos, steps, kwargs, features is not None)
-            convs: list[Messages] = []
-            fed: list[list[int]] = []
-            after: list[int] = []
-            feats: list[torch.Tensor] = []
-            for r, (i, toks) in enumerate(batch):
-                reply = res[r, :max_new].tolist()
-                if eos in reply:
-                    reply = reply[: reply.index(eos)]
-                if features is not None:
-                    fed.append([*toks, *reply])
-                    after.append(int(res[r, len(reply)]))
-                    feats.append(recorded[r][: len(toks) + len(reply)])
-                new_tokens += len(reply)
-                per_set[source[i]] += 1
-                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
-                msgs = [*train[i], {"role": "assistant", "content": text}]
-                convs.append(msgs)
-                record: dict[str, Any] = {"id": i, "messages": msgs}
-                if template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
-                    record["chat_template_kwargs"] = template_kwargs
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
-            if features is not None:  # after the replies: a part without its replies is never read
-                entries = _feature_entries(target, tokenizer, convs, fed, after, feats, template_kwargs, greedy)
-                kept = [e for e in entries if e is not None]
-                if kept:
-                    path = write_part(features, part, kept, meta)
-                    part += 1
-                    feature_mb += path.stat().st_size / 2**20
-            written += len(batch)
-            now = time.perf_counter()
-            if len(batch) >= min(_MIN_ROWS, cfg.regen.batch_size) or not last_rows:  # not from a few outliers
-                last_batch_s, last_rows = now - t_batch, len(batch)
-            if progress and (tty or now - last_line >= 30 or b == 0):
-                last_line = now
-                done_n = already + written
-                el = now - t0
-                line = f"regen {done_n}/{len(train) - too_long} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
-                print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-    if tty and todo:
-        print(file=sys.stderr)
+        _answer_all(replier, replier.queue(todo), out, _Budget(cfg.regen.max_minutes, cfg.regen.batch_size, t0), line)
+    line.end(bool(todo))
     el = time.perf_counter() - t0
-    left = len(todo) - written
+    features = replier.features
     return {
         "output": str(out_path),
         "heldout": str(cfg.regen_heldout),
-        "prompts": len(train),
-        "generated": written,
-        "generated_per_set": per_set,
+        "prompts": len(prompts.train),
+        "generated": replier.written,
+        "generated_per_set": replier.per_set,
         "resumed_from": already,
-        "unanswered": left,
+        "unanswered": len(todo) - replier.written,
         "too_long": too_long,
         "target_dtype": target.dtype_name,
-        "features": str(features) if features is not None else None,
-        "features_mb": round(feature_mb, 2),
-        "new_tokens": new_tokens,
+        "features": str(features.folder) if features is not None else None,
+        "features_mb": round(features.mb if features is not None else 0.0, 2),
+        "new_tokens": replier.new_tokens,
         "wall_s": round(el, 2),
-        "tokens_per_s": round(new_tokens / el, 1) if el > 0 else 0.0,
+        "tokens_per_s": round(replier.new_tokens / el, 1) if el > 0 else 0.0,
     }

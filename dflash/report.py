@@ -140,48 +140,19 @@ def _analyze(
         msg = "no profile records in the log (was it written by `dflash run`?)"
         raise DataError(msg)
     wall = sum(p["wall_s"] for p in steady)
-    stages: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"count": 0, "total_s": 0.0, "max_ms": 0.0, "p95_ms": 0.0}
-    )
-    for p in steady:
-        for name, s in p["stages"].items():
-            st = stages[name]
-            st["count"] += s["count"]
-            st["total_s"] += s["total_s"]
-            st["max_ms"] = max(st["max_ms"], s["max_ms"])
-            st["p95_ms"] = max(st["p95_ms"], s["p95_ms"])
-    table = {}
-    groups: dict[str, float] = defaultdict(float)
-    waits: dict[str, float] = {}
-    for name, st in sorted(stages.items(), key=lambda kv: -kv[1]["total_s"]):
-        share = st["total_s"] / wall if wall else 0.0
-        table[name] = {
-            "count": int(st["count"]),
-            "mean_ms": round(1000 * st["total_s"] / st["count"], 3) if st["count"] else 0.0,
-            "max_ms": round(st["max_ms"], 3),
-            "p95_ms": round(st["p95_ms"], 3),
-            "share": round(share, 4),
-        }
-        if name in Stage.WAITS:
-            waits[name] = share
-        else:
-            groups[_group(name)] += share
-    workers: dict[str, float] = defaultdict(float)
-    for p in steady:
-        for w, frac in p.get("workers", {}).items():
-            workers[w] += frac * p["wall_s"]
-    per_worker = {w: round(v / wall, 4) for w, v in sorted(workers.items(), key=lambda kv: -kv[1])} if wall else {}
+    stages = _sum_stages(steady)
+    table, groups, waits = _stage_table(stages, wall)
+    per_worker = _worker_shares(steady, wall)
     busiest = next(iter(per_worker), None)
     if busiest is not None and busiest != "loop":
         # The busiest worker names the bottleneck (several replicas of a role add up in
         # `groups`, but each runs on its own device).
-        bottleneck: str | None = busiest.rstrip("0123456789") or busiest
+        bottleneck: str | None = _role(busiest) or busiest
     else:
         bottleneck = max(groups, key=lambda g: groups[g]) if groups else None
-    whatif = _what_if(records, stages, groups)
     tok = [p["tokens_per_s"]["drafter"] for p in steady]
     measured = sum(tok) / len(tok) if tok else 0.0
-    busy = max((v for w, v in per_worker.items() if w.rstrip("0123456789") == bottleneck), default=0.0)
+    busy = max((v for w, v in per_worker.items() if _role(w) == bottleneck), default=0.0)
     if not busy:
         busy = groups.get(bottleneck, 0.0) if bottleneck else 0.0
     return {
@@ -200,14 +171,67 @@ def _analyze(
         # On CUDA, host time is launch work holding the GIL; on CPU it includes the compute
         # itself (torch releases the GIL there), so the GIL verdict is only made on CUDA.
         "cuda": any("device_mean_ms" in s for p in steady for s in p["stages"].values()),
-        "what_if": whatif,
+        "what_if": _what_if(records, stages, groups),
     }
+
+
+def _role(worker: str) -> str:
+    """A worker's role: its name without the replica number (`drafter1` -> `drafter`)."""
+    return worker.rstrip("0123456789")
+
+
+def _sum_stages(steady: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each stage over the windows: calls and seconds summed, the worst max and p95."""
+    stages: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "total_s": 0.0, "max_ms": 0.0, "p95_ms": 0.0}
+    )
+    for p in steady:
+        for name, s in p["stages"].items():
+            st = stages[name]
+            st["count"] += s["count"]
+            st["total_s"] += s["total_s"]
+            st["max_ms"] = max(st["max_ms"], s["max_ms"])
+            st["p95_ms"] = max(st["p95_ms"], s["p95_ms"])
+    return stages
+
+
+def _stage_table(
+    stages: dict[str, dict[str, float]], wall: float
+) -> tuple[dict[str, dict[str, Any]], dict[str, float], dict[str, float]]:
+    """The report's stage table (busiest first), and each stage's share of wall time summed
+    by role (work) or kept by stage (waits: idle time)."""
+    table = {}
+    groups: dict[str, float] = defaultdict(float)
+    waits: dict[str, float] = {}
+    for name, st in sorted(stages.items(), key=lambda kv: -kv[1]["total_s"]):
+        share = st["total_s"] / wall if wall else 0.0
+        table[name] = {
+            "count": int(st["count"]),
+            "mean_ms": round(1000 * st["total_s"] / st["count"], 3) if st["count"] else 0.0,
+            "max_ms": round(st["max_ms"], 3),
+            "p95_ms": round(st["p95_ms"], 3),
+            "share": round(share, 4),
+        }
+        if name in Stage.WAITS:
+            waits[name] = share
+        else:
+            groups[_group(name)] += share
+    return table, groups, waits
+
+
+def _worker_shares(steady: list[dict[str, Any]], wall: float) -> dict[str, float]:
+    """Each worker's busy fraction of wall time, busiest first ({} without wall time)."""
+    workers: dict[str, float] = defaultdict(float)
+    for p in steady:
+        for w, frac in p.get("workers", {}).items():
+            workers[w] += frac * p["wall_s"]
+    return {w: round(v / wall, 4) for w, v in sorted(workers.items(), key=lambda kv: -kv[1])} if wall else {}
 
 
 def _bottleneck_busy(a: dict[str, Any]) -> float:
     """The busy fraction of the bottleneck: its busiest worker, or its role's summed stages."""
     b = a["bottleneck"]
-    return max((v for w, v in a["workers"].items() if w.rstrip("0123456789") == b), default=a["busy"].get(b, 0.0))
+    return max((v for w, v in a["workers"].items() if _role(w) == b), default=a["busy"].get(b, 0.0))
 
 
 def _rank_figures(
@@ -380,8 +404,7 @@ def format_report(a: dict[str, Any]) -> str:
     if a["workers"]:
         lines.append("busy by worker: " + ", ".join(f"{w} {100 * v:.0f}%" for w, v in a["workers"].items()))
     b = a["bottleneck"]
-    frac = max((v for w, v in a["workers"].items() if w.rstrip("0123456789") == b), default=a["busy"].get(b, 0))
-    lines.append(f"bottleneck: {b} ({100 * frac:.0f}% busy)")
+    lines.append(f"bottleneck: {b} ({100 * _bottleneck_busy(a):.0f}% busy)")
     starve = a["waits"].get(Stage.DRAFTER_QUEUE_WAIT, 0.0)
     back = a["waits"].get(Stage.TARGET_QUEUE_PUT, 0.0)
     if starve > 0.05 and back > 0.05:

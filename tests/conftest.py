@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,17 @@ TINY = ROOT / "configs" / "tiny.toml"
 sys.path.insert(0, str(ROOT / "bench"))  # the benchmarks' stand-ins (`simulated`) are tested too
 
 # Limit for a subprocess that runs training: far above what it needs (seconds), so that only
-# a hang fails, not a loaded machine.
-CLI_TIMEOUT_S = 600
+# a hang fails, not a loaded machine; below pytest's limit per test (pytest.ini), so that a
+# hung subprocess is killed and its test fails alone.
+CLI_TIMEOUT_S = 240
 
-# Two cores: keep torch from oversubscribing them when stages run in parallel threads.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread per process, in this one and in the processes the tests start (they
+# inherit the variable): the pipeline runs its stages in parallel threads already, and on two
+# cores shared with other work, torch's thread pools waiting for a core make a tiny run's
+# set-up 15x slower (measured at load 5: 31 s with two threads, 1.8 s with one). The losses
+# are the same (tests/golden). An OMP_NUM_THREADS set beforehand is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
@@ -123,3 +130,45 @@ def json_lines(text: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             pytest.fail(f"non-JSON line on stdout: {line!r}")
     return records
+
+
+def records_until(lines: Iterable[str], want: Callable[[dict[str, Any]], bool], what: str) -> list[dict[str, Any]]:
+    """Read a process's JSON-lines stdout up to and including the first record `want` accepts
+    (blocking reads: the process's own progress is the clock); fails if the stream ends first."""
+    records = []
+    for line in lines:
+        records.append(json.loads(line))
+        if want(records[-1]):
+            return records
+    pytest.fail(f"the process ended before {what}")
+
+
+def lines_until(lines: Iterable[str], text: str) -> list[str]:
+    """Read a stream (a process's stderr) up to and including the first line holding `text`."""
+    seen = []
+    for line in lines:
+        seen.append(line)
+        if text in line:
+            return seen
+    pytest.fail(f"the stream ended without {text!r}: {''.join(seen)[-2000:]}")
+
+
+@pytest.fixture
+def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """`popen(cmd, **kwargs)`: a text-mode Popen from the repository root whose process is
+    killed at teardown if still running, so that a failed test leaves no process behind."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(cmd, text=True, **{"cwd": ROOT, **kwargs})
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import tomllib
@@ -13,7 +14,19 @@ from typing import Any
 import pytest
 
 from dflash.config import load_config, parse_config
-from tests.conftest import CLI_TIMEOUT_S, DFLASH, ROOT, TINY, CliRun, dflash, json_lines
+from tests.conftest import (
+    CLI_TIMEOUT_S,
+    DFLASH,
+    ROOT,
+    TINY,
+    CliRun,
+    dflash,
+    json_lines,
+    lines_until,
+    records_until,
+    run_records,
+    tiny_overrides,
+)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -37,7 +50,7 @@ def test_config_show_prints_resolved_toml_with_overrides() -> None:
     data = tomllib.loads(proc.stdout)
     assert data["drafter"]["num_layers"] == 2
     assert data["run"]["name"] == "tiny"  # from the file
-    assert data["train"]["grad_clip"] == 1.0  # a default, filled in
+    assert data["optimizer"]["grad_clip"] == 1.0  # a default, filled in
     assert parse_config(data) == load_config(TINY, ["drafter.num_layers=2"])
 
 
@@ -97,6 +110,7 @@ def test_non_numeric_profile_env_is_a_one_line_error(tmp_path: Path) -> None:
 # -- runs: one real training run (the session's shared `cli_run`); the others stop after run_start --
 
 
+@pytest.mark.slow
 def test_short_run_writes_json_records_and_artifacts(cli_run: CliRun) -> None:
     """A short run exits 0, stdout is JSON lines only (with the key events), the log file
     holds the same records, and the run folder has config.toml and the exported drafter."""
@@ -125,6 +139,7 @@ def test_short_run_writes_json_records_and_artifacts(cli_run: CliRun) -> None:
     assert parse_config(saved) == parse_config(records[0]["config"])  # the resolved config
 
 
+@pytest.mark.slow
 def test_export_turns_a_checkpoint_into_the_export_and_eval_reads_either(cli_run: CliRun, tmp_path: Path) -> None:
     """`dflash export RUN_OR_CHECKPOINT OUT` writes the export format (equal to the run's own
     final export, both bf16); `dflash eval --drafter` takes a checkpoint folder as well."""
@@ -158,6 +173,7 @@ def test_export_turns_a_checkpoint_into_the_export_and_eval_reads_either(cli_run
     assert json_lines(ev.stdout)[-1]["lossless"] is True
 
 
+@pytest.mark.slow
 def test_profile_flag_wins_over_env(cli_run: CliRun) -> None:
     """With DFLASH_PROFILE_INTERVAL=0.25 and --profile-interval 0.5, the flag (0.5) is used."""
     proc = cli_run.proc
@@ -192,6 +208,7 @@ def first_record(*args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S
     return json.loads(line)
 
 
+@pytest.mark.slow
 def test_profile_env_var_is_honoured(tmp_path: Path) -> None:
     """DFLASH_PROFILE_INTERVAL=0.25 (no flag) overrides the config file's profile.interval_s."""
     start = first_record(str(TINY), "--set", f"run.output_dir={tmp_path}", env={"DFLASH_PROFILE_INTERVAL": "0.25"})
@@ -200,8 +217,70 @@ def test_profile_env_var_is_honoured(tmp_path: Path) -> None:
     assert load_config(TINY).profile.interval_s != 0.25  # so the env var, not the file, set it
 
 
+@pytest.mark.slow
 def test_config_file_interval_is_used_without_flag_or_env(tmp_path: Path) -> None:
     """With neither the flag nor the env var, profile.interval_s comes from the config file."""
     start = first_record(str(TINY), "--set", f"run.output_dir={tmp_path}", env={})
     assert start["event"] == "run_start"
     assert start["config"]["profile"]["interval_s"] == load_config(TINY).profile.interval_s
+
+
+# -- signals: the CLI layer of stopping (in-process: test_pipeline.py; torchrun: test_distributed.py) --
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_a_second_aborts_and_resume_ends_like_an_uninterrupted_run(
+    tiny_config, tmp_path: Path, popen
+) -> None:
+    """A real `bin/dflash run` and SIGTERM, three runs over one run folder:
+    1. SIGTERM after step 4: the run stops after the step in flight: exit 0, "stopping" on
+       stderr and no traceback, stdout JSON lines only, ending in run_end (reason "stopped"),
+       and a checkpoint of the run_end's last step.
+    2. `--resume auto`, then SIGTERM during a clean stop (a slow eval after each step keeps
+       it busy): the second signal aborts: exit 130, one last line "dflash: aborted", no
+       run_end; the checkpoints already written stay complete (one past the first run's).
+    3. `--resume auto` to the end: the weights equal a run never interrupted."""
+    from safetensors.torch import load_file
+
+    from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    settings = {"data.num_samples": 48, "train.epochs": 40, "train.max_steps": 24, "eval.at_end": "false",
+                "checkpoint.keep_last": 20}  # fmt: skip
+    run_records(tiny_config(**settings, **{"run.output_dir": f'"{tmp_path / "ref"}"'}))
+    out = tmp_path / "cli"
+    args = [str(DFLASH), "run", str(TINY), *(a for kv in tiny_overrides(out, **settings) for a in ("--set", kv))]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+
+    proc = popen(args, **pipes)
+    assert proc.stdout is not None
+    before = records_until(proc.stdout, lambda r: r["event"] == "train_step" and r["step"] >= 4, "step 4")
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, err
+    assert "stopping" in err and "Traceback" not in err, err
+    records = before + json_lines(rest)
+    end = records[-1]
+    assert end["event"] == "run_end" and end["reason"] == "stopped" and 4 <= end["steps"] < 24, end
+    stopped = latest_checkpoint(out / "tiny")
+    assert stopped is not None and load_checkpoint(stopped).step == end["steps"]
+
+    slow_stop = ["--set", "eval.every_steps=1", "--set", "checkpoint.every_steps=2"]
+    proc = popen([*args, *slow_stop, "--resume", "auto"], **pipes)
+    assert proc.stdout is not None and proc.stderr is not None
+    records = records_until(proc.stdout, lambda r: r["event"] == "checkpoint", "a checkpoint")
+    proc.send_signal(signal.SIGTERM)
+    lines_until(proc.stderr, "stopping")  # the first signal is taken: the second is another
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 130, err
+    assert [ln for ln in err.splitlines() if ln.strip()][-1] == "dflash: aborted" and "Traceback" not in err, err
+    assert "run_end" not in {r["event"] for r in records + json_lines(rest)}
+    latest = latest_checkpoint(out / "tiny")
+    assert latest is not None and load_checkpoint(latest).step > end["steps"]
+
+    done = subprocess.run([*args, "--resume", "auto"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert json_lines(done.stdout)[-1]["steps"] == 24
+    ref = load_file(tmp_path / "ref" / "tiny" / "checkpoints" / "step_000024" / "drafter.safetensors")
+    got = load_file(out / "tiny" / "checkpoints" / "step_000024" / "drafter.safetensors")
+    assert ref.keys() == got.keys() and all(bool((ref[k] == got[k]).all()) for k in ref)

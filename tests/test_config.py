@@ -42,7 +42,7 @@ def test_defaults_load_without_a_file() -> None:
     assert cfg.run.name == "dflash"
     assert cfg.drafter.num_layers == 1
     assert cfg.drafter.block_size == 16
-    assert cfg.train.lr == pytest.approx(6e-4)
+    assert cfg.optimizer.lr == pytest.approx(6e-4)
     assert cfg.train.max_steps is None
     assert cfg.pipeline.target_devices == ["cpu"]
     assert cfg.profile.interval_s == 10.0
@@ -52,12 +52,12 @@ def test_toml_file_loads_and_keeps_defaults_for_unset_keys(tmp_path: Path) -> No
     """Keys in the file are used; keys it leaves out keep their defaults."""
     cfg = load_text(
         tmp_path,
-        '[run]\nname = "exp"\n[drafter]\nnum_layers = 3\n[train]\nlr = 1e-3\nbetas = [0.8, 0.9]\n',
+        '[run]\nname = "exp"\n[drafter]\nnum_layers = 3\n[optimizer]\nlr = 1e-3\nbetas = [0.8, 0.9]\n',
     )
     assert cfg.run.name == "exp"
     assert cfg.drafter.num_layers == 3
-    assert cfg.train.lr == pytest.approx(1e-3)
-    assert cfg.train.betas == (0.8, 0.9)
+    assert cfg.optimizer.lr == pytest.approx(1e-3)
+    assert cfg.optimizer.betas == (0.8, 0.9)
     assert cfg.drafter.block_size == 16
     assert cfg.data.num_samples == 256
 
@@ -89,7 +89,7 @@ def test_config_error_is_a_usage_error() -> None:
 @pytest.mark.parametrize(
     ("text", "path", "allowed"),
     [
-        ("bogus = 1\n", "bogus", ["checkpoint", "data", "drafter", "pipeline", "train"]),
+        ("bogus = 1\n", "bogus", ["checkpoint", "data", "drafter", "loss", "optimizer", "schedule", "train"]),
         ("[drafter]\nbogus = 1\n", "drafter.bogus", ["block_size", "num_layers", "layer_types"]),
         ("[target.tiny]\nbogus = 1\n", "target.tiny.bogus", ["hidden_size", "vocab_size"]),
         ("[nosuch]\nx = 1\n", "nosuch", ["drafter", "train"]),
@@ -122,7 +122,7 @@ def test_unknown_nested_key_lists_only_that_sections_keys(tmp_path: Path) -> Non
         ('[drafter]\nnum_layers = "two"\n', "drafter.num_layers"),
         ("[drafter]\nnum_layers = 1.5\n", "drafter.num_layers"),
         ("[drafter]\nnum_layers = true\n", "drafter.num_layers"),
-        ('[train]\nlr = "1e-3"\n', "train.lr"),
+        ('[optimizer]\nlr = "1e-3"\n', "optimizer.lr"),
         ("[data]\nshuffle = 1\n", "data.shuffle"),
         ("[run]\nname = 2\n", "run.name"),
         ('[drafter]\nlayer_types = ["dense"]\n', "drafter.layer_types[0]"),
@@ -139,11 +139,13 @@ def test_wrong_type_is_an_error_naming_the_key(tmp_path: Path, text: str, path: 
     ("text", "path"),
     [
         ("[drafter]\nnum_layers = 0\n", "drafter.num_layers"),
-        ("[train]\nlr = -1\n", "train.lr"),
-        ("[train]\nlr = 0\n", "train.lr"),
+        ("[optimizer]\nlr = -1\n", "optimizer.lr"),
+        ("[optimizer]\nlr = 0\n", "optimizer.lr"),
         ("[data]\nbatch_size = 0\n", "data.batch_size"),
         ("[profile]\ninterval_s = 0\n", "profile.interval_s"),
-        ("[train]\nbetas = [0.9, 1.0]\n", "train.betas"),
+        ("[optimizer]\nbetas = [0.9, 1.0]\n", "optimizer.betas"),
+        ("[loss]\nchunk = 0\n", "loss.chunk"),
+        ("[schedule]\nwarmup_ratio = 1.0\n", "schedule.warmup_ratio"),
         ("[target]\nlayer_ids = [1, 1]\n", "target.layer_ids"),
         ("[target]\nlayer_ids = []\n", "target.layer_ids"),
     ],
@@ -156,14 +158,14 @@ def test_out_of_range_value_is_an_error_naming_the_key(tmp_path: Path, text: str
 
 def test_out_of_range_error_shows_the_bad_value(tmp_path: Path) -> None:
     """The message quotes the offending value so the user can find it."""
-    msg = config_error(lambda: load_text(tmp_path, "[train]\nlr = -1\n"))
+    msg = config_error(lambda: load_text(tmp_path, "[optimizer]\nlr = -1\n"))
     assert "(got -1)" in msg
 
 
 def test_int_is_accepted_for_a_float_key(tmp_path: Path) -> None:
     """Strict mode still accepts an integer where a float is expected (lr = 1)."""
-    cfg = load_text(tmp_path, "[train]\nlr = 1\n[profile]\ninterval_s = 3\n")
-    assert cfg.train.lr == 1.0
+    cfg = load_text(tmp_path, "[optimizer]\nlr = 1\n[profile]\ninterval_s = 3\n")
+    assert cfg.optimizer.lr == 1.0
     assert cfg.profile.interval_s == 3.0
 
 
@@ -185,6 +187,9 @@ def test_int_is_accepted_for_a_float_key(tmp_path: Path) -> None:
         ('[pipeline]\ntarget_devices = ["gpu"]\n', ["pipeline.target_devices", "'gpu'"]),
         ('[pipeline]\ndrafter_devices = ["cuda:x"]\n', ["pipeline.drafter_devices", "'cuda:x'"]),
         ("[target.tiny]\nnum_heads = 3\nnum_kv_heads = 2\n", ["target.tiny", "num_kv_heads"]),
+        ("[loss]\ngreedy_prefix_only = true\n", ["loss.greedy_prefix_only needs loss.labels = 'target'"]),
+        ('[loss]\nvocab = "data"\ndistill = 0.5\n', ["loss.vocab = 'data' with loss.distill > 0"]),
+        ('[schedule]\nkind = "wsd"\nwarmup_ratio = 0.5\ndecay_ratio = 0.6\n', ["schedule.warmup_ratio + schedule"]),
     ],
 )
 def test_cross_field_check_fails_with_named_keys(tmp_path: Path, text: str, fragments: list[str]) -> None:
@@ -209,6 +214,91 @@ def test_cross_field_valid_combinations_load(tmp_path: Path) -> None:
     assert cfg.target.path == "/models/x"
 
 
+# -- keys that moved out of [train] ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("train.lr", "optimizer.lr"),
+        ("train.betas", "optimizer.betas"),
+        ("train.schedule", "schedule.kind"),
+        ("train.warmup_ratio", "schedule.warmup_ratio"),
+        ("train.loss_chunk", "loss.chunk"),
+        ("train.loss_vocab", "loss.vocab"),
+        ("train.loss_negatives", "loss.negatives"),
+        ("train.labels", "loss.labels"),
+        ("train.noise_reveal_end", "loss.noise_reveal_end"),
+    ],
+)
+def test_a_moved_key_names_its_new_place(tmp_path: Path, old: str, new: str) -> None:
+    """An old [train] key, in a file or a --set, is a one-line error naming where it went."""
+    section, key = old.split(".")
+    msg = config_error(lambda: load_text(tmp_path, f"[{section}]\n{key} = 1\n"))
+    assert f"{old}: moved to {new}" in msg
+    msg = config_error(lambda: load_config(TINY, [f"{old}=1"]))
+    assert msg == f"--set {old}: moved to {new}"
+
+
+def test_every_moved_key_exists_at_its_new_place() -> None:
+    """The table of moved keys points only at keys the schema has, and no old key is still
+    a [train] key."""
+    from dflash.config._schema import MOVED
+
+    for old, new in MOVED.items():
+        section, key = new.split(".")
+        assert key in Config.model_fields[section].annotation.model_fields, new  # type: ignore[union-attr]
+        assert old.split(".")[1] not in Config.model_fields["train"].annotation.model_fields, old  # type: ignore[union-attr]
+
+
+def test_an_old_config_is_mapped_to_the_new_layout() -> None:
+    """A config written before the keys moved (a checkpoint's) reads as today's: each value
+    at its new key, the rest untouched."""
+    from dflash.config import moved_keys_mapped
+
+    old = {"train": {"lr": 1e-3, "epochs": 2, "loss_vocab": "data", "schedule": "wsd"}, "run": {"seed": 3}}
+    new = moved_keys_mapped(old)
+    assert new == {
+        "train": {"epochs": 2},
+        "optimizer": {"lr": 1e-3},
+        "loss": {"vocab": "data"},
+        "schedule": {"kind": "wsd"},
+        "run": {"seed": 3},
+    }
+    assert old["train"]["lr"] == 1e-3  # the input is left as it was
+    assert parse_config(new).optimizer.lr == 1e-3
+
+
+def test_a_checkpoint_written_with_the_old_keys_loads_in_the_new_layout(tmp_path: Path) -> None:
+    """`load_checkpoint` maps an older checkpoint's config.toml (train.lr, ...) over."""
+    import torch
+
+    from dflash.train.checkpoint import Snapshot, load_checkpoint, write_checkpoint
+
+    toml = '[run]\nseed = 0\n[train]\nepochs = 2\nlr = 0.001\nloss_chunk = 64\n'
+    snap = Snapshot(1, {"w": torch.zeros(2)}, {"state.0.step": torch.zeros(())}, {
+        "step": 1, "cursor": None, "scheduler": {}, "param_groups": [],
+    }, toml)  # fmt: skip
+    loaded = load_checkpoint(write_checkpoint(snap, tmp_path, keep_last=1))
+    assert loaded.config["optimizer"] == {"lr": 0.001} and loaded.config["loss"] == {"chunk": 64}
+    assert loaded.config["train"] == {"epochs": 2}
+
+
+def test_loss_spec_carries_every_loss_setting() -> None:
+    """`LossSpec.from_config`: the [loss] section whole, with the drafter's block size and γ."""
+    from dflash.model.loss import LossSpec
+
+    cfg = load_config(TINY, ['loss.position_weights="dpace"', "loss.chunk=64", 'loss.labels="target"',
+                             "loss.distill=0.5", "drafter.gamma=3.0"])  # fmt: skip
+    spec = LossSpec.from_config(cfg)
+    assert (spec.block_size, spec.gamma, spec.chunk, spec.dpace, spec.target_labels) == (8, 3.0, 64, True, True)
+    assert spec.teacher_topk == cfg.loss.distill_topk
+    assert LossSpec.from_config(load_config(TINY)).teacher_topk == 0
+    assert LossSpec.from_config(load_config(TINY, ['loss.labels="target"'])).teacher_topk == 1
+    defaults = LossSpec(block_size=16)
+    assert LossSpec.from_config(Config()) == defaults  # its defaults are the config's
+
+
 # -- overrides -----------------------------------------------------------------------------
 
 
@@ -230,8 +320,8 @@ def test_overrides_apply_without_a_file() -> None:
 def test_apply_overrides_sets_nested_keys_in_the_raw_dict() -> None:
     """apply_overrides writes parsed values into the nested dict, keeping other entries."""
     data: dict[str, Any] = {"drafter": {"block_size": 8}}
-    out = apply_overrides(data, ["drafter.num_layers=2", "train.lr=1e-3"])
-    assert out == {"drafter": {"block_size": 8, "num_layers": 2}, "train": {"lr": 1e-3}}
+    out = apply_overrides(data, ["drafter.num_layers=2", "optimizer.lr=1e-3"])
+    assert out == {"drafter": {"block_size": 8, "num_layers": 2}, "optimizer": {"lr": 1e-3}}
 
 
 def test_later_override_wins() -> None:
@@ -243,11 +333,12 @@ def test_later_override_wins() -> None:
 @pytest.mark.parametrize(
     ("override", "get", "expected"),
     [
-        ("train.lr=1e-3", lambda c: c.train.lr, 1e-3),
+        ("optimizer.lr=1e-3", lambda c: c.optimizer.lr, 1e-3),
         ("data.shuffle=false", lambda c: c.data.shuffle, False),
         ("checkpoint.export_final=true", lambda c: c.checkpoint.export_final, True),
         ('pipeline.target_devices=["cpu","cpu"]', lambda c: c.pipeline.target_devices, ["cpu", "cpu"]),
-        ("train.betas=[0.8, 0.99]", lambda c: c.train.betas, (0.8, 0.99)),
+        ("optimizer.betas=[0.8, 0.99]", lambda c: c.optimizer.betas, (0.8, 0.99)),
+        ('loss.vocab="data"', lambda c: c.loss.vocab, "data"),
         ("run.name=bare", lambda c: c.run.name, "bare"),
         ('run.name="12"', lambda c: c.run.name, "12"),
         ("train.max_steps=20", lambda c: c.train.max_steps, 20),
@@ -340,7 +431,7 @@ def test_dump_toml_round_trips(overrides: list[str]) -> None:
 
 def test_dump_toml_round_trips_through_a_file(tmp_path: Path) -> None:
     """A dumped config, written to a file, loads back equal (what each run folder keeps)."""
-    cfg = load_config(None, ["drafter.num_layers=2", "train.lr=1e-3"])
+    cfg = load_config(None, ["drafter.num_layers=2", "optimizer.lr=1e-3"])
     path = tmp_path / "config.toml"
     path.write_text(dump_toml(cfg), encoding="utf-8")
     assert load_config(path) == cfg
@@ -350,7 +441,7 @@ def test_dump_toml_fills_defaults_and_omits_none() -> None:
     """The dump lists every section with defaults filled in; unset (None) keys are left out."""
     data = tomllib.loads(dump_toml(load_config(TINY)))
     assert set(data) == set(Config.model_fields)
-    assert data["train"]["grad_clip"] == 1.0
+    assert data["optimizer"]["grad_clip"] == 1.0
     assert data["drafter"]["num_layers"] == 1
     assert "max_steps" not in data["train"]
     assert "gamma" not in data["drafter"]
@@ -403,16 +494,16 @@ def test_validation_errors_name_the_source_file(tmp_path: Path) -> None:
 
 def test_several_errors_are_reported_on_one_line(tmp_path: Path) -> None:
     """Every invalid key is named, joined on a single line."""
-    msg = config_error(lambda: load_text(tmp_path, "[drafter]\nnum_layers = 0\nbogus = 1\n[train]\nlr = -1\n"))
+    msg = config_error(lambda: load_text(tmp_path, "[drafter]\nnum_layers = 0\nbogus = 1\n[optimizer]\nlr = -1\n"))
     assert "drafter.num_layers" in msg
     assert "drafter.bogus" in msg
-    assert "train.lr" in msg
+    assert "optimizer.lr" in msg
 
 
 def test_lr_schedules_cosine_and_warmup_stable_decay():
-    """`train.schedule`: cosine decays from the end of warmup; wsd holds the peak, then decays
+    """`schedule.kind`: cosine decays from the end of warmup; wsd holds the peak, then decays
     linearly to min_lr_ratio over the last decay_ratio of the steps."""
-    from dflash.train.replicas import lr_lambda
+    from dflash.train.schedule import lr_lambda
 
     cos = lr_lambda(100, 0.1, 0.1, "cosine")
     wsd = lr_lambda(100, 0.1, 0.1, "wsd", 0.2)
@@ -430,7 +521,9 @@ def test_lr_schedules_cosine_and_warmup_stable_decay():
     assert timed(0) == 1.0
     frac[0] = 1.0
     assert abs(timed(10) - 0.1) < 1e-9  # the budget spent: the floor
-    cfg = load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='wsd'", "train.decay_ratio=0.3"])
-    assert (cfg.train.schedule, cfg.train.decay_ratio) == ("wsd", 0.3)
-    with pytest.raises(ConfigError, match=r"train\.schedule"):
-        load_config(ROOT / "configs" / "tiny.toml", ["train.schedule='linear'"])
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["schedule.kind='wsd'", "schedule.decay_ratio=0.3"])
+    assert (cfg.schedule.kind, cfg.schedule.decay_ratio) == ("wsd", 0.3)
+    with pytest.raises(ConfigError, match=r"schedule\.kind"):
+        load_config(ROOT / "configs" / "tiny.toml", ["schedule.kind='linear'"])
+    msg = config_error(lambda: load_config(TINY, ["schedule.kind='wsd'", "schedule.decay_ratio=0.99"]))
+    assert "schedule.warmup_ratio + schedule.decay_ratio" in msg and "no stable phase" in msg

@@ -278,12 +278,14 @@ def test_json_array_cut_short_keeps_its_complete_records(
     whole = json.dumps([record] * 5, indent=1)
     cut = tmp_path / "cut.json"
     cut.write_text(whole[: whole.rindex('"hello there"') + 4], encoding="utf-8")  # inside the last record
-    samples, stats = load(data_cfg(cut, skip_invalid=True), word_tok, tmp_path)
+    with pytest.warns(UserWarning, match=r"cut\.json: skipped 1 invalid record\(s\); first: .*item 4: the file ends"):
+        samples, stats = load(data_cfg(cut, skip_invalid=True), word_tok, tmp_path)
     assert len(samples) == 4 and stats["skipped_invalid"] == 1
     msg = data_error(lambda: load(data_cfg(cut), word_tok, tmp_path / "2"))
     assert f"{cut}, item 4: the file ends inside the JSON array (cut short?)" in msg
     (tmp_path / "open.json").write_text(json.dumps([record] * 2)[:-1] + ",  ", encoding="utf-8")
-    samples, stats = load(data_cfg(tmp_path / "open.json", skip_invalid=True), word_tok, tmp_path)
+    with pytest.warns(UserWarning, match=r"open\.json: skipped 1 invalid record\(s\); first: .*item 2: the file ends"):
+        samples, stats = load(data_cfg(tmp_path / "open.json", skip_invalid=True), word_tok, tmp_path)
     assert len(samples) == 2 and stats["skipped_invalid"] == 1
     bad = tmp_path / "bad.json"
     bad.write_text(whole.replace('"gpt"', '"gpt" "x"', 1), encoding="utf-8")
@@ -301,7 +303,8 @@ def test_json_array_cut_short_keeps_its_complete_records(
     # cut inside a multi-byte UTF-8 character: the complete records, then the cut one
     raw = json.dumps([record, sharegpt(("human", "hi"), ("gpt", "héllo"))], ensure_ascii=False).encode()
     (tmp_path / "utf8cut.json").write_bytes(raw[: raw.index("é".encode()) + 1])
-    samples, stats = load(data_cfg(tmp_path / "utf8cut.json", skip_invalid=True), word_tok, tmp_path / "3")
+    with pytest.warns(UserWarning, match=r"utf8cut\.json: skipped 1 invalid record\(s\); first: .*item 1: the file"):
+        samples, stats = load(data_cfg(tmp_path / "utf8cut.json", skip_invalid=True), word_tok, tmp_path / "3")
     assert len(samples) == 1 and stats["skipped_invalid"] == 1
     package = tmp_path / "site" / "chatdata"
     package.mkdir(parents=True)

@@ -49,6 +49,9 @@ class _Event:
 
 
 def test_pinned_pool_reuses_a_buffer_only_after_its_reader():
+    """A pinned buffer goes back to the pool with the event of its last reader and is handed
+    out again only after waiting for it; with every buffer out a one-off is made, and a
+    buffer too small for the next request is replaced."""
     made: list[int] = []
 
     def alloc(n: int) -> torch.Tensor:
@@ -75,6 +78,8 @@ def test_pinned_pool_reuses_a_buffer_only_after_its_reader():
 
 
 def test_sync_debug_is_off_exactly_inside_named_syncs(monkeypatch):
+    """With the sync debug mode on, a named sync lifts it ("default") and restores "error" on
+    leaving, nested ones leave it alone; with the mode off, named syncs change nothing."""
     modes: list[str] = []
     monkeypatch.setattr(devices, "_set_mode", modes.append)
     devices.set_sync_debug(True)
@@ -111,6 +116,7 @@ def test_host_sync_and_event_waits_are_named(monkeypatch):
 
 
 def test_upload_leaves_a_tensor_already_there():
+    """upload() to the device a tensor is on returns that tensor: no copy."""
     t = torch.arange(4)
     assert devices.upload(t, torch.device("cpu")) is t
 
@@ -121,7 +127,7 @@ def test_multi_gpu_reduce_takes_every_replica_even_without_gradients(monkeypatch
     with no data still all-reduces a whole gradient) — and the result goes back to all."""
     from types import SimpleNamespace
 
-    from dflash.train import step as optimizer
+    from dflash.train import reduce as optimizer
 
     calls: list[int] = []
 

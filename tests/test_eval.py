@@ -8,7 +8,9 @@ import torch
 from dflash.config import load_config
 from dflash.data.synthetic import draw_prompts
 from dflash.errors import CheckpointError
-from dflash.eval.decode import check_drafter_fits, evaluate, greedy_generate, inference_masks, speculative_generate
+from dflash.eval.decode import Sampling, greedy_generate, inference_masks, speculative_generate
+from dflash.eval.fit import check_drafter_fits
+from dflash.eval.tally import DecodeSettings, evaluate
 from dflash.model.drafter import DFlashDrafter, DrafterCache, DrafterSpec, FrozenHead
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import load_target
@@ -68,7 +70,7 @@ def test_untrained_drafter_is_lossless_with_tau_near_one():
     d.init_weights(torch.Generator().manual_seed(0))
     head = FrozenHead(t.embed_weight, t.lm_head_weight)
     prompts = draw_prompts(cfg.data, t.vocab_size, 3, 99, spec.mask_token_id)
-    rec = evaluate(t, d, head, prompts, 24)
+    rec = evaluate(t, d, head, prompts, DecodeSettings(24))
     assert rec["lossless"] is True
     assert 1.0 <= rec["tau"] < 1.2
     assert rec["tokens"] == 3 * 24
@@ -136,7 +138,7 @@ def test_training_raises_tau_and_eval_is_lossless(tiny_config):
     """Training on the tiny config raises tau_sim over step 1, and the trained drafter's
     speculative decoding is lossless with τ above the untrained ~1."""
     cfg = tiny_config(
-        **{"data.num_samples": 256, "train.epochs": 4, "train.lr": 2e-2, "eval.num_prompts": 3,
+        **{"data.num_samples": 256, "train.epochs": 4, "optimizer.lr": 2e-2, "eval.num_prompts": 3,
            "eval.max_new_tokens": 32, "eval.at_end": "true"}
     )  # fmt: skip
     records = run_records(cfg)
@@ -256,7 +258,7 @@ def test_sampled_speculative_decoding_follows_the_target_distribution():
     counts = torch.zeros(V, V)
     n, rejected = 400, 0
     for _ in range(n):
-        out = speculative_generate(t, d, head, prompt, 2, set(), temperature=1.0, generator=g)
+        out = speculative_generate(t, d, head, prompt, 2, set(), Sampling(1.0, g))
         counts[out.tokens[0], out.tokens[1]] += 1
         rejected += out.accepted == [0]
     assert 0.1 * n < rejected < 0.95 * n, rejected
@@ -327,8 +329,8 @@ def test_batched_speculative_decoding_equals_one_prompt_at_a_time():
             assert (g.tokens, g.accepted) == (one.tokens, one.accepted) and g.tokens == plain, r
             accepted += g.accepted
         assert max(accepted) == 3 and 0 < sum(accepted) < 3 * len(accepted), "partial acceptance exercised"
-    one = evaluate(t, d, head, prompts, 19)
-    many = evaluate(t, d, head, prompts, 19, batch_size=3)
+    one = evaluate(t, d, head, prompts, DecodeSettings(19))
+    many = evaluate(t, d, head, prompts, DecodeSettings(19, batch_size=3))
     assert many["batch_size"] == 3 and one["batch_size"] == 1 and many["lossless"] is True
     assert many["decided_singly"] == 0
     skip = ("_s", "speedup", "batch_size")

@@ -1,4 +1,4 @@
-"""`train.loss_vocab = "data"`: the loss's softmax over the data's tokens plus sampled negatives."""
+"""`loss.vocab = "data"`: the loss's softmax over the data's tokens plus sampled negatives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from dflash.errors import ConfigError
 from dflash.model.drafter import FrozenHead
-from dflash.model.loss import LossVocab, block_loss, block_targets
+from dflash.model.loss import LossSpec, LossVocab, block_loss, block_targets
 from tests.conftest import run_records
 
 
@@ -40,10 +40,11 @@ def test_data_vocab_covering_every_token_is_the_full_loss() -> None:
     anchors, valid = torch.tensor([[1, 5], [0, 4]]), torch.ones(2, 2, dtype=torch.bool)
     t = block_targets(ids, torch.ones(2, 10, dtype=torch.bool), doc, anchors, valid, 4, 2.0)
     hidden = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    full = block_loss(hidden, head.lm_head, t, 4, 64)
+    spec = LossSpec(block_size=4, chunk=64)
+    full = block_loss(hidden, head.lm_head, t, spec)
     (g_full,) = torch.autograd.grad(full.loss_sum, hidden)
     lm, bias = vocab.head(head.lm_head, vocab.draw(torch.Generator()))
-    mapped = block_loss(hidden, lm, dataclasses.replace(t, labels=vocab.index[t.labels]), 4, 64, logit_bias=bias)
+    mapped = block_loss(hidden, lm, dataclasses.replace(t, labels=vocab.index[t.labels]), spec, logit_bias=bias)
     (g_mapped,) = torch.autograd.grad(mapped.loss_sum, hidden)
     assert torch.allclose(full.loss_sum, mapped.loss_sum) and torch.allclose(g_full, g_mapped)
 
@@ -69,7 +70,7 @@ def test_sampled_negatives_estimate_the_whole_normaliser() -> None:
 
 
 def test_loss_negatives_sets_how_many_are_drawn_and_zero_draws_none() -> None:
-    """`train.loss_negatives`: each micro-batch draws that many (at most all outside tokens);
+    """`loss.negatives`: each micro-batch draws that many (at most all outside tokens);
     0 draws none and adds no bias: the softmax over the data's tokens alone."""
     head = _head(200, 8)
     tokens = torch.arange(20)
@@ -108,19 +109,20 @@ def test_labels_outside_the_data_count_zero_and_never_correct() -> None:
     lab, w = vocab.labels(t.labels, t.weights)
     hidden = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(5))
     lm, bias = vocab.head(head.lm_head, vocab.draw(torch.Generator().manual_seed(6)))
-    out = block_loss(hidden, lm, dataclasses.replace(t, labels=lab, weights=w), 4, 64, logit_bias=bias)
+    spec = LossSpec(block_size=4, chunk=64)
+    out = block_loss(hidden, lm, dataclasses.replace(t, labels=lab, weights=w), spec, logit_bias=bias)
     kept = dataclasses.replace(t, labels=lab[lab >= 0], weights=w[lab >= 0], sel=t.sel[lab >= 0], slot=t.slot[lab >= 0])
-    ref = block_loss(hidden, lm, kept, 4, 64, logit_bias=bias)
+    ref = block_loss(hidden, lm, kept, spec, logit_bias=bias)
     assert torch.allclose(out.loss_sum, ref.loss_sum)
     assert torch.equal(out.correct_per_slot, ref.correct_per_slot)  # the ignored slot adds no "correct"
 
 
 def test_a_run_with_data_vocab_trains_counts_its_vocab_and_evaluates_losslessly(tiny_config) -> None:
-    """A tiny run with `train.loss_vocab = "data"` learns (tau_sim rises), its setup record
+    """A tiny run with `loss.vocab = "data"` learns (tau_sim rises), its setup record
     counts the data's distinct tokens, and the full-vocabulary eval stays lossless."""
     cfg = tiny_config(
-        **{"data.num_samples": 256, "train.epochs": 4, "train.lr": 2e-2, "train.loss_vocab": "data",
-           "train.loss_negatives": 8, "eval.num_prompts": 2, "eval.max_new_tokens": 24, "eval.at_end": "true"}
+        **{"data.num_samples": 256, "train.epochs": 4, "optimizer.lr": 2e-2, "loss.vocab": "data",
+           "loss.negatives": 8, "eval.num_prompts": 2, "eval.max_new_tokens": 24, "eval.at_end": "true"}
     )  # fmt: skip
     records = run_records(cfg)
     (setup,) = [r for r in records if r["event"] == "setup"]
@@ -132,5 +134,6 @@ def test_a_run_with_data_vocab_trains_counts_its_vocab_and_evaluates_losslessly(
 
 
 def test_data_vocab_with_distillation_is_refused(tiny_config) -> None:
-    with pytest.raises(ConfigError, match="loss_vocab = 'data' with distill"):
-        tiny_config(**{"train.loss_vocab": "data", "train.distill": 0.5})
+    """The distillation top-k may lie outside the data's tokens: the two are not combined."""
+    with pytest.raises(ConfigError, match=r"loss\.vocab = 'data' with loss\.distill"):
+        tiny_config(**{"loss.vocab": '"data"', "loss.distill": 0.5})

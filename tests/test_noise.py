@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from dflash.model.loss import block_targets, reveal_slots
+from dflash.model.loss import LossSpec, block_targets, reveal_slots
+from dflash.train.schedule import reveal_prob
 
 
 def _batch():
@@ -36,3 +38,13 @@ def test_reveal_probability_zero_changes_nothing():
     a = block_targets(ids, mask, doc, anchors, valid, 4, 2.0, reveal)
     b = block_targets(ids, mask, doc, anchors, valid, 4, 2.0)
     assert torch.equal(a.sel, b.sel) and a.weight_sum == b.weight_sum > 0
+
+
+def test_the_reveal_probability_goes_linearly_from_start_to_end_over_the_run():
+    """`loss.noise_reveal_start` at step 0, `loss.noise_reveal_end` at the last planned step,
+    linear in between, and the end's value after it; no schedule: nothing revealed."""
+    spec = LossSpec(block_size=4, noise_reveal_start=0.3, noise_reveal_end=0.1)
+    assert reveal_prob(spec, 0, 11) == 0.3
+    assert reveal_prob(spec, 5, 11) == pytest.approx(0.2)
+    assert reveal_prob(spec, 10, 11) == pytest.approx(0.1) == reveal_prob(spec, 50, 11)
+    assert reveal_prob(LossSpec(block_size=4), 7, 11) == 0.0

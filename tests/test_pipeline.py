@@ -1,20 +1,23 @@
-"""The coordinator end to end on CPU: learning, replicas, failures, embedding, signals."""
+"""The coordinator end to end on CPU: learning, replicas, failures, embedding, stopping."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
-import signal
-import subprocess
+import threading
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash import ConfigError, Coordinator, StageError
 from dflash.runtime.profiler import Stage
-from tests.conftest import ROOT, run_records
+from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
+from tests.conftest import run_records
 
 
 def _run(cfg) -> Coordinator:
@@ -26,7 +29,7 @@ def _run(cfg) -> Coordinator:
 
 def test_loss_goes_down_and_records_are_complete(tiny_config):
     """A short tiny run lowers the loss, and emits run_start, train_step, profile, run_end."""
-    cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "train.lr": 2e-2})
+    cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "optimizer.lr": 2e-2})
     records = run_records(cfg)
     events = [r["event"] for r in records]
     assert events[0] == "run_start" and events[-1] == "run_end"
@@ -77,37 +80,47 @@ def test_max_minutes_ends_the_run_decayed_with_its_reason(tiny_config, monkeypat
     """train.max_minutes ends the run once its budget is spent, as at the end of the data —
     exported, reason max_minutes — and the LR schedule follows the clock: it decays to near
     its floor over the budget, though the planned steps are far from done."""
-    from dflash.train import replicas as replica
+    from dflash.train import schedule as replica
 
     clock = itertools.count(0.0, 20.0)  # each reading of the clock: 20 s later (5 min: 15 readings)
     monkeypatch.setattr(replica.TimeBudget, "_now", staticmethod(lambda: next(clock)))
     cfg = tiny_config(**{"train.max_minutes": 5, "pipeline.mode": f'"{mode}"', "data.num_samples": 512,
-                         "train.min_lr_ratio": 0.1, "eval.at_end": "false"})  # fmt: skip
+                         "schedule.min_lr_ratio": 0.1, "eval.at_end": "false"})  # fmt: skip
     records = run_records(cfg)
     end = records[-1]
     assert end["event"] == "run_end" and end["reason"] == "max_minutes"
     steps = [r for r in records if r["event"] == "train_step"]
     assert 2 <= end["steps"] <= 16  # 512 samples: 64 planned steps
     lrs = [r["lr"] for r in steps]
-    assert lrs[-1] < 0.2 * cfg.train.lr and lrs[-1] < max(lrs)  # decayed by the clock, not the steps
+    assert lrs[-1] < 0.2 * cfg.optimizer.lr and lrs[-1] < max(lrs)  # decayed by the clock, not the steps
     assert (cfg.run_dir / "final").is_dir()
 
 
-def test_max_minutes_not_reached_ends_with_the_data(tiny_config):
-    """A budget the run does not use up: the run ends with its data (reason data_exhausted),
-    and the schedule follows the steps."""
-    records = run_records(tiny_config(**{"train.max_minutes": 60, "data.num_samples": 32, "eval.at_end": "false"}))
+def test_max_minutes_not_reached_ends_with_the_data(tiny_config, monkeypatch):
+    """A budget the run does not use up (its clock stands still): the run ends with its data
+    (reason data_exhausted), and the schedule follows the steps: the LRs of a run without
+    a budget."""
+    from dflash.train import schedule
+
+    monkeypatch.setattr(schedule.TimeBudget, "_now", staticmethod(lambda: 0.0))
+    settings = {"data.num_samples": 32, "eval.at_end": "false"}
+    records = run_records(tiny_config(**settings, **{"train.max_minutes": 60}))
     assert records[-1]["reason"] == "data_exhausted"
+    unbudgeted = run_records(tiny_config(**settings, **{"run.name": '"plain"'}))
+    lrs = [[r["lr"] for r in recs if r["event"] == "train_step"] for recs in (records, unbudgeted)]
+    assert lrs[0] == lrs[1] and len(lrs[0]) == 4 and lrs[0][-1] < max(lrs[0])
 
 
 def test_max_minutes_needs_one_process(tiny_config):
+    """train.max_minutes with several processes is refused at set-up, naming the setting (each
+    process's clock would end its run at another step)."""
     from dflash.runtime.distributed import World
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
 
     world = World.__new__(World)
     world.size, world.rank = 2, 0
     with pytest.raises(ConfigError, match=r"train\.max_minutes needs one process"):
-        prepare(tiny_config(**{"train.max_minutes": 1}), world=world)
+        build_training(tiny_config(**{"train.max_minutes": 1}), world=world)
 
 
 @pytest.mark.parametrize(
@@ -134,56 +147,50 @@ def test_failing_stage_ends_run_without_hanging(tiny_config, monkeypatch, stage)
     assert records[-1]["event"] == "run_failed" and records[-1]["stage"] == task
 
 
-def test_embedded_coordinator_never_stalls_its_loop(tiny_config, caplog):
-    """Inside a caller's loop (asyncio debug mode) no callback of the run holds the loop
-    over 30 ms — set-up, batch planning, collation, writes and joins run in threads — and
-    stop() ends the run cleanly. (Measured on 2 cores: the slowest callback takes 4 ms at
-    load 4, 21 ms at load 18; with set-up moved back onto the loop this fails at 1.7 s.)"""
+class LoopTensorOps(TorchDispatchMode):
+    """Counts the tensor operations (aten ops) run on the thread that entered it; the other
+    threads' are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if threading.get_ident() == self.thread:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_stop_ends_an_embedded_run_cleanly_and_its_loop_runs_no_tensor_work(tiny_config):
+    """The in-process layer of stopping (the CLI's SIGTERM: tests/test_cli.py; torchrun's:
+    tests/test_distributed.py). Inside a caller's loop (asyncio debug mode), `stop()` after
+    step 4 ends the run after the step in flight: reason "stopped", the steps contiguous up to
+    the summary's count, and a checkpoint of that last step. Set-up, batch planning,
+    collation, snapshots, writes and joins run in threads: not one tensor operation runs on
+    the loop's thread (with set-up moved onto the loop, thousands do)."""
     records: list[dict] = []
+    cfg = tiny_config(**{"train.epochs": 50, "checkpoint.every_steps": 2, "eval.at_end": "false"})
 
-    async def main() -> dict:
-        loop = asyncio.get_running_loop()
-        loop.slow_callback_duration = 0.03
-        coord = Coordinator(tiny_config(**{"train.epochs": 50, "checkpoint.every_steps": 2}), log=False)
+    async def main() -> tuple[dict, LoopTensorOps]:
+        coord = Coordinator(cfg, log=False)
         coord.subscribe(records.append)
-        run = asyncio.create_task(coord.run())
-        while not any(r["event"] == "train_step" and r["step"] >= 4 for r in records):
-            await asyncio.sleep(0.01)
-        coord.stop()
-        return await asyncio.wait_for(run, timeout=300)
+        step4 = asyncio.Event()
+        coord.subscribe(lambda r: r["event"] == "train_step" and r["step"] >= 4 and step4.set())
+        with LoopTensorOps() as ops:
+            run = asyncio.create_task(coord.run())
+            await step4.wait()
+            coord.stop()
+            summary = await run
+        return summary, ops
 
-    with caplog.at_level("WARNING", logger="asyncio"):
-        summary = asyncio.run(main(), debug=True)
-    assert summary["reason"] == "stopped"
-    slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
-    assert not slow, slow
-
-
-def test_sigterm_on_real_subprocess(tmp_path):
-    """SIGTERM stops a real `bin/dflash run`: exit 0, run_end reason 'stopped', JSON intact."""
-    cmd = [
-        str(ROOT / "bin" / "dflash"), "run", str(ROOT / "configs" / "tiny.toml"),
-        "--set", f'run.output_dir="{tmp_path}"', "--set", "train.epochs=1000",
-        "--set", "train.log_every=1", "--set", "data.num_samples=32",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if '"train_step"' in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    lines += out.splitlines(keepends=True)
-    recs = [json.loads(line) for line in lines]
-    assert proc.returncode == 0, err
-    assert recs[-1]["event"] == "run_end" and recs[-1]["reason"] == "stopped"
-    assert "stopping" in err
+    summary, ops = asyncio.run(main(), debug=True)
+    assert summary["reason"] == "stopped" and records[-1] == {"event": "run_end", **summary}
+    steps = [r["step"] for r in records if r["event"] == "train_step"]
+    assert steps == list(range(1, summary["steps"] + 1)) and 4 <= summary["steps"] < 50 * 4
+    latest = latest_checkpoint(cfg.run_dir)
+    assert latest is not None and load_checkpoint(latest).step == summary["steps"]
+    assert not ops.ops, ops.ops.most_common(10)
 
 
 def test_no_stray_stdout_from_library(tiny_config, capfd):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -59,29 +60,53 @@ def test_warmup_flag_until_marked():
     assert p.window_record()["warmup"] is False
 
 
+class WatchedClock(FakeClock):
+    """A fake clock that counts its readings and wakes a waiter at each (the profiler's loop
+    reads it once per wake-up, so readings count the loop's turns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = 0
+        self.read = asyncio.Event()
+
+    def __call__(self) -> float:
+        self.readings += 1
+        self.read.set()
+        return self.t
+
+    async def readings_reach(self, n: int) -> None:
+        while self.readings < n:
+            self.read.clear()
+            await self.read.wait()
+
+
 def test_windows_rotate_at_the_interval():
     """run() emits a profile record each time its clock passes the next interval, windows
-    numbered from 0, and none while the clock stands still however long the loop runs."""
-    clock = FakeClock()
+    numbered from 0, and none while the clock stands still however often the loop wakes."""
+    clock = WatchedClock()
     out: list[dict] = []
-    p = Profiler(0.01, lambda ev, **kw: out.append(kw), clock=clock)
+    emitted = asyncio.Event()
 
-    async def until(n: int) -> None:
-        while len(out) < n:
-            await asyncio.sleep(0.005)
+    def emit(ev: str, **kw: object) -> None:
+        out.append(kw)
+        emitted.set()
+
+    p = Profiler(0.01, emit, clock=clock)
 
     async def main() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(p.run(stop))
-        await asyncio.sleep(0.05)  # a few real ticks, the clock unmoved
+        await clock.readings_reach(clock.readings + 5)  # five turns of its loop, the clock unmoved
         assert out == []
         for n in (1, 2, 3):
             clock.t += 0.01
-            await asyncio.wait_for(until(n), timeout=30)
-        await asyncio.sleep(0.05)
+            while len(out) < n:
+                emitted.clear()
+                await emitted.wait()
+        await clock.readings_reach(clock.readings + 5)
         assert len(out) == 3  # no record without the clock moving on
         stop.set()
-        await asyncio.wait_for(task, timeout=60)
+        await task
 
     asyncio.run(main())
     assert [r["window"] for r in out] == [0, 1, 2]
@@ -89,16 +114,23 @@ def test_windows_rotate_at_the_interval():
 
 
 def test_trace_is_valid_chrome_json_with_tracks(tiny_config, tmp_path):
-    """--trace writes Chrome-trace JSON: a track per worker and stage, queue counters."""
+    """--trace writes Chrome-trace JSON: a track per worker and stage, holding that stage's
+    spans one after another (one per batch: 4 batches, 4 steps), and queue counters."""
     path = tmp_path / "trace.json"
     cfg = tiny_config(**{"profile.trace": f'"{path}"', "eval.at_end": "false", "train.max_steps": 4,
                          "data.source": '"random"'})  # fmt: skip
     run_records(cfg)
     doc = json.loads(path.read_text())
-    names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
-    assert {"target0 target.model_forward", "drafter0 drafter.forward", "optimizer drafter.optimizer_step"} <= names
-    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    assert spans and all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in sorted((e for e in doc["traceEvents"] if e["ph"] == "X"), key=lambda e: e["ts"]):
+        track = tracks[e["pid"], e["tid"]]
+        assert track.split(" ")[-1] == e["name"], (track, e)  # the track of its worker and stage
+        spans.setdefault(track, []).append((e["ts"], e["ts"] + e["dur"]))
+    for track in ("target0 target.model_forward", "drafter0 drafter.forward", "optimizer drafter.optimizer_step"):
+        assert len(spans[track]) == 4, (track, spans[track])
+    for track, ends in spans.items():  # one after another: each starts after the last ended
+        assert all(b[0] >= a[1] - 1.0 for a, b in itertools.pairwise(ends)), (track, ends)  # 1 µs: rounding
     assert any(e["ph"] == "C" and e["name"] == "queue hidden_states" for e in doc["traceEvents"])
 
 

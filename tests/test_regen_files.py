@@ -148,7 +148,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
             "max_seq_len": 64,
         },
         "drafter": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "mask_token_id": mask_id},
-        "train": {"epochs": 1, "lr": 1e-2, "log_every": 1},
+        "train": {"epochs": 1, "log_every": 1}, "optimizer": {"lr": 1e-2},
         "profile": {"interval_s": 5.0},
         "eval": {"num_prompts": 2, "max_new_tokens": 8, "at_end": True},
     }
@@ -683,13 +683,13 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     """A run on a regen output with feature files needs no target forward at all (target
     labels included); features made by another target layout, distillation, a sampled regen
     with target labels, or no feature cache: not used, with a warning that says why."""
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
     from tests.conftest import run_records
 
     _, folder = _feature_regen(env, loaded, "seeded")
     data = f'data.files=[{{path = "{env.run_dir("seeded") / "regen.jsonl"}"}}]'
     base = ("eval.at_end=false", "checkpoint.export_final=false", data, "data.feature_cache_mb=16", "train.epochs=2")
-    cfg = env.cfg("seeded", *base, 'train.labels="target"')
+    cfg = env.cfg("seeded", *base, 'loss.labels="target"')
     records = run_records(cfg, timeout_s=120)
     (setup,) = [r for r in records if r["event"] == "setup"]
     assert setup["data"]["feature_files_samples"] == setup["samples"] == 12
@@ -697,19 +697,19 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     assert end["feature_cache"]["misses"] == 0 and end["feature_cache"]["hits"] == end["steps"] == 4
 
     def warned(*sets: str) -> str:
-        t = prepare(env.cfg("seeded", *base, *sets))
+        t = build_training(env.cfg("seeded", *base, *sets))
         assert t.data_stats.get("feature_files_samples", 0) == 0
         assert t.cache is None or len(t.cache) == 0
         (w,) = [w for w in t.warnings if "feature files" in w]
         return w
 
     assert "layer_ids" in warned("target.layer_ids=[0]")
-    assert "top-k" in warned("train.distill=0.5")
+    assert "top-k" in warned("loss.distill=0.5")
     assert "feature_cache_mb" in warned("data.feature_cache_mb=0")
     _feature_regen(env, loaded, "sampled", "regen.temperature=1.0")
     sampled = f'data.files=[{{path = "{env.run_dir("sampled") / "regen.jsonl"}"}}]'
-    assert "sampled" in warned(sampled, 'train.labels="target"')
-    t = prepare(env.cfg("seeded", *base, sampled, 'train.labels="data"'))  # features alone serve data labels
+    assert "sampled" in warned(sampled, 'loss.labels="target"')
+    t = build_training(env.cfg("seeded", *base, sampled, 'loss.labels="data"'))  # features alone serve data labels
     assert t.data_stats["feature_files_samples"] == 12 and t.cache is not None and len(t.cache) == 12
 
     from dflash.model.target import Target
@@ -721,7 +721,7 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     with pytest.raises(DataError, match="sampled"):  # nor mix sampled parts into greedy ones
         _feature_regen(env, loaded, "seeded", "regen.max_prompts=16", "regen.temperature=1.0")
 
-    off = prepare(env.cfg("seeded", *base, "data.feature_files=false"))
+    off = build_training(env.cfg("seeded", *base, "data.feature_files=false"))
     assert "feature_files_samples" not in off.data_stats and not [w for w in off.warnings if "feature" in w]
 
     # A damaged part costs only its own entries: the others still serve, one warning names it.
@@ -729,7 +729,7 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
 
     part = folder / "part-00001.safetensors"
     part.write_bytes(part.read_bytes()[:100])  # cut short
-    t = prepare(env.cfg("seeded", *base))
+    t = build_training(env.cfg("seeded", *base))
     assert t.data_stats["feature_files_samples"] == 8 and "unreadable" in " ".join(t.warnings)
     bad = folder / "part-00002.safetensors"
     tensors = load_file(bad)
@@ -739,7 +739,7 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     with safe_open(str(folder / "part-00000.safetensors"), framework="pt") as f:
         header = f.metadata()
     save_file(tensors, str(bad), metadata=header)
-    t = prepare(env.cfg("seeded", *base, 'train.labels="target"'))
+    t = build_training(env.cfg("seeded", *base, 'loss.labels="target"'))
     assert t.data_stats["feature_files_samples"] == 4 and "shapes do not fit" in " ".join(t.warnings)
 
 
@@ -824,7 +824,8 @@ def test_replay_tau_equals_the_speculative_eval_on_the_same_prompts(
     included); and it reads a regen output's feature files."""
     import importlib.util
 
-    from dflash.eval.decode import speculative_generate, stop_ids
+    from dflash.eval.decode import speculative_generate
+    from dflash.eval.prompts import stop_ids
     from dflash.model.drafter import FrozenHead
     from dflash.model.export import load_drafter
 

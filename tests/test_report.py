@@ -72,6 +72,7 @@ def test_busiest_worker_wins_over_summed_roles():
     assert a["bottleneck"] == "target"
 
 
+@pytest.mark.slow
 def test_report_cli_on_a_real_log(cli_run: CliRun):
     """`dflash report --json` reads a real run's log from stdin and prints exactly the
     analysis of that log (a bottleneck named, the drafter's stages timed); the table names

@@ -30,7 +30,10 @@ class FakeTime:
 
 @pytest.fixture
 def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
-    calibrate()  # before the clock stops: calibration measures real time
+    # A known loop rate instead of calibrate()'s, which measures real time: host_ms is a
+    # known number of iterations.
+    monkeypatch.setattr(simulated, "_ITERS_PER_MS", 2000.0)
+    assert calibrate() == 2000.0
     fake = FakeTime()
     monkeypatch.setattr(simulated, "time", fake)
     return fake
@@ -38,8 +41,9 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
 
 def test_device_part_sleeps_and_host_part_burns_this_threads_cpu(fake_time: FakeTime):
     """Without a Timeline, work() sleeps device_ms (one sleep, GIL released) and spends
-    host_ms in a counted loop on this thread's CPU, in proportion to host_ms. CPU time,
-    not wall time: other work on a busy machine does not inflate it."""
+    host_ms in a counted loop on this thread's CPU, in proportion to host_ms (calibrated
+    iterations per ms): CPU time, not wall time, so other work on a busy machine does not
+    inflate it."""
     work(StageCost(host_ms=0, device_ms=20))
     assert fake_time.sleeps == [pytest.approx(0.020)]
     cpu = []
@@ -48,8 +52,8 @@ def test_device_part_sleeps_and_host_part_burns_this_threads_cpu(fake_time: Fake
         work(StageCost(host_ms=host_ms, device_ms=0))
         cpu.append(time.thread_time() - c0)
     assert fake_time.sleeps == [pytest.approx(0.020)]  # no device part, no sleep
-    assert cpu[0] > 0.005  # it works (a quarter of the asked 20 ms, at the least) ...
-    assert cpu[1] > 2 * cpu[0]  # ... and 4x the asked time is 4x the work (2x at the least)
+    assert fake_time.t == 1000.0 + 0.020  # nor any other wait
+    assert cpu[1] > 2 * cpu[0] > 0  # this thread works, 4x the asked time 4x as much (2x at the least)
 
 
 def test_timeline_runs_device_work_in_order_after_its_events(fake_time: FakeTime):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -107,7 +107,7 @@ def test_packed_row_features_equal_separate_documents():
 
 
 def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
-    """`train.distill`: the target's top-k travels with the features, and for slot k of a
+    """`loss.distill`: the target's top-k travels with the features, and for slot k of a
     block at anchor a the drafter gets the target's prediction made at position a + k − 1.
     On self-distilled data (the target's own greedy replies) its top-1 is the label itself."""
     import math
@@ -116,10 +116,10 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
     from dflash.pipeline.stages.prefetch import next_batch
     from dflash.runtime.devices import Device
     from dflash.runtime.messages import HostFeatures
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
 
-    cfg = tiny_config(**{"train.distill": 0.5, "train.distill_topk": 4, "data.num_samples": 16})
-    t = prepare(cfg)
+    cfg = tiny_config(**{"loss.distill": 0.5, "loss.distill_topk": 4, "data.num_samples": 16})
+    t = build_training(cfg)
     batch = next_batch(iter(t.plan), False)
     layers, teacher = target_forward.forward(t.targets[0], batch, t.targets[0].teacher_topk)
     assert teacher is not None and teacher[0].shape == (*batch.input_ids.shape, 4)
@@ -127,16 +127,16 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
         batch.input_ids, batch.doc_ids, batch.positions, batch.packed), -1))  # fmt: skip
     feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
     dev = Device("cpu", "d")
-    p = asyncio.run(drafter_step.prepared(t.replicas[0], t.micro, dev, feats, 0))
+    p = asyncio.run(drafter_step.run_prepare(t.replicas[0], t.micro, dev, feats, 0))
     dev.close()
     vals, ids = p.targets.teacher
     assert ids.shape == (p.targets.labels.shape[0], 4) and bool((vals[:, 0] >= vals[:, 1]).all())
     assert torch.equal(ids[:, 0], p.targets.labels)  # greedy replies: the target's top-1 is the label
-    records = run_records(tiny_config(**{"train.distill": 0.5, "train.max_steps": 3, "eval.at_end": "false"}))
+    records = run_records(tiny_config(**{"loss.distill": 0.5, "train.max_steps": 3, "eval.at_end": "false"}))
     losses = [r["loss"] for r in records if r["event"] == "train_step"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     # The feature cache keeps the top-k beside the features: cached epochs distill too.
-    cached = tiny_config(**{"train.distill": 0.5, "train.epochs": 3, "data.feature_cache_mb": 8,
+    cached = tiny_config(**{"loss.distill": 0.5, "train.epochs": 3, "data.feature_cache_mb": 8,
                             "eval.at_end": "false"})  # fmt: skip
     records = run_records(cached)
     losses = [r["loss"] for r in records if r["event"] == "train_step"]
@@ -150,31 +150,31 @@ def _prepared_first_batch(cfg: Any) -> tuple[Any, Any]:
     from dflash.pipeline.stages.prefetch import next_batch
     from dflash.runtime.devices import Device
     from dflash.runtime.messages import HostFeatures
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
 
-    t = prepare(cfg)
+    t = build_training(cfg)
     batch = next_batch(iter(t.plan), False)
     layers, teacher = target_forward.forward(t.targets[0], batch, t.targets[0].teacher_topk)
     feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
     dev = Device("cpu", "d")
     try:
-        return batch, asyncio.run(drafter_step.prepared(t.replicas[0], t.micro, dev, feats, 0))
+        return batch, asyncio.run(drafter_step.run_prepare(t.replicas[0], t.micro, dev, feats, 0))
     finally:
         dev.close()
 
 
 def test_target_labels_are_the_targets_greedy_tokens(tiny_config):
-    """`train.labels = "target"`: slot k of the block at anchor a learns the target's argmax at
+    """`loss.labels = "target"`: slot k of the block at anchor a learns the target's argmax at
     position a + k − 1 — on any text, not only the target's own replies. On random token ids
     these differ from the data's tokens; on self-distilled data they are the same, and so is
     the whole run's loss."""
     from dflash.model.loss import block_targets
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
 
-    cfg = tiny_config(**{"train.labels": '"target"', "data.source": '"random"', "data.num_samples": 16})
+    cfg = tiny_config(**{"loss.labels": '"target"', "data.source": '"random"', "data.num_samples": 16})
     batch, p = _prepared_first_batch(cfg)
     with torch.no_grad():
-        logits = prepare(cfg).targets[0].model(input_ids=batch.input_ids, position_ids=batch.positions).logits
+        logits = build_training(cfg).targets[0].model(input_ids=batch.input_ids, position_ids=batch.positions).logits
     greedy = logits.argmax(-1)  # (R, T): the target's next token after each position
     B, R = cfg.drafter.block_size, batch.input_ids.shape[0]
     anchors, valid = _anchors(batch, cfg)
@@ -185,26 +185,27 @@ def test_target_labels_are_the_targets_greedy_tokens(tiny_config):
     assert not torch.equal(p.targets.labels, data.labels)  # random ids: the target disagrees with them
 
     def losses(labels: str) -> list[float]:
-        c = tiny_config(**{"train.labels": f'"{labels}"', "train.max_steps": 4, "eval.at_end": "false"})
+        c = tiny_config(**{"loss.labels": f'"{labels}"', "train.max_steps": 4, "eval.at_end": "false"})
         return [r["loss"] for r in run_records(c) if r["event"] == "train_step"]
 
     assert losses("target") == losses("data")  # the target's greedy replies: the same labels
 
 
 def test_greedy_prefix_only_keeps_later_slots_after_greedy_data_tokens(tiny_config):
-    """`train.greedy_prefix_only`: slot k >= 2 keeps its weight only where the data's tokens at
+    """`loss.greedy_prefix_only`: slot k >= 2 keeps its weight only where the data's tokens at
     slots 1..k-1 of its block are the target's greedy tokens; slot 1 always keeps it. On the
     target's own greedy replies later slots keep theirs; on random ids they lose them."""
     from dflash.model.loss import block_targets, gamma_weights
-    from dflash.train.build import prepare
+    from dflash.train.build import build_training
 
     kept = {}
     for source in ("random", "synthetic"):
-        over = {"train.labels": '"target"', "data.source": f'"{source}"', "data.num_samples": 16}
-        cfg = tiny_config(**over, **{"train.greedy_prefix_only": "true"})
+        over = {"loss.labels": '"target"', "data.source": f'"{source}"', "data.num_samples": 16}
+        cfg = tiny_config(**over, **{"loss.greedy_prefix_only": "true"})
         batch, p = _prepared_first_batch(cfg)
         with torch.no_grad():
-            logits = prepare(cfg).targets[0].model(input_ids=batch.input_ids, position_ids=batch.positions).logits
+            target = build_training(cfg).targets[0].model
+            logits = target(input_ids=batch.input_ids, position_ids=batch.positions).logits
         greedy, ids = logits.argmax(-1), batch.input_ids
         B, gamma = cfg.drafter.block_size, cfg.drafter.resolved_gamma
         anchors, valid = _anchors(batch, cfg)
@@ -222,7 +223,7 @@ def test_greedy_prefix_only_keeps_later_slots_after_greedy_data_tokens(tiny_conf
         kept[source] = float((p.targets.weights[later] > 0).float().mean())
     assert kept["random"] < 0.05 and kept["synthetic"] > 0.5, kept
     with pytest.raises(ConfigError, match="greedy_prefix_only"):
-        tiny_config(**{"train.greedy_prefix_only": "true"})
+        tiny_config(**{"loss.greedy_prefix_only": "true"})
 
 
 def _anchors(batch: Any, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,15 +275,23 @@ def test_fastest_dtype_is_bf16_on_a_cpu_only_where_bf16_is_fast(monkeypatch):
             tmod.resolve_dtype("fastest", cpu)
         monkeypatch.delenv("DFLASH_CPU_BF16")
         tmod.cpu_bf16_is_fast.cache_clear()
-        # The measurement: bf16 counts as fast only when its matmul beats float32's by 20 %
+        # The measurement: bf16 counts as fast only when its matmul beats float32's by 20 %.
+        # A fake clock moves by each fake matmul's cost, so the figures are exact.
+        clock = SimpleNamespace(t=0.0, perf_counter=lambda: clock.t)
+        cost: dict[torch.dtype, float] = {}
         calls = []
 
         def fake_linear(x, w):
             calls.append(x.dtype)
-            time.sleep(0.004 if x.dtype == torch.bfloat16 else 0.001)  # emulated bf16: 4x slower
+            clock.t += cost[x.dtype]
 
+        monkeypatch.setattr(tmod, "time", clock)
         monkeypatch.setattr(torch.nn.functional, "linear", fake_linear)
-        assert tmod.cpu_bf16_is_fast() is False and tmod.resolve_dtype("fastest", cpu) == torch.float32
-        assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 7
+        for bf16, fast in ((4.0, False), (0.85, False), (0.75, True)):  # bf16's time over float32's
+            cost.update({torch.float32: 0.001, torch.bfloat16: 0.001 * bf16})
+            tmod.cpu_bf16_is_fast.cache_clear()
+            want = torch.bfloat16 if fast else torch.float32
+            assert tmod.cpu_bf16_is_fast() is fast and tmod.resolve_dtype("fastest", cpu) == want, bf16
+        assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 7 * 3
     finally:
         tmod.cpu_bf16_is_fast.cache_clear()

@@ -6,7 +6,7 @@ writes to its output folder. The tree is `_schema.py`; reading, overriding and w
 is `_load.py`; the names below are the public ones.
 """
 
-from dflash.config._load import apply_overrides, dump_toml, load_config, parse_config
+from dflash.config._load import apply_overrides, dump_toml, load_config, moved_keys_mapped, parse_config
 from dflash.config._schema import (
     CheckpointConfig,
     Config,
@@ -15,10 +15,13 @@ from dflash.config._schema import (
     DistributedConfig,
     DrafterConfig,
     EvalConfig,
+    LossConfig,
+    OptimizerConfig,
     PipelineConfig,
     ProfileConfig,
     RegenConfig,
     RunConfig,
+    ScheduleConfig,
     TargetConfig,
     TinyTargetConfig,
     TrainConfig,
@@ -32,15 +35,19 @@ __all__ = [
     "DistributedConfig",
     "DrafterConfig",
     "EvalConfig",
+    "LossConfig",
+    "OptimizerConfig",
     "PipelineConfig",
     "ProfileConfig",
     "RegenConfig",
     "RunConfig",
+    "ScheduleConfig",
     "TargetConfig",
     "TinyTargetConfig",
     "TrainConfig",
     "apply_overrides",
     "dump_toml",
     "load_config",
+    "moved_keys_mapped",
     "parse_config",
 ]

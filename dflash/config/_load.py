@@ -11,7 +11,7 @@ from typing import Any, get_args, get_origin
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from dflash.config._schema import Config
+from dflash.config._schema import MOVED, Config
 from dflash.errors import ConfigError
 
 
@@ -48,6 +48,9 @@ def _format_validation(err: ValidationError, source: str) -> ConfigError:
     parts = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if e["type"] == "extra_forbidden" and _loc(loc) in MOVED:
+            parts.append(f"{_loc(loc)}: moved to {MOVED[_loc(loc)]}")
+            continue
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(_allowed_keys(Config, loc[:-1]))
             parts.append(f"{_loc(loc)}: unknown key (allowed: {allowed})")
@@ -55,7 +58,8 @@ def _format_validation(err: ValidationError, source: str) -> ConfigError:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] not in ("model_type", "missing") and not isinstance(e["input"], dict):
             msg += f" (got {e['input']!r})"
-        parts.append(f"{_loc(loc)}: {msg}")
+        # A section's own check that names its keys in full needs no prefix ("loss: loss.labels ...").
+        parts.append(msg if loc and msg.startswith(f"{_loc(loc)}.") else f"{_loc(loc)}: {msg}")
     return ConfigError(f"{source}: " + "; ".join(parts))
 
 
@@ -65,6 +69,21 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
         return Config.model_validate(data)
     except ValidationError as err:
         raise _format_validation(err, source) from None
+
+
+def moved_keys_mapped(data: dict[str, Any]) -> dict[str, Any]:
+    """A raw config written before keys moved (a checkpoint's `config.toml`) in today's
+    layout: each old key placed at its new path. A key set at both places keeps the new one."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old, new in MOVED.items():
+        old_section, old_key = old.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        new_section, new_key = new.split(".")
+        out.setdefault(new_section, {}).setdefault(new_key, value)
+    return out
 
 
 def _parse_value(raw: str) -> Any:
@@ -82,6 +101,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key = key.strip()
         if not sep or not key:
             msg = f"--set {item!r}: expected KEY=VALUE, e.g. drafter.num_layers=2"
+            raise ConfigError(msg)
+        if key in MOVED:
+            msg = f"--set {key}: moved to {MOVED[key]}"
             raise ConfigError(msg)
         parts = key.split(".")
         model: type[BaseModel] = Config

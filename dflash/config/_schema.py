@@ -2,9 +2,11 @@
 
 Every section forbids unknown keys and converts no types silently (`_Section`); reading,
 overriding and writing the tree is `_load.py`; `dflash.config` is the public face. Kept
-whole (about 340 lines) because the schema is one source of truth, read top to bottom one
+whole because the schema is one source of truth, read top to bottom one
 short section after another: split across files, the tree that `config show` prints would
-no longer be in one place.
+no longer be in one place. Training has four sections: `train` (how long, how many
+micro-batches a step), `optimizer` (AdamW), `schedule` (the learning rate over the run) and
+`loss` (what each block slot learns and how much it counts).
 """
 
 from __future__ import annotations
@@ -224,6 +226,8 @@ class DrafterConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """How long training runs and what one optimizer step takes."""
+
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     max_minutes: float = Field(
         0.0, ge=0, description="stop after this many minutes of training in this process (0 = no limit), and "
@@ -231,24 +235,58 @@ class TrainConfig(_Section):
         "steps and the time is further along, so a run cut by its budget ends decayed. One process only",
     )  # fmt: skip
     epochs: int = Field(1, ge=1, le=10_000)
-    lr: float = Field(6e-4, gt=0, le=1.0)
-    warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the schedule decays to lr * this")
-    schedule: Literal["cosine", "wsd"] = Field(
-        "cosine", description="after warmup: cosine decay, or wsd (warmup-stable-decay: constant, then linear decay)"
-    )
-    decay_ratio: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying, at the end")
-    weight_decay: float = Field(0.01, ge=0)
-    grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
     grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per replica per step")
-    betas: tuple[float, float] = (0.9, 0.95)
-    loss_chunk: int = Field(1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)")
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
     max_bad_steps: int = Field(5, ge=1, description="abort after this many non-finite steps in a row")
-    noise_reveal_start: float = Field(
-        0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
+
+
+class OptimizerConfig(_Section):
+    """AdamW over the drafter's weights, the same on every replica."""
+
+    lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate (after warmup)")
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_list(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            msg = "each beta must be in [0, 1)"
+            raise ValueError(msg)
+        return v
+
+
+class ScheduleConfig(_Section):
+    """The learning rate over the run: a linear warmup, then a decay to lr * min_lr_ratio."""
+
+    kind: Literal["cosine", "wsd"] = Field(
+        "cosine", description="after warmup: cosine decay, or wsd (warmup-stable-decay: constant, then linear decay)"
     )
-    noise_reveal_end: float = Field(0.0, ge=0, le=1, description="... at the last step (linear)")
+    warmup_ratio: float = Field(0.04, ge=0, lt=1, description="share of the steps spent warming up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the schedule decays to lr * this")
+    decay_ratio: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying, at the end")
+
+    @model_validator(mode="after")
+    def _wsd(self) -> ScheduleConfig:
+        if self.kind == "wsd" and self.warmup_ratio + self.decay_ratio > 1:
+            msg = (
+                f"schedule.warmup_ratio + schedule.decay_ratio ({self.warmup_ratio} + {self.decay_ratio}) "
+                "exceed 1: no stable phase"
+            )
+            raise ValueError(msg)
+        return self
+
+
+class LossConfig(_Section):
+    """What each block slot learns and how much it counts: the training loss, whole."""
+
+    chunk: int = Field(1024, ge=1, description="rows of LM head + CE at once (bounds [rows, vocab] logits)")
     position_weights: Literal["gamma", "dpace"] = Field(
         "gamma",
         description="weights of the block slots in the loss: gamma = the fixed decay exp(-(k-1)/drafter.gamma); "
@@ -273,54 +311,67 @@ class TrainConfig(_Section):
         description="weight of distillation from the target's next-token distribution (its top-k logits at each "
         "label position) against the hard labels; 0 = hard labels only",
     )  # fmt: skip
-    loss_vocab: Literal["full", "data"] = Field(
+    distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
+    distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
+    vocab: Literal["full", "data"] = Field(
         "full",
         description="the tokens the training loss's softmax runs over: full = the whole vocabulary; data = the tokens "
         "of the training data (the LM head, most of a small drafter's step, then costs that share of the "
         "vocabulary; a label outside it counts 0). Eval and the export keep the whole LM head",
     )
-    loss_negatives: int = Field(
+    negatives: int = Field(
         4096, ge=0, le=1_000_000,
-        description="loss_vocab = data: tokens drawn afresh for each micro-batch from outside the data's tokens, "
+        description="vocab = data: tokens drawn afresh for each micro-batch from outside the data's tokens, "
         "their logits corrected for the sampling (sampled softmax), so that tokens the data lacks are pushed down "
         "too (0: none; then ~a quarter of the drafts were such tokens, measured). Fewer: a cheaper LM head",
     )  # fmt: skip
-    distill_topk: int = Field(32, ge=1, le=4096, description="target logits kept per position for distillation")
-    distill_temperature: float = Field(1.0, gt=0, le=100, description="softmax temperature of teacher and drafter")
+    noise_reveal_start: float = Field(
+        0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
+    )
+    noise_reveal_end: float = Field(0.0, ge=0, le=1, description="... at the last step (linear)")
 
     @model_validator(mode="after")
-    def _greedy_prefix(self) -> TrainConfig:
+    def _greedy_prefix(self) -> LossConfig:
         if self.greedy_prefix_only and self.labels != "target":
-            msg = f"greedy_prefix_only needs labels = 'target' (labels = {self.labels!r})"
+            msg = f"loss.greedy_prefix_only needs loss.labels = 'target' (loss.labels = {self.labels!r})"
             raise ValueError(msg)
         return self
 
     @model_validator(mode="after")
-    def _loss_vocab(self) -> TrainConfig:
-        if self.loss_vocab == "data" and self.distill > 0:
-            msg = "loss_vocab = 'data' with distill > 0 (the top-k may lie outside the data's tokens): set one back"
+    def _vocab(self) -> LossConfig:
+        if self.vocab == "data" and self.distill > 0:
+            msg = (
+                "loss.vocab = 'data' with loss.distill > 0 (the top-k may lie outside the data's tokens): "
+                "set one back"
+            )
             raise ValueError(msg)
         return self
 
-    @model_validator(mode="after")
-    def _wsd(self) -> TrainConfig:
-        if self.schedule == "wsd" and self.warmup_ratio + self.decay_ratio > 1:
-            msg = f"warmup_ratio + decay_ratio ({self.warmup_ratio} + {self.decay_ratio}) exceed 1: no stable phase"
-            raise ValueError(msg)
-        return self
 
-    @field_validator("betas", mode="before")
-    @classmethod
-    def _betas_list(cls, v: Any) -> Any:
-        return tuple(v) if isinstance(v, list) else v
-
-    @field_validator("betas")
-    @classmethod
-    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0 <= b < 1 for b in v):
-            msg = "each beta must be in [0, 1)"
-            raise ValueError(msg)
-        return v
+# Keys that left [train] for sections of their own: an old config that names one is told
+# where it went (`train.lr: moved to optimizer.lr`); a checkpoint's config is mapped over.
+MOVED: dict[str, str] = {
+    "train.lr": "optimizer.lr",
+    "train.weight_decay": "optimizer.weight_decay",
+    "train.betas": "optimizer.betas",
+    "train.grad_clip": "optimizer.grad_clip",
+    "train.schedule": "schedule.kind",
+    "train.warmup_ratio": "schedule.warmup_ratio",
+    "train.min_lr_ratio": "schedule.min_lr_ratio",
+    "train.decay_ratio": "schedule.decay_ratio",
+    "train.loss_chunk": "loss.chunk",
+    "train.position_weights": "loss.position_weights",
+    "train.dpace_alpha": "loss.dpace_alpha",
+    "train.labels": "loss.labels",
+    "train.greedy_prefix_only": "loss.greedy_prefix_only",
+    "train.distill": "loss.distill",
+    "train.distill_topk": "loss.distill_topk",
+    "train.distill_temperature": "loss.distill_temperature",
+    "train.loss_vocab": "loss.vocab",
+    "train.loss_negatives": "loss.negatives",
+    "train.noise_reveal_start": "loss.noise_reveal_start",
+    "train.noise_reveal_end": "loss.noise_reveal_end",
+}
 
 
 class PipelineConfig(_Section):
@@ -486,6 +537,9 @@ class Config(_Section):
     target: TargetConfig = TargetConfig()
     drafter: DrafterConfig = DrafterConfig()
     train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    loss: LossConfig = LossConfig()
     pipeline: PipelineConfig = PipelineConfig()
     profile: ProfileConfig = ProfileConfig()
     regen: RegenConfig = RegenConfig()

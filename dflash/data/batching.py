@@ -33,7 +33,7 @@ import json
 import math
 from array import array
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import torch
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from dflash.config import DataConfig
 
 __all__ = [
+    "BatchLimits",
     "BatchPlan",
     "Cursor",
     "Rows",
@@ -53,6 +54,15 @@ __all__ = [
     "collate",
     "length_buckets",
 ]
+
+class BatchLimits(TypedDict, total=False):
+    """`BatchPlan`'s keywords that limit a batch beyond `batch_size`; each is off when left out."""
+
+    token_budget: int  # R × T at most this (0: no budget)
+    num_buckets: int  # batches form within this many length-quantile buckets (1: one)
+    pack: bool  # whole documents share rows
+    max_seq_len: int | None  # the longest sample allowed, and a packed row's capacity
+
 
 # A resume point: {"epoch": e, "position": batches of epoch e already served,
 # "index": global index of the next batch, "plan": fingerprint of the plan's inputs}.
@@ -93,45 +103,27 @@ class BatchPlan:
         seed: int,
         shuffle: bool = True,
         *,
-        token_budget: int = 0,
-        num_buckets: int = 1,
-        pack: bool = False,
-        max_seq_len: int | None = None,
         start: Cursor | None = None,
+        **limits: Unpack[BatchLimits],
     ) -> None:
-        if not samples:
-            msg = "data: no samples to batch"
-            raise DataError(msg)
-        if batch_size < 1 or epochs < 1 or num_buckets < 1 or token_budget < 0:
-            msg = (
-                f"BatchPlan: batch_size ({batch_size}), epochs ({epochs}) and num_buckets ({num_buckets}) "
-                f"must be >= 1 and token_budget ({token_budget}) >= 0"
-            )
-            raise ValueError(msg)
-        if max_seq_len is not None and max_seq_len < 1:
-            msg = f"BatchPlan: max_seq_len must be >= 1 (got {max_seq_len})"
-            raise ValueError(msg)
+        unknown = limits.keys() - BatchLimits.__annotations__.keys()
+        if unknown:
+            msg = f"BatchPlan.__init__() got an unexpected keyword argument {min(unknown)!r}"  # as Python says it
+            raise TypeError(msg)
         self.samples = samples
         self.batch_size = batch_size
         self.epochs = epochs
         self.seed = seed
         self.shuffle = shuffle
-        self.token_budget = token_budget
-        self.num_buckets = num_buckets
-        self.pack = pack
-        self.max_seq_len = max_seq_len
-        self.lengths: list[int] = self._check_samples(samples, max_seq_len)
-
-        longest = max(self.lengths)
-        capacity = max_seq_len if max_seq_len is not None else longest
-        if pack and token_budget:
-            capacity = min(capacity, token_budget)
+        self.token_budget: int = limits.get("token_budget", 0)
+        self.num_buckets: int = limits.get("num_buckets", 1)
+        self.pack: bool = limits.get("pack", False)
+        self.max_seq_len: int | None = limits.get("max_seq_len")
+        self._check_settings()
+        self.lengths: list[int] = self._check_samples(samples, self.max_seq_len)
         # Row capacity in tokens (packing only) and the most rows in one batch.
-        self.row_capacity: int = capacity
-        self.rows_per_batch: int = (
-            min(batch_size, max(1, token_budget // capacity)) if pack and token_budget else batch_size
-        )
-        self.buckets: list[list[int]] = length_buckets(self.lengths, num_buckets)
+        self.row_capacity, self.rows_per_batch = self._row_shape()
+        self.buckets: list[list[int]] = length_buckets(self.lengths, self.num_buckets)
         self._bucket_members = [torch.tensor(b, dtype=torch.long) for b in self.buckets]  # (n_b,) each
         self.fingerprint: str = self._fingerprint()
         # Every epoch laid out stays cached (~8 bytes per sample): `len()` lays out the
@@ -161,6 +153,29 @@ class BatchPlan:
         )
 
     # -- inputs -------------------------------------------------------------------------
+    def _check_settings(self) -> None:
+        if not self.samples:
+            msg = "data: no samples to batch"
+            raise DataError(msg)
+        if self.batch_size < 1 or self.epochs < 1 or self.num_buckets < 1 or self.token_budget < 0:
+            msg = (
+                f"BatchPlan: batch_size ({self.batch_size}), epochs ({self.epochs}) and num_buckets "
+                f"({self.num_buckets}) must be >= 1 and token_budget ({self.token_budget}) >= 0"
+            )
+            raise ValueError(msg)
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            msg = f"BatchPlan: max_seq_len must be >= 1 (got {self.max_seq_len})"
+            raise ValueError(msg)
+
+    def _row_shape(self) -> tuple[int, int]:
+        """(row capacity in tokens, rows per batch): a packed row holds `max_seq_len` tokens (the
+        longest sample without one), or the budget when that is smaller."""
+        capacity = self.max_seq_len if self.max_seq_len is not None else max(self.lengths)
+        if self.pack and self.token_budget:
+            capacity = min(capacity, self.token_budget)
+            return capacity, min(self.batch_size, max(1, self.token_budget // capacity))
+        return capacity, self.batch_size
+
     @staticmethod
     def _check_samples(samples: list[Sample], max_seq_len: int | None) -> list[int]:
         """Lengths of the samples; refuse what would make wrong batches later, naming it."""

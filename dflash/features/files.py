@@ -16,7 +16,7 @@ the batch:
 - `j.next` (S,) int32, greedy regen only: the target's greedy next token at each position
   of the reply (the next reply token; after the last one, what the target generated next:
   its end of turn, or the token after a reply cut at `max_new_tokens`) — the labels of
-  `train.labels = "target"`; elsewhere the next data token (in the prompt never a label;
+  `loss.labels = "target"`; elsewhere the next data token (in the prompt never a label;
   after the end-of-turn token, the template's "\n": the one label that is the data's).
 
 Where re-tokenizing the written reply does not give back the generated tokens (a few
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +164,12 @@ def _part_ids(path: Path) -> tuple[FeatureMeta, list[torch.Tensor]]:
         ids = []
         while f"{len(ids)}.ids" in keys:
             j = len(ids)
-            t = f.get_tensor(f"{j}.ids")
-            if t.ndim != 1 or f"{j}.features" not in keys or (meta.greedy and f"{j}.next" not in keys):
-                msg = f"{path}: entry {j}: malformed (ids of shape {tuple(t.shape)}, or features / next missing)"
+            entry_ids = f.get_tensor(f"{j}.ids")
+            if entry_ids.ndim != 1 or f"{j}.features" not in keys or (meta.greedy and f"{j}.next" not in keys):
+                shape = tuple(entry_ids.shape)
+                msg = f"{path}: entry {j}: malformed (ids of shape {shape}, or features / next missing)"
                 raise ValueError(msg)
-            ids.append(t.long())
+            ids.append(entry_ids.long())
         return meta, ids
 
 
@@ -220,10 +221,33 @@ def seed_cache(
     stats = {"feature_files_samples": 0, "feature_files_entries": 0}
     if teacher_topk > 1:
         if folders:
-            warn.append(f"feature files {folders[0]} not used: train.distill needs the target's top-k logits")
+            warn.append(f"feature files {folders[0]} not used: loss.distill needs the target's top-k logits")
         return stats
-    index: dict[tuple[int, ...], tuple[Path, int]] = {}  # ids -> (part, entry)
-    widths: dict[Path, int] = {}
+    index = _index_parts(folders, want, teacher_topk, warn)
+    stats["feature_files_entries"] = index.entries
+    if not index.where:
+        return stats
+    matched = _match(samples, index.where, max_len)
+    stats["feature_files_samples"] = _seed(cache, matched, index.widths, teacher_topk, warn)
+    return stats
+
+
+Key = tuple[int, ...]  # a stored entry's token ids
+
+
+@dataclass
+class _PartIndex:
+    """The entries of the parts that can serve a run, by their token ids (features stay on disk)."""
+
+    where: dict[Key, tuple[Path, int]] = field(default_factory=dict)  # ids -> (part, entry)
+    widths: dict[Path, int] = field(default_factory=dict)  # part -> feature width
+    entries: int = 0  # entries in those parts, repeats included
+
+
+def _index_parts(folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, warn: list[str]) -> _PartIndex:
+    """Every part of `folders` that can serve this run, indexed; one `warn` line per reason a
+    part could not (naming the first such part)."""
+    index = _PartIndex()
     skipped: dict[str, str] = {}  # why -> first part skipped for it
     for path in (p for folder in folders for p in sorted(folder.glob("part-*.safetensors"))):
         try:
@@ -233,29 +257,47 @@ def seed_cache(
             continue
         why = meta.differs_from(want)
         if not why and teacher_topk and not meta.greedy:
-            why = "made by sampled regen (temperature > 0): no greedy labels for train.labels = 'target'"
+            why = "made by sampled regen (temperature > 0): no greedy labels for loss.labels = 'target'"
         if why:
             skipped.setdefault(why, str(path))
             continue
-        widths[path] = meta.width
-        for j, t in enumerate(ids):
-            index[tuple(t.tolist())] = (path, j)
-        stats["feature_files_entries"] += len(ids)
+        index.widths[path] = meta.width
+        for j, entry_ids in enumerate(ids):
+            index.where[tuple(entry_ids.tolist())] = (path, j)
+        index.entries += len(ids)
     for why, path in skipped.items():
         warn.append(f"feature files {path} (and any like it) not used: {why}")
-    if not index:
-        return stats
-    matched: dict[Path, list[tuple[int, int, int]]] = {}  # part -> [(entry, sample id, length)]
-    cut: dict[tuple[int, ...], tuple[Path, int]] | None = None  # entries cut at max_len
+    return index
+
+
+def _match(
+    samples: Sequence[Sample], where: dict[Key, tuple[Path, int]], max_len: int
+) -> dict[Path, list[tuple[int, int, int]]]:
+    """The samples that have a stored entry, by part: [(entry, sample id, length)]."""
+    matched: dict[Path, list[tuple[int, int, int]]] = {}
+    cut: dict[Key, tuple[Path, int]] | None = None  # entries cut at max_len
     for s in samples:
         key = tuple(s.input_ids.tolist())
-        hit = index.get(key)
+        hit = where.get(key)
         if hit is None and len(key) == max_len:  # a sample truncated at data.max_seq_len: a stored prefix
             if cut is None:
-                cut = {k[:max_len]: v for k, v in index.items() if len(k) > max_len}
+                cut = {k[:max_len]: v for k, v in where.items() if len(k) > max_len}
             hit = cut.get(key)
         if hit is not None:
             matched.setdefault(hit[0], []).append((hit[1], s.sample_id, len(key)))
+    return matched
+
+
+def _seed(
+    cache: FeatureCache,
+    matched: dict[Path, list[tuple[int, int, int]]],
+    widths: dict[Path, int],
+    teacher_topk: int,
+    warn: list[str],
+) -> int:
+    """The matched entries into `cache`, part by part, until its budget is spent; returns how
+    many samples it took. A part that fails to load is skipped with a `warn` line."""
+    seeded = 0
     for path, wants in matched.items():
         try:
             entries = _load(path, sorted({j for j, _, _ in wants}), widths[path])
@@ -269,6 +311,6 @@ def seed_cache(
                 assert e.next is not None  # greedy parts only, checked above
                 teacher = (torch.zeros(n, 1), e.next[:n, None])  # top-1: the ids; its logit is never read
             if not cache.seed(sample_id, e.features[:n], teacher):
-                return stats  # the cache's budget is spent
-            stats["feature_files_samples"] += 1
-    return stats
+                return seeded  # the cache's budget is spent
+            seeded += 1
+    return seeded

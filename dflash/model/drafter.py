@@ -190,11 +190,11 @@ class DecoderLayer(nn.Module):
         layer's queries and MLP rows at B = 4). `mask`: dense (R, 1, Q, S)."""
         N, B = x.shape[1] // block_size, block_size
 
-        def drafts(t: torch.Tensor, dim: int) -> torch.Tensor:  # the slots 1..B-1 of every block along `dim`
-            return t.unflatten(dim, (N, B)).narrow(dim + 1, 1, B - 1).flatten(dim, dim + 1)
+        def drafts(tensor: torch.Tensor, dim: int) -> torch.Tensor:  # the slots 1..B-1 of every block along `dim`
+            return tensor.unflatten(dim, (N, B)).narrow(dim + 1, 1, B - 1).flatten(dim, dim + 1)
 
         h = self.input_layernorm(x)
-        rq = tuple(drafts(t, 2) for t in rope_q)  # (R, 1, Q, hd) -> (R, 1, N·(B-1), hd)
+        rq = tuple(drafts(r, 2) for r in rope_q)  # (R, 1, Q, hd) -> (R, 1, N·(B-1), hd)
         y = drafts(x, 1) + self.self_attn(h, ctx, rq, rope_k, drafts(mask, 2), xq=drafts(h, 1))
         y = y + self.mlp(self.post_attention_layernorm(y))
         return torch.cat([x.unflatten(1, (N, B))[:, :, :1], y.unflatten(1, (N, B - 1))], dim=2).flatten(1, 2)
@@ -207,7 +207,7 @@ class DFlashDrafter(nn.Module):
         k = len(spec.target_layer_ids)
         self.fc = nn.Linear(k * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(spec, t) for t in spec.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(spec, layer_type) for layer_type in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # Not a buffer: `.to(bfloat16)` would round the frequencies. Kept in fp32 and moved to
         # the device where it is first needed (once per device).

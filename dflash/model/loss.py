@@ -8,27 +8,75 @@ is 1 there. Weights w_k = exp(-(k-1)/γ), w_0 = 0.
 The step loss is Σ w·CE / Σ w over the whole optimizer step (all micro-batches and
 replicas): each micro-batch returns its numerator (a tensor, for backward) and its
 denominator (a host float, known before any device work), and the optimizer divides.
+
+Every setting of the loss (the `[loss]` section, with the drafter's block size and γ) is one
+`LossSpec`, built once from the config and read by the step's prepare phase and `block_loss`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.config import Config
+
 __all__ = [
-    "BlockTargets", "LossParts", "LossVocab", "block_loss", "block_targets", "dpace_weights", "gamma_weights",
-    "reveal_slots",
+    "BlockTargets", "LossParts", "LossSpec", "LossVocab", "block_loss", "block_targets", "dpace_weights",
+    "gamma_weights", "reveal_slots",
 ]  # fmt: skip
 
 
 @dataclass(frozen=True)
+class LossSpec:
+    """Every setting of the training loss, in one place: `[loss]` of the config, plus the
+    drafter's block size and its γ (`LossSpec.from_config`). The defaults are the config's."""
+
+    block_size: int  # B: anchor + B-1 predicted slots
+    chunk: int = 1024  # rows of LM head + CE at once (bounds the [rows, V] logits)
+    position_weights: Literal["gamma", "dpace"] = "gamma"
+    gamma: float = 7.0  # position_weights = "gamma": w_k = exp(-(k-1)/γ) (drafter.resolved_gamma)
+    dpace_alpha: float = 0.5  # position_weights = "dpace": confidence smoothing
+    labels: Literal["data", "target"] = "data"  # the data's next token, or the target's greedy one
+    greedy_prefix_only: bool = False  # target labels: later slots count only after greedy data tokens
+    distill: float = 0.0  # weight of the target's top-k distribution against the hard labels
+    distill_topk: int = 32
+    distill_temperature: float = 1.0
+    vocab: Literal["full", "data"] = "full"  # the softmax over every token, or the data's (LossVocab)
+    negatives: int = 4096  # vocab = "data": sampled negatives per micro-batch
+    noise_reveal_start: float = 0.0  # chance a slot shows its true token at step 0 ...
+    noise_reveal_end: float = 0.0  # ... and at the last step (linear in between)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> LossSpec:
+        return cls(block_size=cfg.drafter.block_size, gamma=cfg.drafter.resolved_gamma, **cfg.loss.model_dump())
+
+    @property
+    def dpace(self) -> bool:
+        return self.position_weights == "dpace"
+
+    @property
+    def target_labels(self) -> bool:
+        return self.labels == "target"
+
+    @property
+    def teacher_topk(self) -> int:
+        """How many of the target's next-token logits each position keeps: distillation's
+        top-k, else 1 for target labels (the greedy token), else none (the target stops at its
+        last chosen layer)."""
+        if self.distill > 0:
+            return self.distill_topk
+        return 1 if self.target_labels else 0
+
+
+@dataclass(frozen=True)
 class LossVocab:
-    """`train.loss_vocab = "data"`: the training loss's softmax over the data's tokens plus,
-    each micro-batch, `train.loss_negatives` tokens drawn from the rest (sampled softmax): the
+    """`loss.vocab = "data"`: the training loss's softmax over the data's tokens plus,
+    each micro-batch, `loss.negatives` tokens drawn from the rest (sampled softmax): the
     rest must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw
     win the argmax — a quarter of the drafts without them, measured. Each drawn token stands
     for `len(outside) / K` of them: its logit gets log of that (logQ correction), so the
@@ -38,7 +86,7 @@ class LossVocab:
     row there, -1 outside (such a label counts 0); `outside` (V - V',): the other ids;
     `bias` (V' + K,): the logit bias of a head with K drawn negatives (None: K = 0)."""
 
-    NEGATIVES = 4096  # the default of train.loss_negatives
+    NEGATIVES = 4096  # the default of loss.negatives
 
     lm_head: torch.Tensor
     index: torch.Tensor
@@ -217,7 +265,7 @@ def _chunk_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the loss, whether the argmax is the label, and the label's probability."""
     logits = (h @ head.t()).float()  # (chunk, V)
-    if bias is not None:  # sampled softmax's logQ correction (train.loss_vocab)
+    if bias is not None:  # sampled softmax's logQ correction (loss.vocab)
         logits = logits + bias
     ce = F.cross_entropy(logits, labels, reduction="none")
     label_prob = torch.where(labels >= 0, torch.exp(-ce.detach()), 0.0)  # an ignored label (-100) is no sure slot
@@ -238,18 +286,15 @@ def block_loss(
     hidden: torch.Tensor,  # (R, N·B, H) drafter output
     lm_head: torch.Tensor,  # (V, H) frozen
     targets: BlockTargets,
-    block_size: int,
-    chunk: int,
-    distill: float = 0.0,
-    temperature: float = 1.0,
-    dpace_alpha: float | None = None,
+    spec: LossSpec,
     logit_bias: torch.Tensor | None = None,
 ) -> LossParts:
     """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
-    `distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
-    With `dpace_alpha`, each slot's host weight (1 for D-PACE: Σ w counts the slots) is
-    multiplied by its D-PACE weight (`dpace_weights`), computed from this forward.
+    `spec.distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
+    With D-PACE position weights, each slot's host weight (1 for D-PACE: Σ w counts the slots)
+    is multiplied by its D-PACE weight (`dpace_weights`), computed from this forward.
     `logit_bias` (V,): added to every row's logits (sampled softmax's correction)."""
+    block_size, chunk, distill, temperature = spec.block_size, spec.chunk, spec.distill, spec.distill_temperature
     dev = hidden.device
     H = hidden.shape[-1]
     # The drafter step uploads the targets while preparing (these are then no-ops); from
@@ -279,9 +324,9 @@ def block_loss(
     total = hidden.sum().float() * 0.0
     if losses:
         per_row = torch.cat(losses)
-        if dpace_alpha is not None:
+        if spec.dpace:
             num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
-            weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, block_size, dpace_alpha)
+            weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, block_size, spec.dpace_alpha)
         total = total + (per_row * weights).sum()
         correct.index_add_(0, slot, torch.cat(oks))
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

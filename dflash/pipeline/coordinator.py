@@ -33,7 +33,7 @@ from dflash.runtime import distributed, faults
 from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Profiler, Trace
-from dflash.train.build import Training, prepare
+from dflash.train.build import Training, build_training
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
 
@@ -156,7 +156,7 @@ class Coordinator:
         self.emit(
             "run_start", run_dir=str(self.run_dir), torch=torch.__version__, **where, config=cfg.model_dump(mode="json")
         )
-        t = self._given or await asyncio.to_thread(prepare, cfg, self.resume, self.world)
+        t = self._given or await asyncio.to_thread(build_training, cfg, self.resume, self.world)
         self.targets, self.replicas = t.targets, t.replicas
         for w in t.warnings:
             self.emit("warning", message=w)
@@ -190,8 +190,8 @@ class Coordinator:
         progress = ProgressLine(t.total_steps, t.start_step)
         self.subscribe(progress)
         t_train = time.perf_counter()
-        if t.budget is not None:
-            t.budget.start()
+        if t.steps.budget is not None:
+            t.steps.budget.start()
         try:
             error = await self._train(topo, profiler, trace)
         finally:
@@ -271,7 +271,7 @@ class Coordinator:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
             reason = "max_steps"
-        elif t.budget is not None and t.budget.spent:  # the last step's reading: export and eval do not move it
+        elif t.steps.budget is not None and t.steps.budget.spent:  # the last step's reading: export, eval leave it
             reason = "max_minutes"
         else:
             reason = "data_exhausted"

@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from dflash.features.cache import FeatureCache
 from dflash.pipeline.stages import pack, prefetch, target_forward, transfer
-from dflash.pipeline.stages.drafter_step import prepared
+from dflash.pipeline.stages.drafter_step import run_prepare
 from dflash.runtime.devices import Device
 from dflash.runtime.messages import StepGrads
 from dflash.runtime.profiler import Profiler, Stage
@@ -37,28 +36,26 @@ async def train(
     book: StepBook,
     stop: asyncio.Event,
     profiler: Profiler,
-    cache: FeatureCache | None = None,
 ) -> int:
     """Train until the data, `train.max_steps`, `train.max_minutes` or a stop request ends it;
     the last step."""
     plan = iter(t.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
+    cache = t.cache
     updated, result = None, None  # the last update's ready event: the next forward reads those weights
-    while not stop.is_set() and (t.max_steps is None or book.progress.step < t.max_steps):
-        if t.budget is not None and t.budget.spent:  # read by the last step's update
-            break
+    while not stop.is_set() and not t.steps.ended(book.progress.step):  # the budget: read by the last update
         step = book.progress.step
         contribs: list[StepGrads] = []
         own = result.updated if result is not None else {}  # a replica on another GPU: its own update
         for rep, dev in zip(t.replicas, drafters, strict=True):
             acc, ready = Accumulator(), None
-            for _ in range(t.grad_accum):
+            for _ in range(t.steps.grad_accum):
                 batch, _ = await data.run(Stage.PREFETCH, prefetch.next_batch, plan, t.pin)
                 if batch is None:  # the data is done
                     break
                 feats = await target_forward.features(t.targets[0], target, batch, profiler, cache)
                 packed = await pack.packed(target, feats)
                 host = await transfer.host_features(target, packed, 0, cache)
-                ready_batch = await prepared(rep, t.micro, dev, host, step)
+                ready_batch = await run_prepare(rep, t.micro, dev, host, step)
                 _, ready = await dev.run(
                     None, acc.compute, t.micro, rep, dev, ready_batch, wait_for=[updated, own.get(rep.index)]
                 )
@@ -68,9 +65,8 @@ async def train(
         if not contribs:
             break
         result, updated = await optimizer.run(
-            None, t.apply, t.replicas, contribs, optimizer, book.next_step, book.progress,
-            wait_for=[c.ready for c in contribs],
-        )  # fmt: skip
+            None, t.apply, contribs, optimizer, book.next_step, book.progress, wait_for=[c.ready for c in contribs]
+        )
         await book.end(result, updated)
     await book.close()
     return book.progress.step

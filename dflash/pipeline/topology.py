@@ -20,7 +20,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.config import Config
+from dflash.config import Config, PipelineConfig
 from dflash.features.cache import FeatureCache
 from dflash.pipeline import serial
 from dflash.pipeline.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
@@ -67,10 +67,9 @@ def build(
         opt, profiler, emit, start_step=t.start_step, log_every=cfg.train.log_every,
         max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
     )  # fmt: skip
-    cache = t.cache  # set-up's (seeded from feature files), or a stand-in's
     if cfg.pipeline.mode == "serial":
-        loop = serial.train(t, data, targets[0], drafters, opt, book, stop, profiler, cache)
-        return Topology([("serial", loop)], devices, opt, book, cache)
+        loop = serial.train(t, data, targets[0], drafters, opt, book, stop, profiler)
+        return Topology([("serial", loop)], devices, opt, book, t.cache)
 
     p = cfg.pipeline
     n_t, n_d = len(t.targets), len(t.replicas)
@@ -86,31 +85,41 @@ def build(
     tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
         (Stage.PREFETCH, prefetch.run(t.plan, data, batches, stop, t.pin, t.world))
     ]
-    drafter_gpus = {rep.device for rep in t.replicas}
-    for i, (tgt, dev) in enumerate(zip(t.targets, targets, strict=True)):
-        feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
-        packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
-        # Features stay on the GPU when every replica is there and no cache wants them on
-        # the host; else D2H into reused pinned buffers: enough for a full channel, two
-        # per replica (one taken ahead) and the one being filled.
-        keep = cache is None and drafter_gpus == {tgt.device} and tgt.device.type == "cuda"
-        all_cuda = all(d.type == "cuda" for d in drafter_gpus) and tgt.device.type == "cuda"
-        pool = PinnedPool(p.hs_queue_depth + 2 * n_d + 2) if all_cuda and not keep else None
-        tasks += [
-            (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
-            (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),
-            (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache, pool, keep)),
-        ]
+    for i, dev in enumerate(targets):
+        tasks += _target_chain(i, t, p, dev, batches, hs, profiler)
     ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and t.replicas[0].device.type == "cuda")
+    work = drafter_step.ReplicaWork(t.micro, t.steps.grad_accum, t.start_step, lookahead=ahead)
     for r, (rep, dev) in enumerate(zip(t.replicas, drafters, strict=True)):
-        run = drafter_step.run(
-            rep, t.micro, t.grad_accum, dev, hs, grads, replies[r], profiler, t.start_step, lookahead=ahead
-        )
+        run = drafter_step.run(rep, work, dev, hs, grads, replies[r], profiler)
         tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
     if t.world is not None:
         t.world.cursor = t.plan.start_index - 1  # resumed: the batches before the cursor are done
-    run_opt = optimizer.run(
-        t.replicas, t.apply, opt, grads, replies, book, stop, t.max_steps, t.world, t.grad_accum, t.budget
-    )
-    tasks.append((Stage.OPTIMIZER_STEP, run_opt))
-    return Topology(tasks, devices, opt, book, cache)
+    tasks.append((Stage.OPTIMIZER_STEP, optimizer.run(t.apply, opt, grads, replies, book, stop, t.steps, t.world)))
+    return Topology(tasks, devices, opt, book, t.cache)
+
+
+def _target_chain(
+    i: int,
+    t: Training,
+    p: PipelineConfig,
+    dev: Device,
+    batches: Channel[Batch],
+    hs: Channel[HostFeatures],
+    profiler: Profiler,
+) -> list[tuple[str, Coroutine[Any, Any, Any]]]:
+    """Target chain `i`: forward, pack and transfer, joined by channels of their own."""
+    tgt, cache = t.targets[i], t.cache  # set-up's (seeded from feature files), or a stand-in's
+    feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
+    packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
+    # Features stay on the GPU when every replica is there and no cache wants them on
+    # the host; else D2H into reused pinned buffers: enough for a full channel, two
+    # per replica (one taken ahead) and the one being filled.
+    drafter_gpus = {rep.device for rep in t.replicas}
+    keep = cache is None and drafter_gpus == {tgt.device} and tgt.device.type == "cuda"
+    all_cuda = all(d.type == "cuda" for d in drafter_gpus) and tgt.device.type == "cuda"
+    pool = PinnedPool(p.hs_queue_depth + 2 * len(t.replicas) + 2) if all_cuda and not keep else None
+    return [
+        (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
+        (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),
+        (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache, pool, keep)),
+    ]

@@ -5,7 +5,8 @@ the resume checkpoint (a bad one fails in a second, before any model loads), dat
 tokenizer and targets, the mask token, the samples and their `BatchPlan`, the drafter
 spec and replicas (restored when resuming), and what the end of the run will need (the
 eval prompts) — so that a run never trains for an hour to fail at its end. Warnings found
-on the way are kept and emitted as records by the coordinator.
+on the way are kept and emitted as records by the coordinator. The loss's settings become
+one `LossSpec` here, the step's limits one `StepPlan`: the step's math reads no config.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from typing import Any
 
 import torch
 
-from dflash.config import Config, TrainConfig
+from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
+from dflash.data.formats import dataset_path
 from dflash.errors import CheckpointError, ConfigError, DataError
-from dflash.eval.decode import require_eval_prompts
+from dflash.eval.prompts import require_eval_prompts
 from dflash.features.cache import FeatureCache
 from dflash.features.files import FeatureMeta, folder_for, seed_cache
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
+from dflash.model.loss import LossSpec, LossVocab
 from dflash.model.target import Target, load_target, resolve_dtype
 from dflash.runtime import faults
 from dflash.runtime.devices import check_device
@@ -37,10 +40,11 @@ from dflash.runtime.profiler import Stage
 from dflash.store.packages import local_path
 from dflash.train.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
 from dflash.train.hooks import StepResult
-from dflash.train.replicas import DrafterReplica, TimeBudget, build_replicas
+from dflash.train.replicas import DrafterReplica, build_replicas
+from dflash.train.schedule import StepPlan, TimeBudget, lr_schedule
 from dflash.train.step import MicroStep, apply_step
 
-__all__ = ["Training", "prepare"]
+__all__ = ["Training", "build_training"]
 
 
 @dataclass
@@ -52,9 +56,8 @@ class Training:
     plan: BatchPlan
     spec: DrafterSpec
     micro: MicroStep  # one replica, one batch: forward + backward
-    apply: Callable[..., StepResult]  # apply(replicas, contribs, device, step, progress): the update
-    grad_accum: int
-    max_steps: int | None
+    apply: Callable[..., StepResult]  # apply(contribs, device, step, progress): the update of every replica
+    steps: StepPlan  # micro-batches per step, and what ends training (max_steps, the time budget)
     total_steps: int
     padding_fraction: float  # epoch 0's padded share of the R × T slots
     start_step: int = 0  # > 0 when resumed
@@ -63,7 +66,6 @@ class Training:
     warnings: list[str] = field(default_factory=list)
     evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
     world: World | None = None  # this process's rank among several (torchrun), else None
-    budget: TimeBudget | None = None  # train.max_minutes: the time budget, started with the first step
     cache: FeatureCache | None = None  # data.feature_cache_mb: seeded from feature files beside the data files
 
     @property
@@ -170,7 +172,7 @@ def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
 def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: Any) -> Callable[[int], dict[str, Any]]:
     """Speculative decoding with replica 0 against target 0 on the held-out prompts, which
     are loaded now: missing prompts fail the run before its first step, not after its last."""
-    from dflash.eval.decode import eval_prompts, evaluate, stop_ids
+    from dflash.eval import DecodeSettings, eval_prompts, evaluate, stop_ids
 
     target = eval_target(cfg, target)
     prompts = eval_prompts(cfg, target, tokenizer, replica.model.spec.mask_token_id)
@@ -178,9 +180,8 @@ def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: 
 
     def run(step: int) -> dict[str, Any]:
         faults.check(Stage.EVAL)
-        e = cfg.eval
         model, head = replica.model, replica.head
-        rec = evaluate(target, model, head, prompts, e.max_new_tokens, stops, e.temperature, cfg.run.seed, e.batch_size)
+        rec = evaluate(target, model, head, prompts, DecodeSettings.of(cfg, stops))
         return {"step": step, **rec}
 
     return run
@@ -213,58 +214,27 @@ def _feature_cache(
     cache = FeatureCache.from_config(cfg.data.feature_cache_mb)
     if folders:
         want = FeatureMeta.of(t0)
-        stats.update(seed_cache(cache, samples, folders, want, teacher_topk(cfg.train), cfg.data.max_seq_len, warn))
+        topk = LossSpec.from_config(cfg).teacher_topk
+        stats.update(seed_cache(cache, samples, folders, want, topk, cfg.data.max_seq_len, warn))
     return cache
 
 
-def teacher_topk(t: TrainConfig) -> int:
-    """How many of the target's next-token logits each position keeps: distillation's top-k,
-    else 1 for target labels (the greedy token), else none (the target stops at its last
-    chosen layer)."""
-    if t.distill > 0:
-        return t.distill_topk
-    return 1 if t.labels == "target" else 0
-
-
-def prepare(cfg: Config, resume: str | Path | None = None, world: World | None = None) -> Training:
+def build_training(cfg: Config, resume: str | Path | None = None, world: World | None = None) -> Training:
     """Build a run's `Training` from its config (in a worker thread). With a `world` (several
     processes), this rank's share: the same initial weights on every rank (same seed), the
     step count of the whole world, and evals on rank 0 only."""
     torch.manual_seed(cfg.run.seed)
-    t_devs = [check_device(d, f"pipeline.target_devices[{i}]") for i, d in enumerate(cfg.pipeline.target_devices)]
-    d_devs = [check_device(d, f"pipeline.drafter_devices[{i}]") for i, d in enumerate(cfg.pipeline.drafter_devices)]
-    if cfg.drafter.attention == "flex" and any(d.type == "cpu" for d in d_devs):
-        msg = (
-            "drafter.attention = 'flex': flex attention has no backward on CPU in this torch; "
-            "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
-        )
-        raise ConfigError(msg)
+    t_devs, d_devs = _devices(cfg, world)
     ranks = world.size if world is not None else 1
-    if world is not None and cfg.train.max_minutes:
-        msg = "train.max_minutes needs one process: the ranks' clocks would give them different learning rates"
-        raise ConfigError(msg)
     loaded = _resume(cfg, resume, ranks)  # before loading any model: a bad checkpoint fails in a second
-    if cfg.data.source == "files":  # likewise a missing data file
-        for i, f in enumerate(cfg.data.files):
-            try:
-                found_at = local_path(f.path)
-            except LookupError as err:
-                raise DataError(f"data.files[{i}]: {err}") from None
-            if not found_at.exists():
-                msg = f"data.files[{i}]: dataset not found: {f.path}"
-                raise DataError(msg)
+    _check_data_files(cfg)  # likewise a missing data file
     wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
     if wants_eval:  # what the end of the run needs, before any model loads
         require_eval_prompts(cfg, also=", or set eval.at_end = false")
+    loss = LossSpec.from_config(cfg)
     found: list[str] = []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
-    targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in t_devs]
-    for tgt in targets:  # target labels, distillation: target forwards also give their top-k next-token logits
-        tgt.teacher_topk = teacher_topk(cfg.train)
-    if cfg.train.distill > 0 and targets[0].logit_transform:
-        how = ", ".join(targets[0].logit_transform)
-        msg = f"train.distill: the target transforms its logits ({how}): not supported yet"
-        raise ConfigError(msg)
+    targets = _targets(cfg, t_devs, loss)
     t0 = targets[0]
     head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
     mask_id = _mask_id(cfg, t0, head, found.append)
@@ -275,45 +245,26 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
     )
     total = cfg.train.max_steps or max(1, math.ceil(len(plan) / (cfg.train.grad_accum * len(d_devs) * ranks)))
     spec = drafter_spec(cfg, t0, mask_id)
-    init_from = t0.model if cfg.drafter.init_from_target else None
     budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
-    loss_tokens = None
-    if cfg.train.loss_vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
-        loss_tokens = torch.cat([s.input_ids for s in samples])
-    replicas = build_replicas(spec, head, d_devs, cfg.train, total, cfg.run.seed, init_from, budget, loss_tokens)
-    if replicas[0].loss_vocab is not None:
-        stats["loss_vocab"] = len(replicas[0].loss_vocab.lm_head)  # the distinct tokens LossVocab.of kept
+    steps = StepPlan(cfg.train.grad_accum, cfg.train.max_steps, budget)
+    init_from = t0.model if cfg.drafter.init_from_target else None
+    lr = lr_schedule(cfg.schedule, total, budget)
+    replicas = build_replicas(spec, head, d_devs, cfg.optimizer, lr, cfg.run.seed, init_from)
+    if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
+        stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
     if loaded is not None:
         restore(loaded, replicas)
-    t = cfg.train
-
-    def noise(step: int) -> float:  # reveal probability: linear from start to end over the run
-        frac = min(1.0, step / max(1, total - 1))
-        return t.noise_reveal_start + (t.noise_reveal_end - t.noise_reveal_start) * frac
-
     writer = world is None or world.is_writer
-    use_flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
+    flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
+    micro = MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
     return Training(
         targets=targets,
         replicas=replicas,
         plan=plan,
         spec=spec,
-        micro=MicroStep(
-            cfg.drafter,
-            cfg.run.seed,
-            t.loss_chunk,
-            use_flex,
-            noise,
-            t.distill,
-            t.distill_temperature,
-            target_labels=t.labels == "target",
-            greedy_prefix_only=t.greedy_prefix_only,
-            dpace_alpha=t.dpace_alpha if t.position_weights == "dpace" else None,
-        ),
-        apply=functools.partial(apply_step, grad_clip=t.grad_clip, world=world, budget=budget),
-        grad_accum=t.grad_accum,
-        max_steps=t.max_steps,
-        budget=budget,
+        micro=micro,
+        apply=functools.partial(apply_step, replicas, grad_clip=cfg.optimizer.grad_clip, world=world, budget=budget),
+        steps=steps,
         cache=cache,
         total_steps=total,
         padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
@@ -324,3 +275,48 @@ def prepare(cfg: Config, resume: str | Path | None = None, world: World | None =
         evaluate=_evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None,
         world=world,
     )
+
+
+def _devices(cfg: Config, world: World | None) -> tuple[list[torch.device], list[torch.device]]:
+    """The target and drafter devices, checked, and the settings that depend on them."""
+    t_devs = [check_device(d, f"pipeline.target_devices[{i}]") for i, d in enumerate(cfg.pipeline.target_devices)]
+    d_devs = [check_device(d, f"pipeline.drafter_devices[{i}]") for i, d in enumerate(cfg.pipeline.drafter_devices)]
+    if cfg.drafter.attention == "flex" and any(d.type == "cpu" for d in d_devs):
+        msg = (
+            "drafter.attention = 'flex': flex attention has no backward on CPU in this torch; "
+            "use 'auto' (flex on CUDA, dense SDPA on CPU) or 'sdpa'"
+        )
+        raise ConfigError(msg)
+    if world is not None and cfg.train.max_minutes:
+        msg = "train.max_minutes needs one process: the ranks' clocks would give them different learning rates"
+        raise ConfigError(msg)
+    return t_devs, d_devs
+
+
+def _check_data_files(cfg: Config) -> None:
+    if cfg.data.source != "files":
+        return
+    for i, f in enumerate(cfg.data.files):  # a missing file fails now, before any model loads
+        dataset_path(f.path, f"data.files[{i}]")
+
+
+def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[Target]:
+    """One target per chain. With target labels or distillation, their forwards also give
+    their top-k next-token logits."""
+    targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
+    for tgt in targets:
+        tgt.teacher_topk = loss.teacher_topk
+    if loss.distill > 0 and targets[0].logit_transform:
+        how = ", ".join(targets[0].logit_transform)
+        msg = f"loss.distill: the target transforms its logits ({how}): not supported yet"
+        raise ConfigError(msg)
+    return targets
+
+
+def _loss_vocab(replicas: list[DrafterReplica], samples: list[Sample], negatives: int) -> int:
+    """`loss.vocab = "data"`: each replica's loss head over the data's tokens (on its own
+    device); how many distinct tokens that is."""
+    tokens = torch.cat([s.input_ids for s in samples])
+    for r in replicas:
+        r.loss_vocab = LossVocab.of(r.head.lm_head, tokens, negatives)
+    return len(replicas[0].loss_vocab.lm_head)  # type: ignore[union-attr]  # set just above

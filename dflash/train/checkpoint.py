@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash.config import Config, dump_toml
+from dflash.config import Config, dump_toml, moved_keys_mapped
 from dflash.errors import CheckpointError
 from dflash.store.atomic import atomic_path
 
@@ -139,7 +139,7 @@ def load_checkpoint(path: Path) -> Loaded:
         raise CheckpointError(msg)
     try:
         state = json.loads((path / "state.json").read_text())
-        config = tomllib.loads((path / "config.toml").read_text())
+        config = moved_keys_mapped(tomllib.loads((path / "config.toml").read_text()))  # older: train.lr, ...
         weights = load_file(str(path / "drafter.safetensors"))
         opt_tensors = load_file(str(path / "optimizer.safetensors"))
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, SafetensorError, OSError) as err:

@@ -147,7 +147,7 @@ class StepBook:
             if self._bad >= self.max_bad_steps:
                 msg = (
                     f"{self._bad} optimizer steps in a row had a non-finite loss or gradient "
-                    f"(train.max_bad_steps = {self.max_bad_steps}); lower train.lr or check the data"
+                    f"(train.max_bad_steps = {self.max_bad_steps}); lower optimizer.lr or check the data"
                 )
                 raise FloatingPointError(msg)
         else:

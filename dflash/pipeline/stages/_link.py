@@ -83,7 +83,7 @@ async def stage_task(name: str, coro: Coroutine[Any, Any, Any]) -> Any:
         hint = (
             "lower data.token_budget or data.batch_size"
             if name.startswith(("target.", "data."))
-            else "lower drafter.max_anchors, data.token_budget or train.loss_chunk"
+            else "lower drafter.max_anchors, data.token_budget or loss.chunk"
         )
         raise StageError(name, MemoryError(f"out of memory ({hint})")) from e
     except Exception as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from dflash.pipeline.stages._link import linked
@@ -23,9 +24,24 @@ from dflash.runtime.devices import Device
 from dflash.runtime.messages import HostFeatures, StepGrads, StepReply
 from dflash.runtime.profiler import Profiler, Stage
 from dflash.train.replicas import DrafterReplica
-from dflash.train.step import Accumulator, MicroStep, Prepared
+from dflash.train.step import Accumulator, MicroStep, PreparedBatch
 
-__all__ = ["prepared", "run"]
+__all__ = ["ReplicaWork", "run", "run_prepare"]
+
+
+@dataclass(frozen=True)
+class ReplicaWork:
+    """What a replica's stage does each step: `micro` on `grad_accum` batches; `start_step`:
+    the last step done before this run (a resumed one's checkpoint). `lookahead`: take and
+    prepare the next batch while the optimizer steps. Only for a single replica: with
+    several, a batch taken ahead by a fast replica would fall behind the ones a slower
+    replica still takes for the same step, and the step's data cursor (its highest batch
+    index) would pass over it."""
+
+    micro: MicroStep
+    grad_accum: int = 1
+    start_step: int = 0
+    lookahead: bool = False
 
 
 async def _take(
@@ -36,7 +52,7 @@ async def _take(
     profiler: Profiler,
     step: int,
     early: bool = False,
-) -> tuple[Prepared | None, float]:
+) -> tuple[PreparedBatch | None, float]:
     """The next batch, prepared (None at the end of the stream), and when it arrived.
     `early`: taken while the optimizer steps (its wait is counted after the reply)."""
     try:
@@ -46,10 +62,12 @@ async def _take(
     arrived = time.perf_counter()
     if not early:  # waited for in the step itself: starved by the targets
         profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-    return await prepared(rep, micro, device, feats, step), arrived
+    return await run_prepare(rep, micro, device, feats, step), arrived
 
 
-async def prepared(rep: DrafterReplica, micro: MicroStep, device: Device, feats: HostFeatures, step: int) -> Prepared:
+async def run_prepare(
+    rep: DrafterReplica, micro: MicroStep, device: Device, feats: HostFeatures, step: int
+) -> PreparedBatch:
     """The prepare phase of one batch: after the features' event when they are still on the
     target's GPU (and holding their memory for this stream); a pooled pinned buffer goes
     back to its pool with the event after its upload."""
@@ -62,23 +80,18 @@ async def prepared(rep: DrafterReplica, micro: MicroStep, device: Device, feats:
 
 async def run(
     rep: DrafterReplica,
-    micro: MicroStep,
-    grad_accum: int,
+    work: ReplicaWork,
     device: Device,
     inbox: Channel[HostFeatures],
     outbox: Channel[StepGrads],
     replies: Channel[StepReply],
     profiler: Profiler,
-    start_step: int = 0,
-    lookahead: bool = False,
 ) -> None:
-    """`lookahead`: take and prepare the next batch while the optimizer steps. Only for a
-    single replica: with several, a batch taken ahead by a fast replica would fall behind
-    the ones a slower replica still takes for the same step, and the step's data cursor
-    (its highest batch index) would pass over it."""
-    step = start_step
+    """Forward and backward of `work.grad_accum` batches a step until the optimizer says
+    stop or the inbox ends."""
+    micro, step = work.micro, work.start_step
     wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
-    ahead: asyncio.Task[tuple[Prepared | None, float]] | None = None
+    ahead: asyncio.Task[tuple[PreparedBatch | None, float]] | None = None
     take = functools.partial(_take, rep, micro, device, inbox, profiler)
 
     with linked([inbox, replies], [outbox]):
@@ -86,17 +99,17 @@ async def run(
             while True:
                 acc = Accumulator()
                 ready = None
-                for _ in range(grad_accum):
-                    prepared, _ = await (ahead if ahead is not None else take(step))
+                for _ in range(work.grad_accum):
+                    batch, _ = await (ahead if ahead is not None else take(step))
                     ahead = None
-                    if prepared is None:
+                    if batch is None:
                         break
-                    _, ready = await device.run(None, acc.compute, micro, rep, device, prepared, wait_for=wait_for)
-                    profiler.count("drafter_tokens", prepared.batch.num_tokens)
+                    _, ready = await device.run(None, acc.compute, micro, rep, device, batch, wait_for=wait_for)
+                    profiler.count("drafter_tokens", batch.batch.num_tokens)
                 await outbox.put(acc.grads(rep.index, step, ready))
                 if acc.n == 0:
                     return
-                if lookahead:  # prepared while the optimizer steps: after the reply, only the forward is left
+                if work.lookahead:  # prepared while the optimizer steps: after the reply, only the forward is left
                     ahead = asyncio.ensure_future(take(step + 1, early=True))
                 try:
                     reply, waited = await replies.get()

@@ -22,32 +22,30 @@ from dflash.runtime.devices import Device
 from dflash.runtime.distributed import World
 from dflash.runtime.messages import StepGrads, StepReply
 from dflash.train.hooks import StepBook, StepResult
-from dflash.train.replicas import TimeBudget
+from dflash.train.schedule import StepPlan
 
 __all__ = ["run"]
 
 
 async def run(
-    replicas: list,
     apply: Callable[..., StepResult],
     device: Device,
     inbox: Channel[StepGrads],
     replies: list[Channel[StepReply]],
     book: StepBook,
     stop: asyncio.Event,
-    max_steps: int | None,
+    steps: StepPlan,
     world: World | None = None,
-    grad_accum: int = 1,
-    budget: TimeBudget | None = None,
 ) -> int:
-    """`apply(replicas, contribs, device, step, progress)` is `apply_step` with the clip
-    (and the world) bound. Returns the number of the last optimizer step taken.
+    """`apply(contribs, device, step, progress)` is `apply_step` with the replicas, the clip
+    (and the world) bound; `replies`: one channel per replica. Returns the number of the
+    last optimizer step taken.
 
     With a `world`, every rank agrees before each update (`World.agree`): the step runs on
     every rank while any rank has data, and all stop after the step in which any rank was
     asked to stop — or before it, when a stop left some rank's step incomplete (an update
     from part of the data would differ from the uninterrupted run's)."""
-    active = set(range(len(replicas)))
+    active = set(range(len(replies)))
     mine = book.progress.last_batch  # the highest batch index this rank has consumed
     with linked([inbox], replies):
         while True:
@@ -62,11 +60,11 @@ async def run(
             finished = {m.replica for m in msgs if m.micro_batches == 0}
             if len(msgs) < len(active):  # a replica closed without a final message
                 finished |= active - {m.replica for m in msgs}
-            done = max_steps is not None and book.progress.step >= max_steps  # resumed at the end
+            done = steps.at_max_steps(book.progress.step)  # resumed at the end
             go, stop_all = bool(contribs) and not done, False  # no-sync: a list
             if world is not None:
                 mine = max([mine, *(c.last_batch for c in contribs)])
-                complete = len(contribs) == len(active) and all(c.micro_batches == grad_accum for c in contribs)
+                complete = len(contribs) == len(active) and all(c.micro_batches == steps.grad_accum for c in contribs)
                 agreed, _ = await device.run(None, world.agree, book.next_step, go, stop.is_set(), mine, complete)
                 go, stop_all = agreed.any_data and not (agreed.stop and not agreed.all_complete), agreed.stop
                 if stop_all:  # asked on another rank: this one stops too (intake, the run's reason)
@@ -74,14 +72,13 @@ async def run(
             ready, updated = None, {}
             if go:
                 result, ready = await device.run(
-                    None, apply, replicas, contribs, device, book.next_step, book.progress,
-                    wait_for=[c.ready for c in contribs],
-                )  # fmt: skip
+                    None, apply, contribs, device, book.next_step, book.progress, wait_for=[c.ready for c in contribs]
+                )
                 await book.end(result, ready)
                 updated = result.updated
             step = book.progress.step
-            stop_now = stop_all or (world is None and stop.is_set()) or (max_steps is not None and step >= max_steps)
-            stop_now = stop_now or (budget is not None and budget.spent)  # one process only
+            # (a time budget is refused with several processes: the ranks' clocks would differ)
+            stop_now = stop_all or (world is None and stop.is_set()) or steps.ended(step)
             active -= finished
             for r in sorted(active):  # a replica on another GPU waits on its own update
                 await replies[r].put(StepReply(step, stop_now, updated.get(r, ready)))

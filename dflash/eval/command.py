@@ -1,0 +1,66 @@
+"""`dflash eval CONFIG --drafter PATH [--prompts NAME|FILE ...]`: load the config's target
+and a drafter, check they fit, and write one `eval` record per prompt set."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import Config
+from dflash.errors import DataError
+from dflash.eval.fit import check_drafter_fits
+from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
+from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
+from dflash.model.drafter import DFlashDrafter, FrozenHead
+from dflash.model.export import load_drafter
+from dflash.model.loading import load_tokenizer
+from dflash.model.target import Target, load_target
+from dflash.runtime.devices import check_device
+
+__all__ = ["run_eval"]
+
+
+def _load_target(cfg: Config, drafter: DFlashDrafter, device: torch.device) -> tuple[Target, Any]:
+    """The config's target with the layers the drafter reads (in `eval.target_dtype` unless
+    "same"), and its tokenizer (None for a target without one)."""
+    tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
+    if cfg.eval.target_dtype != "same":
+        tcfg = tcfg.model_copy(update={"dtype": cfg.eval.target_dtype})
+    target = load_target(tcfg, device, 1, cfg.data.cache_dir)
+    return target, load_tokenizer(cfg.target, cfg.data.cache_dir)
+
+
+def run_eval(
+    cfg: Config, drafter_path: Path, prompt_sets: Sequence[str] = (), limit: int | None = None
+) -> list[dict[str, Any]]:
+    """`dflash eval`: load the config's target and a drafter (export or checkpoint folder),
+    evaluate on each prompt set (`data.prompt_sets`: mtbench, humaneval, heldout, a file;
+    none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
+    record per set, with `prompt_set`. `limit`: at most this many prompts per set."""
+    t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
+    d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
+    heldout = cfg.heldout_prompts if reads_chat_prompts(cfg) else None
+    sets = [load_prompt_set(name, heldout) for name in prompt_sets]  # before any model: a bad name fails at once
+    drafter = load_drafter(drafter_path, d_dev)
+    if not sets:
+        require_eval_prompts(cfg)
+    target, tokenizer = _load_target(cfg, drafter, t_dev)
+    check_drafter_fits(drafter, target)
+    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
+    settings = DecodeSettings.of(cfg, stop_ids(target, tokenizer))
+    if not sets:
+        prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
+        record = evaluate(target, drafter, head, prompts, settings)
+        return [{"prompt_set": "heldout" if reads_chat_prompts(cfg) else "random", **record}]
+    if tokenizer is None:
+        msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
+        raise DataError(msg)
+    kwargs = dict(cfg.data.chat_template_kwargs)
+    return [
+        {"prompt_set": ps.name, **evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], settings, kwargs),
+         "chat_template_kwargs": kwargs}
+        for ps in sets
+    ]  # fmt: skip

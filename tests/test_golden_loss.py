@@ -1,0 +1,90 @@
+"""Golden losses: the tiny config's whole default run gives the stored losses.
+
+The run is `configs/tiny.toml` as it is (512 synthetic samples, batch 8, 4 epochs: 256
+steps, seed 0, the pipeline mode), in this process, with the end-of-run eval, checkpoints
+and the export off (they come after the last step and change nothing in it). Its loss and
+gradient norm at fixed steps must equal tests/golden/tiny_losses.json to 1e-5 relative: a
+change to the step's math, the data, the schedule or the seeding that moves them fails
+here. The whole run, not a shorter one, because the LR schedule spans the planned steps: a
+run cut by train.max_steps is another run from step 2 on.
+
+A change that is meant to move the numbers rewrites the file and says why in its commit
+message:
+
+    DFLASH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/test_golden_loss.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dflash import load_config
+from tests.conftest import TINY, run_records
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
+# Beside run.output_dir (a temporary folder): what the run leaves out. None of it runs before
+# the last step.
+OVERRIDES = ["eval.at_end=false", "checkpoint.at_end=false", "checkpoint.export_final=false"]
+STEPS = [1, 2, 32, 64, 96, 128, 160, 192, 224, 256]  # the first steps, then every 32nd to the end
+REL = 1e-5  # the records round to 6 decimals: ~1e-7 relative at these magnitudes
+WHY = (
+    "Losses of the tiny config's whole default run. A change that moves these numbers changes what "
+    "training computes: it must rewrite this file (the command below) and say why in its commit "
+    "message. Refactors must leave them as they are."
+)
+
+
+def _losses(tmp_path: Path) -> dict[str, dict[str, float]]:
+    """{step: {loss, grad_norm}} at STEPS, of the whole tiny run."""
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', *OVERRIDES])
+    records = run_records(cfg)
+    steps = {r["step"]: r for r in records if r["event"] == "train_step"}
+    assert records[-1]["event"] == "run_end" and records[-1]["steps"] == STEPS[-1], records[-1]
+    return {str(s): {"loss": steps[s]["loss"], "grad_norm": steps[s]["grad_norm"]} for s in STEPS}
+
+
+def _write(got: dict[str, dict[str, float]]) -> None:
+    doc: dict[str, Any] = {
+        "why": WHY,
+        "regenerate": "DFLASH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/test_golden_loss.py",
+        "run": "configs/tiny.toml in-process (tests/test_golden_loss.py): run.output_dir a temporary folder, "
+        "and the overrides below; the same numbers as `bin/dflash run configs/tiny.toml`",
+        "overrides": OVERRIDES,
+        "rel_tol": REL,
+        "made_with": {"torch": torch.__version__, "machine": platform.machine(), "threads": torch.get_num_threads()},
+        "steps": got,
+    }
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_tiny_run_gives_the_golden_losses(tmp_path: Path) -> None:
+    """The whole tiny run's loss and grad norm at steps 1, 2, 32, ..., 256 equal the stored
+    ones to 1e-5 relative (the file's settings must be this test's: else regenerate)."""
+    got = _losses(tmp_path)
+    if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":
+        _write(got)
+        pytest.skip(f"rewrote {GOLDEN.relative_to(TINY.parents[1])}: say why in the commit message")
+    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    assert golden["overrides"] == OVERRIDES and list(golden["steps"]) == [str(s) for s in STEPS], (
+        "the file was made with other settings: regenerate it (see its `regenerate`)"
+    )
+    moved = {
+        step: (key, want[key], got[step][key])
+        for step, want in golden["steps"].items()
+        for key in ("loss", "grad_norm")
+        if not math.isclose(got[step][key], want[key], rel_tol=REL, abs_tol=0.0)
+    }
+    assert not moved, (
+        f"losses moved from the golden ones (step: key, golden, now): {moved}; golden made with "
+        f"{golden['made_with']}, now torch {torch.__version__}. {golden['why']}"
+    )

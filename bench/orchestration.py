@@ -9,7 +9,7 @@ GIL-free device work, in the seed's proportions scaled from seconds to 10 ms uni
 target forward + pack 13.5 s → 135 ms per batch, drafter forward + backward 4.8 s → 48 ms
 per micro-batch, grad-norm sync and step 1.3 s → 13 ms per optimizer step. Only the
 compute is replaced: channels, devices, stages, profiler and coordinator are the real
-ones. Two device models (`dflash/synthetic.py`): "sync" (the thread waits out device_ms:
+ones. Two device models (`bench/simulated.py`): "sync" (the thread waits out device_ms:
 host and device never overlap; the issue's definition) and "async" (CUDA semantics:
 device work is launched on a simulated in-order queue and waited for only where the real
 code synchronizes). Steady state is the middle 60 % of the steps; fill and drain apart.

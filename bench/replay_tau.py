@@ -6,7 +6,7 @@ position (one batched forward per reply), and eval's walk (the next anchor after
 accepted tokens and the bonus one) gives its τ. 32 held-out prompts take seconds a drafter
 where `dflash eval` takes ~16 s a prompt on a CPU; 8 prompts resolve only ±0.05 and the first
 8 held-out chatterbot prompts are harder than the rest — this is how the demo's recipes were
-compared (BENCHMARKS.md). It is no lossless check and no speed figure: `dflash eval` is.
+compared (BENCHMARKS.md, docs/experiments.md). It is no lossless check and no speed figure: `dflash eval` is.
 
     # once: the target's replies to the held-out prompts, with features (regen, 48 tokens as eval)
     bin/dflash regen configs/demo.toml --set run.name=heldout_replies --set regen.holdout=0 \\

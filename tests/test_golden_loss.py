@@ -3,7 +3,8 @@
 The run is `configs/tiny.toml` as it is (512 synthetic samples, batch 8, 4 epochs: 256
 steps, seed 0, the pipeline mode), in this process, with the end-of-run eval, checkpoints
 and the export off (they come after the last step and change nothing in it). Its loss and
-gradient norm at fixed steps must equal tests/golden/tiny_losses.json to 1e-5 relative: a
+gradient norm at fixed steps must equal tests/golden/tiny_losses.json to 1e-5 relative (a
+second, 40-step run with every loss option off its default: tiny_loss_options.json): a
 change to the step's math, the data, the schedule or the seeding that moves them fails
 here. The whole run, not a shorter one, because the LR schedule spans the planned steps: a
 run cut by train.max_steps is another run from step 2 on.
@@ -29,12 +30,27 @@ import torch
 from dflash import load_config
 from tests.conftest import TINY, run_records
 
-GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
+FOLDER = Path(__file__).parent / "golden"
 # Beside run.output_dir (a temporary folder): what the run leaves out. None of it runs before
 # the last step.
-OVERRIDES = ["eval.at_end=false", "checkpoint.at_end=false", "checkpoint.export_final=false"]
-STEPS = [1, 2, 32, 64, 96, 128, 160, 192, 224, 256]  # the first steps, then every 32nd to the end
-REL = 1e-5  # the records round to 6 decimals: ~1e-7 relative at these magnitudes
+QUIET = ["eval.at_end=false", "checkpoint.at_end=false", "checkpoint.export_final=false"]
+# The loss's options off the defaults, together: D-PACE weights, the noise schedule, target
+# labels with the greedy prefix, the data's vocabulary with sampled negatives, a small chunk.
+OPTIONS = [
+    "train.max_steps=40", "loss.position_weights=\"dpace\"", "loss.noise_reveal_start=0.3",
+    "loss.noise_reveal_end=0.1", "loss.labels=\"target\"", "loss.greedy_prefix_only=true",
+    "loss.vocab=\"data\"", "loss.negatives=64", "loss.chunk=64",
+]  # fmt: skip
+# name: (file, overrides, steps)
+RUNS: dict[str, tuple[Path, list[str], list[int]]] = {
+    # the first steps, then every 32nd to the end
+    "default": (FOLDER / "tiny_losses.json", QUIET, [1, 2, 32, 64, 96, 128, 160, 192, 224, 256]),
+    "loss_options": (FOLDER / "tiny_loss_options.json", [*QUIET, *OPTIONS], [1, 2, 10, 20, 30, 40]),
+}
+REL = 1e-5
+# The records round to 6 decimals: one unit of the last one is ~1e-7 of a loss but ~3e-5 of a
+# grad norm near 0.03, so a value that rounds the other way on another CPU is not a change.
+ABS = 1.5e-6
 WHY = (
     "Losses of the tiny config's whole default run. A change that moves these numbers changes what "
     "training computes: it must rewrite this file (the command below) and say why in its commit "
@@ -42,47 +58,52 @@ WHY = (
 )
 
 
-def _losses(tmp_path: Path) -> dict[str, dict[str, float]]:
-    """{step: {loss, grad_norm}} at STEPS, of the whole tiny run."""
-    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', *OVERRIDES])
+def _losses(tmp_path: Path, overrides: list[str], at: list[int]) -> dict[str, dict[str, float]]:
+    """{step: {loss, grad_norm}} at the steps `at` of the tiny run with `overrides`."""
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', *overrides])
     records = run_records(cfg)
     steps = {r["step"]: r for r in records if r["event"] == "train_step"}
-    assert records[-1]["event"] == "run_end" and records[-1]["steps"] == STEPS[-1], records[-1]
-    return {str(s): {"loss": steps[s]["loss"], "grad_norm": steps[s]["grad_norm"]} for s in STEPS}
+    assert records[-1]["event"] == "run_end" and records[-1]["steps"] == at[-1], records[-1]
+    return {str(s): {"loss": steps[s]["loss"], "grad_norm": steps[s]["grad_norm"]} for s in at}
 
 
-def _write(got: dict[str, dict[str, float]]) -> None:
+def _write(path: Path, overrides: list[str], got: dict[str, dict[str, float]]) -> None:
     doc: dict[str, Any] = {
         "why": WHY,
         "regenerate": "DFLASH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/test_golden_loss.py",
         "run": "configs/tiny.toml in-process (tests/test_golden_loss.py): run.output_dir a temporary folder, "
         "and the overrides below; the same numbers as `bin/dflash run configs/tiny.toml`",
-        "overrides": OVERRIDES,
+        "overrides": overrides,
         "rel_tol": REL,
+        "abs_tol": ABS,
         "made_with": {"torch": torch.__version__, "machine": platform.machine(), "threads": torch.get_num_threads()},
         "steps": got,
     }
-    GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
 @pytest.mark.slow
-def test_tiny_run_gives_the_golden_losses(tmp_path: Path) -> None:
-    """The whole tiny run's loss and grad norm at steps 1, 2, 32, ..., 256 equal the stored
-    ones to 1e-5 relative (the file's settings must be this test's: else regenerate)."""
-    got = _losses(tmp_path)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_tiny_run_gives_the_golden_losses(tmp_path: Path, name: str) -> None:
+    """The tiny run's loss and grad norm at fixed steps equal the stored ones to 1e-5
+    relative (or one unit of the records' last decimal): the whole default run, and a 40-step
+    run with every loss option off its default (the file's settings must be this test's:
+    else regenerate)."""
+    path, overrides, at = RUNS[name]
+    got = _losses(tmp_path, overrides, at)
     if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":
-        _write(got)
-        pytest.skip(f"rewrote {GOLDEN.relative_to(TINY.parents[1])}: say why in the commit message")
-    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
-    assert golden["overrides"] == OVERRIDES and list(golden["steps"]) == [str(s) for s in STEPS], (
+        _write(path, overrides, got)
+        pytest.skip(f"rewrote {path.relative_to(TINY.parents[1])}: say why in the commit message")
+    golden = json.loads(path.read_text(encoding="utf-8"))
+    assert golden["overrides"] == overrides and list(golden["steps"]) == [str(s) for s in at], (
         "the file was made with other settings: regenerate it (see its `regenerate`)"
     )
     moved = {
         step: (key, want[key], got[step][key])
         for step, want in golden["steps"].items()
         for key in ("loss", "grad_norm")
-        if not math.isclose(got[step][key], want[key], rel_tol=REL, abs_tol=0.0)
+        if not math.isclose(got[step][key], want[key], rel_tol=REL, abs_tol=ABS)
     }
     assert not moved, (
         f"losses moved from the golden ones (step: key, golden, now): {moved}; golden made with "

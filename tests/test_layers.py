@@ -22,6 +22,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dflash"
 
@@ -40,11 +42,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def layer_of(module: str) -> int:
-    """Index into LAYERS (0 = top) of a dflash module: its longest matching prefix."""
+    """Index into LAYERS (0 = top) of a dflash module: its longest matching prefix (the
+    package itself, `dflash`, matches only itself: a new module is not top by default)."""
     best, rank = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
+            inside = module.startswith(p + ".") and p != "dflash"
+            if (module == p or inside) and len(p) > best:
                 best, rank = len(p), i
     assert rank is not None, f"{module}: in no layer of tests/test_layers.py (add it to one)"
     return rank
@@ -104,6 +108,8 @@ def test_every_module_has_a_layer():
     """A new top-level module or folder must be placed in a layer, or this test's map is stale."""
     for path in PACKAGE.rglob("*.py"):
         layer_of(module_name(path))
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("dflash.brand_new_module")
 
 
 def test_a_planted_upward_import_is_caught(tmp_path, monkeypatch):

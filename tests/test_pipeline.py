@@ -80,10 +80,10 @@ def test_max_minutes_ends_the_run_decayed_with_its_reason(tiny_config, monkeypat
     """train.max_minutes ends the run once its budget is spent, as at the end of the data —
     exported, reason max_minutes — and the LR schedule follows the clock: it decays to near
     its floor over the budget, though the planned steps are far from done."""
-    from dflash.train import schedule as replica
+    from dflash.train import schedule
 
     clock = itertools.count(0.0, 20.0)  # each reading of the clock: 20 s later (5 min: 15 readings)
-    monkeypatch.setattr(replica.TimeBudget, "_now", staticmethod(lambda: next(clock)))
+    monkeypatch.setattr(schedule.TimeBudget, "_now", staticmethod(lambda: next(clock)))
     cfg = tiny_config(**{"train.max_minutes": 5, "pipeline.mode": f'"{mode}"', "data.num_samples": 512,
                          "schedule.min_lr_ratio": 0.1, "eval.at_end": "false"})  # fmt: skip
     records = run_records(cfg)

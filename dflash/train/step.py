@@ -268,7 +268,6 @@ class Accumulator:
         )  # fmt: skip
 
 
-
 # -- update ------------------------------------------------------------------------------------
 
 
@@ -296,7 +295,7 @@ def apply_step(
     scale = sums.scale()
     torch._foreach_mul_(sums.grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
     with device.span(Stage.GRAD_NORM_SYNC):
-        norm, finite, weight = _clip(sums, grad_clip, replicas[0].device)
+        norm, finite, weight = _finite_then_clip(sums, grad_clip, replicas[0].device)
     lr = replicas[0].optimizer.param_groups[0]["lr"]
     updated: dict[int, Any] = {}
     if finite:
@@ -313,7 +312,7 @@ def apply_step(
         grad_norm=norm,
         lr=lr,
         correct=sums.correct,
-        count=sums.count,  # type: ignore[arg-type]  # read by `_clip` with ranks
+        count=sums.count,  # type: ignore[arg-type]  # with ranks: set by `StepSums.read` (the sync)
         tokens=sum(c.tokens for c in contribs),
         samples=sum(c.samples for c in contribs),
         weight_sum=weight,
@@ -322,7 +321,9 @@ def apply_step(
     )
 
 
-def _clip(sums: StepSums, grad_clip: float, dev0: torch.device) -> tuple[torch.Tensor, bool, float]:
+def _finite_then_clip(
+    sums: StepSums, grad_clip: float, dev0: torch.device
+) -> tuple[torch.Tensor, bool, float]:
     """The global grad norm, whether the step is finite, and its Σ w on the host; the
     gradients clipped to `grad_clip` (0: not clipped) when finite."""
     norm = torch.nn.utils.get_total_norm(sums.grads, foreach=dev0.type == "cuda")

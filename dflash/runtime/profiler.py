@@ -26,7 +26,8 @@ __all__ = ["Profiler", "Stage", "Trace"]
 
 
 class Stage:
-    """Stage names, as users of the seed know them. Used by stages, profiler and report."""
+    """Stage names, as the DFlash training notes that dflash follows name them. Used by stages,
+    profiler and report."""
 
     PREFETCH = "data.prefetch"
     TARGET_FORWARD = "target.model_forward"

@@ -156,42 +156,44 @@ class Coordinator:
         self.emit(
             "run_start", run_dir=str(self.run_dir), torch=torch.__version__, **where, config=cfg.model_dump(mode="json")
         )
-        t = self._given or await asyncio.to_thread(build_training, cfg, self.resume, self.world)
-        self.targets, self.replicas = t.targets, t.replicas
-        for w in t.warnings:
+        training = self._given or await asyncio.to_thread(build_training, cfg, self.resume, self.world)
+        self.targets, self.replicas = training.targets, training.replicas
+        for w in training.warnings:
             self.emit("warning", message=w)
         self.emit(
             "setup",
-            samples=len(t.plan.samples),
-            data=t.data_stats,
-            batches_per_epoch=t.plan.batches_per_epoch,
-            padding_fraction=round(t.padding_fraction, 4),
-            total_steps=t.total_steps,
-            target=t.targets[0].name,
-            target_dtype=t.targets[0].dtype_name,
-            target_layers=t.spec.target_layer_ids,
-            drafter_params=sum(p.numel() for p in t.replicas[0].params),
-            mask_token_id=t.spec.mask_token_id,
+            samples=len(training.plan.samples),
+            data=training.data_stats,
+            batches_per_epoch=training.plan.batches_per_epoch,
+            padding_fraction=round(training.padding_fraction, 4),
+            total_steps=training.total_steps,
+            target=training.targets[0].name,
+            target_dtype=training.targets[0].dtype_name,
+            target_layers=training.spec.target_layer_ids,
+            drafter_params=sum(p.numel() for p in training.replicas[0].params),
+            mask_token_id=training.spec.mask_token_id,
             setup_s=round(time.perf_counter() - t_start, 3),
-            resumed_from=t.start_step if self.resume is not None else None,
+            resumed_from=training.start_step if self.resume is not None else None,
         )
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
-        checkpointer = Checkpointer(cfg, t.replicas[0], t.plan, self.emit, t.start_step, self.world)
+        checkpointer = Checkpointer(
+            cfg, training.replicas[0], training.plan, self.emit, training.start_step, self.world
+        )
         hooks: list[StepHook] = []
-        if t.evaluate is not None and cfg.eval.every_steps:
-            hooks.append(EvalHook(cfg.eval.every_steps, t.evaluate, self.emit))
+        if training.evaluate is not None and cfg.eval.every_steps:
+            hooks.append(EvalHook(cfg.eval.every_steps, training.evaluate, self.emit))
         hooks.append(checkpointer)
         if self.world is not None and cfg.distributed.check_every:
-            hooks.append(distributed.SameWeights(self.world, t.replicas[0].params, cfg.distributed.check_every))
+            hooks.append(distributed.SameWeights(self.world, training.replicas[0].params, cfg.distributed.check_every))
         if cfg.pipeline.sync_debug:
-            hooks.append(SyncDebugHook(t.start_step + 3))
-        topo = self._topology = topology.build(cfg, t, profiler, self.emit, stop, hooks, self._make_device)
-        progress = ProgressLine(t.total_steps, t.start_step)
+            hooks.append(SyncDebugHook(training.start_step + 3))
+        topo = self._topology = topology.build(cfg, training, profiler, self.emit, stop, hooks, self._make_device)
+        progress = ProgressLine(training.total_steps, training.start_step)
         self.subscribe(progress)
         t_train = time.perf_counter()
-        if t.steps.budget is not None:
-            t.steps.budget.start()
+        if training.steps.budget is not None:
+            training.steps.budget.start()
         try:
             error = await self._train(topo, profiler, trace)
         finally:
@@ -201,7 +203,7 @@ class Coordinator:
             await self._fail(error, checkpointer, topo)
         train_s = time.perf_counter() - t_train
         self.steps = topo.book.progress.step
-        return await self._finish(t, topo, stop.is_set(), t_start, train_s)
+        return await self._finish(training, topo, stop.is_set(), t_start, train_s)
 
     async def _train(self, topo: topology.Topology, profiler: Profiler, trace: Trace | None) -> BaseException | None:
         """Every stage task in one TaskGroup; then teardown in a fixed order: profiler (last
@@ -248,7 +250,7 @@ class Coordinator:
         raise error
 
     async def _finish(
-        self, t: Training, topo: topology.Topology, stopped: bool, t_start: float, train_s: float
+        self, training: Training, topo: topology.Topology, stopped: bool, t_start: float, train_s: float
     ) -> Record:
         """The end of a finished run: export first (a trained drafter is never lost), then
         the end-of-run eval (a failing eval is a warning, not a lost run), then the summary."""
@@ -258,11 +260,11 @@ class Coordinator:
         export_dir = None
         if cfg.checkpoint.export_final and trained and writer:
             export_dir = self.run_dir / "final"
-            await asyncio.to_thread(export_drafter, t.replicas[0].model, export_dir)
+            await asyncio.to_thread(export_drafter, training.replicas[0].model, export_dir)
         eval_record = None
-        if cfg.eval.at_end and trained and not stopped and t.evaluate is not None:
+        if cfg.eval.at_end and trained and not stopped and training.evaluate is not None:
             try:
-                eval_record = await asyncio.to_thread(t.evaluate, self.steps)
+                eval_record = await asyncio.to_thread(training.evaluate, self.steps)
             except Exception as err:
                 self.emit("warning", message=f"end-of-run eval failed: {' '.join(str(err).split())}")
             else:
@@ -271,7 +273,9 @@ class Coordinator:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
             reason = "max_steps"
-        elif t.steps.budget is not None and t.steps.budget.spent:  # the last step's reading: export, eval leave it
+        elif (
+            training.steps.budget is not None and training.steps.budget.spent
+        ):  # the last step's reading: export, eval leave it
             reason = "max_minutes"
         else:
             reason = "data_exhausted"

@@ -28,7 +28,7 @@ __all__ = ["train"]
 
 
 async def train(
-    t: Training,
+    training: Training,
     data: Device,
     target: Device,
     drafters: Sequence[Device],
@@ -39,25 +39,25 @@ async def train(
 ) -> int:
     """Train until the data, `train.max_steps`, `train.max_minutes` or a stop request ends it;
     the last step."""
-    plan = iter(t.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
-    cache = t.cache
+    plan = iter(training.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
+    cache = training.cache
     updated, result = None, None  # the last update's ready event: the next forward reads those weights
-    while not stop.is_set() and not t.steps.ended(book.progress.step):  # the budget: read by the last update
+    while not stop.is_set() and not training.steps.ended(book.progress.step):  # the budget: read by the last update
         step = book.progress.step
         contribs: list[StepGrads] = []
         own = result.updated if result is not None else {}  # a replica on another GPU: its own update
-        for rep, dev in zip(t.replicas, drafters, strict=True):
+        for rep, dev in zip(training.replicas, drafters, strict=True):
             acc, ready = Accumulator(), None
-            for _ in range(t.steps.grad_accum):
-                batch, _ = await data.run(Stage.PREFETCH, prefetch.next_batch, plan, t.pin)
+            for _ in range(training.steps.grad_accum):
+                batch, _ = await data.run(Stage.PREFETCH, prefetch.next_batch, plan, training.pin)
                 if batch is None:  # the data is done
                     break
-                feats = await target_forward.features(t.targets[0], target, batch, profiler, cache)
+                feats = await target_forward.features(training.targets[0], target, batch, profiler, cache)
                 packed = await pack.packed(target, feats)
                 host = await transfer.host_features(target, packed, 0, cache)
-                ready_batch = await run_prepare(rep, t.micro, dev, host, step)
+                ready_batch = await run_prepare(rep, training.micro, dev, host, step)
                 _, ready = await dev.run(
-                    None, acc.compute, t.micro, rep, dev, ready_batch, wait_for=[updated, own.get(rep.index)]
+                    None, acc.compute, training.micro, rep, dev, ready_batch, wait_for=[updated, own.get(rep.index)]
                 )
                 profiler.count("drafter_tokens", batch.num_tokens)
             if acc.n:
@@ -65,7 +65,13 @@ async def train(
         if not contribs:
             break
         result, updated = await optimizer.run(
-            None, t.apply, contribs, optimizer, book.next_step, book.progress, wait_for=[c.ready for c in contribs]
+            None,
+            training.apply,
+            contribs,
+            optimizer,
+            book.next_step,
+            book.progress,
+            wait_for=[c.ready for c in contribs],
         )
         await book.end(result, updated)
     await book.close()

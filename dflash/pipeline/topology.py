@@ -45,7 +45,7 @@ class Topology:
 
 def build(
     cfg: Config,
-    t: Training,
+    training: Training,
     profiler: Profiler,
     emit: Any,
     stop: asyncio.Event,
@@ -60,19 +60,19 @@ def build(
         return d
 
     data = device("cpu", "data")
-    targets = [device(str(tgt.device), f"target{i}") for i, tgt in enumerate(t.targets)]
-    drafters = [device(str(rep.device), f"drafter{r}") for r, rep in enumerate(t.replicas)]
-    opt = device(str(t.replicas[0].device), "optimizer")
+    targets = [device(str(tgt.device), f"target{i}") for i, tgt in enumerate(training.targets)]
+    drafters = [device(str(rep.device), f"drafter{r}") for r, rep in enumerate(training.replicas)]
+    opt = device(str(training.replicas[0].device), "optimizer")
     book = StepBook(
-        opt, profiler, emit, start_step=t.start_step, log_every=cfg.train.log_every,
+        opt, profiler, emit, start_step=training.start_step, log_every=cfg.train.log_every,
         max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
     )  # fmt: skip
     if cfg.pipeline.mode == "serial":
-        loop = serial.train(t, data, targets[0], drafters, opt, book, stop, profiler)
-        return Topology([("serial", loop)], devices, opt, book, t.cache)
+        loop = serial.train(training, data, targets[0], drafters, opt, book, stop, profiler)
+        return Topology([("serial", loop)], devices, opt, book, training.cache)
 
     p = cfg.pipeline
-    n_t, n_d = len(t.targets), len(t.replicas)
+    n_t, n_d = len(training.targets), len(training.replicas)
     batches: Channel[Batch] = Channel("batches", p.batch_queue_depth, consumers=n_t)
     hs: Channel[HostFeatures] = Channel(
         "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready
@@ -83,24 +83,31 @@ def build(
     profiler.add_channel(hs)
 
     tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
-        (Stage.PREFETCH, prefetch.run(t.plan, data, batches, stop, t.pin, t.world))
+        (Stage.PREFETCH, prefetch.run(training.plan, data, batches, stop, training.pin, training.world))
     ]
     for i, dev in enumerate(targets):
-        tasks += _target_chain(i, t, p, dev, batches, hs, profiler)
-    ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and t.replicas[0].device.type == "cuda")
-    work = drafter_step.ReplicaWork(t.micro, t.steps.grad_accum, t.start_step, lookahead=ahead)
-    for r, (rep, dev) in enumerate(zip(t.replicas, drafters, strict=True)):
+        tasks += _target_chain(i, training, p, dev, batches, hs, profiler)
+    ahead = (
+        p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and training.replicas[0].device.type == "cuda")
+    )
+    work = drafter_step.ReplicaWork(training.micro, training.steps.grad_accum, training.start_step, lookahead=ahead)
+    for r, (rep, dev) in enumerate(zip(training.replicas, drafters, strict=True)):
         run = drafter_step.run(rep, work, dev, hs, grads, replies[r], profiler)
         tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
-    if t.world is not None:
-        t.world.cursor = t.plan.start_index - 1  # resumed: the batches before the cursor are done
-    tasks.append((Stage.OPTIMIZER_STEP, optimizer.run(t.apply, opt, grads, replies, book, stop, t.steps, t.world)))
-    return Topology(tasks, devices, opt, book, t.cache)
+    if training.world is not None:
+        training.world.cursor = training.plan.start_index - 1  # resumed: the batches before the cursor are done
+    tasks.append(
+        (
+            Stage.OPTIMIZER_STEP,
+            optimizer.run(training.apply, opt, grads, replies, book, stop, training.steps, training.world),
+        )
+    )
+    return Topology(tasks, devices, opt, book, training.cache)
 
 
 def _target_chain(
     i: int,
-    t: Training,
+    training: Training,
     p: PipelineConfig,
     dev: Device,
     batches: Channel[Batch],
@@ -108,16 +115,16 @@ def _target_chain(
     profiler: Profiler,
 ) -> list[tuple[str, Coroutine[Any, Any, Any]]]:
     """Target chain `i`: forward, pack and transfer, joined by channels of their own."""
-    tgt, cache = t.targets[i], t.cache  # set-up's (seeded from feature files), or a stand-in's
+    tgt, cache = training.targets[i], training.cache  # set-up's (seeded from feature files), or a stand-in's
     feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
     packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
     # Features stay on the GPU when every replica is there and no cache wants them on
     # the host; else D2H into reused pinned buffers: enough for a full channel, two
     # per replica (one taken ahead) and the one being filled.
-    drafter_gpus = {rep.device for rep in t.replicas}
+    drafter_gpus = {rep.device for rep in training.replicas}
     keep = cache is None and drafter_gpus == {tgt.device} and tgt.device.type == "cuda"
     all_cuda = all(d.type == "cuda" for d in drafter_gpus) and tgt.device.type == "cuda"
-    pool = PinnedPool(p.hs_queue_depth + 2 * len(t.replicas) + 2) if all_cuda and not keep else None
+    pool = PinnedPool(p.hs_queue_depth + 2 * len(training.replicas) + 2) if all_cuda and not keep else None
     return [
         (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
         (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),

@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dflash-installed
 DEMO_STAMP := $(VENV)/.dflash-demo-installed
 
-.PHONY: setup demo tiny test lint clean gpu-wheels
+.PHONY: setup demo tiny test lint clean gpu-wheels gpu-compat
 
 setup: $(STAMP)
 
@@ -53,12 +53,46 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check dflash tests
 
-# Wheels for a GPU machine without internet: what dflash needs beyond torch, transformers,
-# click and uvloop, for CPython 3.11 on x86-64 Linux (another Python: GPU_PYTHON_VERSION=3.12).
-# bench/gpu_check.sh installs from wheels/ whatever its python lacks; carry wheels/ along.
+# Wheels for the GPU machine (no internet; CPython 3.12, x86-64 Linux; its own torch, transformers,
+# click, safetensors, tokenizers, typing-extensions): exactly the distributions dflash needs that
+# its python lacks, pinned to the versions in .venv, each without its dependencies (the list is
+# complete). bench/gpu_check.sh installs from wheels/ with --no-deps; carry wheels/ along.
+# Then bench/gpu_ready.sh checks that pip would install every one on cp312 x86-64.
+GPU_WHEELS := structlog pydantic pydantic-core annotated-types typing-inspection tomli-w
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_12_x86_64 manylinux2010_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
 gpu-wheels: $(STAMP)
-	$(PY) -m pip download -q --only-binary=:all: --python-version $(or $(GPU_PYTHON_VERSION),3.11) \
-		--platform manylinux2014_x86_64 -d wheels/ structlog safetensors tokenizers pydantic tomli-w
+	rm -rf wheels && mkdir -p wheels
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.12 --abi cp312 \
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d wheels/ \
+		$$($(PY) -c "import importlib.metadata as m, sys; print(' '.join(f'{d}=={m.version(d)}' for d in sys.argv[1:]))" $(GPU_WHEELS)) \
+		2>&1 | grep -v "^WARNING: Location" || true
+	bash bench/gpu_ready.sh wheels
+
+# The GPU machine's torch and transformers on this CPU: a second venv, .venv-gpu (Python 3.11
+# here; torch 2.11.0 from PyPI is its CUDA build, a few GB, kept in pip's cache), dflash installed
+# there with its other dependencies under a constraints file that holds those versions; then
+# GPU_COMPAT_TESTS (the absent ones skipped, with a note) and gpu_check's dry run under it. The
+# result, runs/gpu_compat/result.json, is what bench/gpu_ready.sh reads.
+GPU_VENV ?= .venv-gpu
+GPU_COMPAT_PYTHON ?= python3.11
+GPU_PINS ?= torch==2.11.0 transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0
+GPU_COMPAT_TESTS ?= tests/test_sync_detector.py tests/test_stream_checker.py
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.dflash-installed
+
+$(GPU_STAMP): setup.py
+	@test -x $(GPU_PY) || $(GPU_COMPAT_PYTHON) -m venv $(GPU_VENV)
+	@printf '%s\n' $(GPU_PINS) > $(GPU_VENV)/constraints.txt
+	$(GPU_PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(GPU_PY) -m pip install -q -c $(GPU_VENV)/constraints.txt $(GPU_PINS) 2>&1 | grep -v "^WARNING: Location" || true
+	$(GPU_PY) -m pip install -q -c $(GPU_VENV)/constraints.txt -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(GPU_PY) -c "import sys, importlib.metadata as m; import dflash; \
+		bad = [p for p in sys.argv[1:] if m.version(p.split('==')[0]) != p.split('==')[1]]; \
+		sys.exit(f'gpu-compat: not the pinned versions: {bad}' if bad else 0)" $(GPU_PINS)
+	@touch $(GPU_STAMP)
+
+gpu-compat: $(GPU_STAMP)
+	bash bench/gpu_ready.sh run-compat $(GPU_PY) $(GPU_COMPAT_TESTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

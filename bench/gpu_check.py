@@ -2,6 +2,7 @@
 say how well one GPU is used. One script, at most 6 minutes on one H200 with warm-up.
 
     make gpu-wheels                     # on a machine with internet: wheels/ (ignored by git)
+    bash bench/gpu_ready.sh             # every check that can run before a GPU lease: READY
     bash bench/gpu_check.sh             # on the GPU machine, from the repository root
     DRY_RUN=1 bash bench/gpu_check.sh   # on CPU, tiny shapes, the same code (under a minute)
 
@@ -12,8 +13,9 @@ goes on); in a dry run the checks that need CUDA print `SKIP <name> (no CUDA)`, 
 on CPU what they can. Every measure prints `MEASURE <name> <figures>`, with its target where
 it has one. Each line ends with the seconds since the start. The last line is one JSON
 object, `{"bench": "gpu_check", ...}`, with every figure and verdict; it is also written to
-$OUT/gpu_check.json (else runs/gpu_check/), after each line as it goes. Exit status 1 when a
-check or a measure failed.
+$OUT/gpu_check.json (else runs/gpu_check/), after each line as it goes. The runs' folders, the
+bench traces and reports go to --work (default: the same folder; gpu_check.sh keeps them out of
+$OUT and packs them into one runs.tar.gz there). Exit status 1 when a check or a measure failed.
 
 Checks, on CUDA with the `SMALL` shapes below (GPU-bound: a missing wait would show), every
 run through the Coordinator as `dflash run` does:
@@ -22,8 +24,9 @@ run through the Coordinator as `dflash run` does:
                           features left on the GPU (one GPU, no cache) and, with a feature cache,
                           D2H into pinned memory and cache hits from pinned memory, flex
                           BlockMasks with the compiled flex_attention, a bf16 target, the
-                          attention under bf16 autocast (seen by wrappers that only look), and
-                          the end-of-run eval (speculative decoding; τ and lossless reported)
+                          training's attention under bf16 autocast (seen by wrappers that only
+                          look; the eval's fp32 calls are counted apart), and the end-of-run
+                          eval (speculative decoding; τ and lossless reported)
   cpu_reference_losses    the same tiny config (`REF`) on CPU in float32 and on CUDA, the target
                           built on the host for both (same weights): every step's `train_step`
                           loss within REF_TOL = 1e-2 relative (bf16 target and autocast)
@@ -60,6 +63,7 @@ import math
 import os
 import platform
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -78,6 +82,7 @@ import torch  # noqa: E402
 BENCH = ROOT / "configs" / "gpu_bench.toml"
 REF_TOL = 1e-2  # cpu_reference_losses: |Δloss| / |loss_cpu| per step (bf16 has an 8-bit mantissa: ~4e-3 a rounding)
 RACE_TOL = 1e-3  # pipeline_equals_serial when not bit-identical: per-step loss and per-tensor ‖Δw‖/‖w‖
+TRACE_MAX_EVENTS = 50_000  # per bench trace: ~10 MB of JSON, ~1 MB gzipped in runs.tar.gz
 
 # The shapes of the runs: overrides of configs/gpu_bench.toml. On CUDA the heads are the bench's
 # (32 / 8 of 128), so that the compiled flex kernels of one run serve the others where they can.
@@ -121,16 +126,22 @@ def toml_value(v: Any) -> str:
 
 @dataclass
 class Context:
-    out: Path
+    out: Path  # gpu_check.json
     dry: bool
     dev: str  # "cuda:0", or "cpu" in a dry run
     budget_s: float
+    work: Path | None = None  # run folders, traces and reports (default: `out`)
     t0: float = field(default_factory=time.perf_counter)
     checks: dict[str, dict[str, str]] = field(default_factory=dict)
     measures: dict[str, Any] = field(default_factory=dict)
     targets: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)  # what one check hands to a later one
+
+    @property
+    def where(self) -> Path:
+        """The folder of run folders, traces and reports."""
+        return self.work or self.out
 
     @property
     def cuda(self) -> bool:
@@ -149,7 +160,7 @@ class Context:
         from dflash import load_config
 
         device = device or self.dev
-        full = {**COMMON, **shapes, "run.name": name, "run.output_dir": str(self.out / "runs"),
+        full = {**COMMON, **shapes, "run.name": name, "run.output_dir": str(self.where / "runs"),
                 "pipeline.target_devices": [device], "pipeline.drafter_devices": [device], **sets}  # fmt: skip
         if device == "cpu":
             full["target.dtype"] = "float32"
@@ -300,8 +311,11 @@ class Probe:
         self.d2h: list[tuple[bool, str]] = []  # per D2H copy from a GPU: (into pinned memory, dtype)
         self.cache_hits: list[bool] = []  # per feature-cache hit: pinned
         self.masks: dict[str, int] = {}  # type of each mask flex_block_mask built
-        self.attention: set[tuple[str, str, str, bool]] = set()  # (q, k, v dtypes, autocast on)
+        # The drafter's attention calls made by its training compute: (q, k, v dtypes, autocast on)
+        self.attention: set[tuple[str, str, str, bool]] = set()
+        self.other_attention = 0  # calls outside training compute (the end-of-run eval: fp32, no autocast)
         self.missing: list[str] = []  # what could not be watched (renamed in dflash?)
+        self._training = threading.local()  # .on: inside MicroStep.compute, in this thread
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -310,6 +324,7 @@ class Probe:
         import dflash.model.masks as masks
         import dflash.pipeline.stages.transfer as transfer
         import dflash.runtime.devices as devices
+        import dflash.train.step as train_step
 
         def count(d: dict[str, int], key: str, n: int = 1) -> None:
             d[key] = d.get(key, 0) + n
@@ -367,13 +382,27 @@ class Probe:
 
             return wrapper
 
+        # Only the training's attention must run under autocast: the end-of-run eval decodes
+        # with the fp32 master weights and no autocast, on purpose. A call is the training's
+        # when it is made inside MicroStep.compute (forward + loss + backward of one batch, the
+        # hook every training loop goes through), in the same thread: a flag set around that
+        # call says so exactly. Grad mode would be a weaker sign (a no-grad recomputation in
+        # training would be missed, any future grad-enabled eval counted), and stopping the
+        # recording before the eval would depend on when the Coordinator starts it.
+        def training_compute(orig: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                outer = getattr(self._training, "on", False)
+                self._training.on = True
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    self._training.on = outer
+
+            return wrapper
+
         def attend(orig: Any) -> Any:
             def wrapper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-                try:
-                    on = torch.is_autocast_enabled(q.device.type)
-                except TypeError:  # an older torch: no device argument
-                    on = torch.is_autocast_enabled()
-                self.attention.add((str(q.dtype), str(k.dtype), str(v.dtype), on))
+                self.note_attention(q, k, v)
                 return orig(q, k, v, mask)
 
             return wrapper
@@ -383,9 +412,30 @@ class Probe:
                 (devices.Device, "stream", stream), (devices.Device, "hold", hold), (devices.Device, "run", run),
                 (transfer, "to_host", to_host), (feature_cache.FeatureCache, "get", cache_get),
                 (masks, "flex_block_mask", block_mask), (drafter, "attend", attend),
+                (train_step.MicroStep, "compute", training_compute),
             ]:  # fmt: skip
                 stack.enter_context(patched(obj, name, make, self.missing))
             yield
+
+    def note_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One call of the drafter's `attend`: kept with its dtypes and autocast state when
+        made by the training compute, else only counted."""
+        if not getattr(self._training, "on", False):
+            self.other_attention += 1
+            return
+        try:
+            on = torch.is_autocast_enabled(q.device.type)
+        except TypeError:  # an older torch: no device argument
+            on = torch.is_autocast_enabled()
+        self.attention.add((str(q.dtype), str(k.dtype), str(v.dtype), on))
+
+    def autocast_problem(self) -> str | None:
+        """What is wrong with the training's attention on CUDA (None: every call under autocast)."""
+        if not self.attention:
+            return f"no attention call in training compute ({self.other_attention} outside it)"
+        if not all(on for *_, on in self.attention):
+            return f"training attention not under autocast: {sorted(self.attention)}"
+        return None
 
     def verdict(self, run: Run, steps: int, d2h: bool, evaluated: bool) -> tuple[list[str], str]:
         """(what is wrong on CUDA, what was seen). `d2h`: the run must copy features to the
@@ -420,9 +470,9 @@ class Probe:
         dtype = str(run.coord.targets[0].embed_weight.dtype).removeprefix("torch.") if run.coord.targets else "?"
         if dtype != "bfloat16":
             bad.append(f"target in {dtype}")
-        autocast = bool(self.attention) and all(on for *_, on in self.attention)
-        if not autocast:
-            bad.append(f"attention not under autocast: {sorted(self.attention)}")
+        autocast_bad = self.autocast_problem()
+        if autocast_bad:
+            bad.append(autocast_bad)
         evals = [r for r in run.records if r["event"] == "eval"]
         if evaluated and not evals:
             warned = [r["message"] for r in run.records if r["event"] == "warning"]
@@ -439,7 +489,8 @@ class Probe:
              if self.d2h else "no D2H from a GPU"),
             f"feature-cache hits ×{len(self.cache_hits)} ({sum(self.cache_hits)} pinned)" if d2h else "",
             f"flex BlockMask ×{self.masks.get('BlockMask', 0)}, {'compiled' if compiled else 'eager'} flex_attention",
-            f"target {dtype}, attention q/k/v {qkv}" + (" under autocast" if autocast else ""),
+            f"target {dtype}, training attention q/k/v {qkv}" + ("" if autocast_bad else " under autocast")
+            + (f" (+{self.other_attention} calls outside training)" if self.other_attention else ""),
             (f"eval τ {evals[-1]['tau']}, lossless {evals[-1]['lossless']}"
              + ("" if evals[-1]["lossless"] else " (bf16: greedy decoding and verify may part on a near-tie)"))
             if evals else "",
@@ -506,8 +557,11 @@ def check_cuda_paths(ctx: Context) -> str:
             b, s = [f"{kind}: {one_line(err)}"], f"{kind}: failed"
         bad, seen = bad + b, [*seen, s]
     ctx.state.pop("d2h_and_cache", None)
-    if ctx.cuda and bad:
-        raise CheckFailed("; ".join(bad) + " — seen: " + " | ".join(seen))
+    # What the Probe could not watch (dflash renamed it) fails on CPU too: a dry run says so
+    # before a GPU is spent on a check that cannot judge.
+    blind = [b for b in bad if "could not watch" in b]
+    if (ctx.cuda and bad) or blind:
+        raise CheckFailed("; ".join(bad if ctx.cuda else blind) + " — seen: " + " | ".join(seen))
     return " | ".join(seen)
 
 
@@ -713,7 +767,8 @@ def reset_peak(ctx: Context) -> None:
 
 def bench_config(ctx: Context, mode: str, steps: int) -> Any:
     sets = {"train.max_steps": steps, "train.log_every": 2, "pipeline.mode": mode,
-            "profile.trace": str(ctx.out / f"bench_{mode}.trace.json"), "profile.trace_max_events": 50_000}  # fmt: skip
+            "profile.trace": str(ctx.where / f"bench_{mode}.trace.json"),
+            "profile.trace_max_events": TRACE_MAX_EVENTS}  # fmt: skip
     return ctx.config(f"bench_{mode}", bench_shapes(ctx), **sets)
 
 
@@ -859,9 +914,9 @@ def measure_pipeline_vs_serial(ctx: Context) -> tuple[dict[str, Any], str]:
         figures[mode] = {"tok_s": round(tok_s, 1), "steady_steps": n, "run_tok_s": end.get("tokens_per_s"),
                          "final_loss": end.get("final_loss"), "memory_gb": peak_gb(ctx)}  # fmt: skip
         try:
-            (ctx.out / f"bench_{mode}.report.txt").write_text(format_report(analyze(run.records)) + "\n")
+            (ctx.where / f"bench_{mode}.report.txt").write_text(format_report(analyze(run.records)) + "\n")
         except Exception as err:  # a report is a convenience: the figures stand without it
-            (ctx.out / f"bench_{mode}.report.txt").write_text(f"no report: {one_line(err)}\n")
+            (ctx.where / f"bench_{mode}.report.txt").write_text(f"no report: {one_line(err)}\n")
     ratio = figures["pipeline"]["tok_s"] / max(figures["serial"]["tok_s"], 1e-9)
     figures["ratio"] = round(ratio, 3)
     ctx.targets["pipeline_over_serial"] = {"value": round(ratio, 3), "target": 1.0, "met": ratio >= 1.0}
@@ -891,14 +946,18 @@ def measure_peak_memory(ctx: Context) -> tuple[dict[str, Any], str]:
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu_check"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu_check"),
+                    help="where gpu_check.json goes")  # fmt: skip
+    ap.add_argument("--work", default=None, help="run folders, traces and reports (default: --out)")
     args = ap.parse_args()
     dry = os.environ.get("DRY_RUN", "0") == "1"
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).resolve() if args.work else out
+    work.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not dry
     budget = float(os.environ.get("GPU_CHECK_BUDGET_S", "320" if cuda else "3600"))
-    ctx = Context(out, dry, "cuda:0" if cuda else "cpu", budget)
+    ctx = Context(out, dry, "cuda:0" if cuda else "cpu", budget, work)
     import transformers
 
     from dflash.config import PipelineConfig
@@ -908,7 +967,7 @@ def main() -> int:
                 "sync_debug_key": "sync_debug" in PipelineConfig.model_fields}  # fmt: skip
     ctx.say("INFO", "gpu_check", "dry run (CPU, tiny shapes)" if dry else "", f"device {ctx.info['device']},",
             f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()};",
-            f"results in {out}")  # fmt: skip
+            f"results in {out}" + (f", runs in {work}" if work != out else ""))  # fmt: skip
     if not dry and not cuda:
         ctx._verdict("cuda", "FAIL", "no CUDA device here (DRY_RUN=1 checks the script on CPU)")
     else:

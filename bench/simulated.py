@@ -190,10 +190,11 @@ class SimDevice(Device):
             out = fn(*args)
         return out, self.timeline.event()
 
-    def before_host_read(self) -> None:
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """`host_sync` in this worker: wait for the simulated queue (and what it waits on),
         as a blocking device-to-host copy waits for its stream."""
         self.timeline.drained().synchronize()
+        return super().to_host(t)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -20,7 +22,8 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     """DRY_RUN=1 runs bench/gpu_check.sh end to end on CPU with tiny shapes: the checks run what
     they can on CPU (those that need CUDA say SKIP; pipeline_equals_serial is judged on CPU
     too), the measures run, one line each, then the JSON line — also written to $OUT — so
-    that the script is sound before a GPU is at hand."""
+    that the script is sound before a GPU is at hand. What it leaves in $OUT comes back from
+    the GPU machine: a few plain files, the run folders, reports and traces in runs.tar.gz."""
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S
@@ -39,6 +42,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert all(c["status"] == "SKIP" for n, c in checks.items() if n != "pipeline_equals_serial")
     for name in ("cuda_paths", "cpu_reference_losses"):  # exercised on CPU, not only skipped
         assert checks[name]["detail"].startswith("(no CUDA) ran on CPU"), checks[name]
+    assert "calls outside training" in checks["cuda_paths"]["detail"]  # the end-of-run eval's, apart
     measures = last["measures"]
     for name in ("matmul_peak", "flex_compile", "bench_setup", "target_forward", "drafter_step", "pipeline_vs_serial"):
         assert measures[name]["status"] == "OK", (name, measures[name])
@@ -47,8 +51,14 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     )
     assert measures["peak_memory"]["status"] == "SKIP"
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == last
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpu_check.json", "gpu_check.out", "gpu_check.stderr.log", "runs.tar.gz"
+    ]  # fmt: skip
+    assert all(p.is_file() and p.stat().st_size < 16 * 2**20 for p in tmp_path.iterdir())
+    with tarfile.open(tmp_path / "runs.tar.gz") as tar:
+        packed = {name.removeprefix("./") for name in tar.getnames()}
     for mode in ("pipeline", "serial"):
-        assert (tmp_path / f"bench_{mode}.trace.json").is_file() and (tmp_path / f"bench_{mode}.report.txt").is_file()
+        assert {f"bench_{mode}.trace.json", f"bench_{mode}.report.txt", f"runs/bench_{mode}/records.jsonl"} <= packed
 
 
 def _gpu_check() -> ModuleType:
@@ -77,6 +87,64 @@ def test_gpu_check_reports_a_crash_as_one_fail_line_and_goes_on(tmp_path: Path, 
     assert out[1].startswith("PASS second fine [") and out[2].startswith("FAIL third ZeroDivisionError")
     res = ctx.result(partial=False)
     assert res["failed"] == ["first", "third"] and not res["ok"]
+
+
+def test_gpu_check_probe_judges_the_training_attention_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_paths wants the drafter's training attention under autocast; the end-of-run eval
+    decodes in fp32 without it, on purpose. The Probe keeps the calls made inside
+    MicroStep.compute and only counts the others, so the eval is no false FAIL."""
+    import torch
+
+    import dflash.model.drafter as drafter
+    import dflash.train.step as step
+
+    gc = _gpu_check()
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+
+    def probed(autocast: bool) -> Any:
+        def training(rep: Any, device: Any, batch: Any, spec: Any) -> torch.Tensor:  # as step.compute
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                return drafter.attend(q, k, v, mask)
+
+        monkeypatch.setattr(step, "compute", training)
+        probe = gc.Probe()
+        with probe.watching():
+            step.MicroStep(loss=None).compute(None, None, None)  # a training micro-batch
+            drafter.attend(q, k, v, mask)  # as the eval: fp32, no autocast
+            drafter.attend(q, k, v, mask)
+        assert not probe.missing and step.MicroStep.compute.__name__ == "compute"  # restored
+        return probe
+
+    probe = probed(autocast=True)
+    assert probe.attention == {("torch.float32", "torch.float32", "torch.float32", True)}
+    assert probe.other_attention == 2 and probe.autocast_problem() is None
+    run = gc.Run([], [], SimpleNamespace(targets=[]))
+    bad, seen = probe.verdict(run, 0, d2h=False, evaluated=False)
+    assert not [b for b in bad if "autocast" in b or "attention call" in b], bad
+    assert "under autocast (+2 calls outside training)" in seen
+
+    problem = probed(autocast=False).autocast_problem()
+    assert problem is not None and problem.startswith("training attention not under autocast")
+    idle = gc.Probe()
+    assert idle.autocast_problem() == "no attention call in training compute (0 outside it)"
+
+
+def test_gpu_ready_checks_what_travels_and_names_what_is_missing(tmp_path: Path) -> None:
+    """bench/gpu_ready.sh: one line per check, READY only when every one passed. What travels
+    to the GPU machine (the working tree and wheels/) is small; a check it cannot pass says
+    so on a MISSING line and the script ends NOT READY."""
+    script = str(ROOT / "bench" / "gpu_ready.sh")
+    env = {**os.environ, "PYTHON": sys.executable}
+    travel = subprocess.run(["bash", script, "travel"], capture_output=True, text=True, env=env, timeout=60)
+    assert travel.returncode == 0 and travel.stdout.startswith("ok travel: "), travel.stdout + travel.stderr
+    assert travel.stdout.splitlines()[-1] == "READY"
+    fp = subprocess.run(["bash", script, "fingerprint"], capture_output=True, text=True, env=env, timeout=60)
+    assert fp.returncode == 0 and len(fp.stdout.strip()) == 16, fp.stdout + fp.stderr
+    env["PYTHON"] = str(tmp_path / "no-python")  # every check that needs python fails, and says so
+    bad = subprocess.run(["bash", script, "compat"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and bad.stdout.splitlines()[-1] == "NOT READY: compat", bad.stdout + bad.stderr
+    assert bad.stdout.startswith("MISSING compat: ")
 
 
 def _orchestration() -> ModuleType:

@@ -155,5 +155,5 @@ def test_multi_gpu_reduce_takes_every_replica_even_without_gradients(monkeypatch
     assert calls == [3] and torch.equal(got[0], torch.ones(3)) and torch.equal(got[1], torch.full((3,), 2.0))
     none = optimizer._reduced(reps, set(), torch.device("cpu"))  # no replica of this rank has data
     assert len(none) == 2 and all(torch.equal(g, torch.zeros(3)) for g in none)
-    spread = optimizer._spread(reps, got)
+    spread = optimizer._spread(devices.Device("cpu", "optimizer"), reps, got)
     assert len(spread) == 3 and all(torch.equal(s[1], got[1]) for s in spread)

@@ -2,7 +2,8 @@
 of one process × W·R replicas, a lost rank ends the job with one line, a SIGTERM stops
 every rank at the same step, and resume continues exactly. Tiny model, a few steps each.
 The torchrun layer of stopping (in-process: tests/test_pipeline.py; the CLI: tests/test_cli.py).
-Each test starts several processes: all are marked slow."""
+Each of those starts several processes: they are marked slow. `World.wait` (the deadline on
+a collective that NCCL only queues) is tested in-process, on fakes of its event and store."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import CLI_TIMEOUT_S, ROOT, records_until, tiny_overrides
 
-pytestmark = [pytest.mark.skipif(sys.platform == "win32", reason="gloo on 127.0.0.1"), pytest.mark.slow]
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo on 127.0.0.1")
 Popen = Callable[..., subprocess.Popen[str]]
 
 
@@ -87,6 +88,7 @@ def _single(out: Path, replicas: int, **extra: object) -> Path:
     return out / "tiny"
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_two_replicas_under_torchrun(tmp_path):
     """The documented command (torchrun, one node, two processes) gives the same losses and
     bit-identical weights as one process with two replicas: per step both see the same two
@@ -113,6 +115,7 @@ def test_two_processes_equal_one_process_with_two_replicas_under_torchrun(tmp_pa
     assert not (two / "final.rank1").exists() and len(list((two / "checkpoints").iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_uneven_shards_normalise_like_one_process(tmp_path, popen):
     """5 batches over 2 ranks: the last step has data on rank 0 only; rank 1 contributes
     nothing, and the update (divided by the global Σ w) equals the single-process one."""
@@ -137,6 +140,7 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if "error" in line]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_other_with_one_line(tmp_path, popen):
     """SIGKILL: rank 1 dies mid-run; rank 0 fails at once with one line naming it, not after
     distributed.timeout_s (an hour here: waiting it out would be a hang, which the guard
@@ -154,6 +158,7 @@ def test_a_killed_rank_ends_the_other_with_one_line(tmp_path, popen):
     assert procs[1].wait() == -signal.SIGKILL
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # three runs of two processes: ~80 s on two cores, more under load
 def test_sigterm_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path, popen):
     """SIGTERM to rank 0 of two: both ranks stop cleanly (exit 0, run_end "stopped") after
@@ -191,6 +196,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path, pope
     assert p.returncode != 0 and "processes (torchrun WORLD_SIZE) 2 -> 1" in p.stderr, p.stderr[-1000:]
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_other_within_the_timeout(tmp_path, popen):
     """SIGSTOP: rank 1 neither dies nor answers; rank 0's collective times out after
     distributed.timeout_s (it says how long it waited: at least that) and names the rank."""
@@ -204,3 +210,84 @@ def test_a_hung_rank_ends_the_other_within_the_timeout(tmp_path, popen):
     assert len(lines) == 1 and "lost rank 1" in lines[0], err[-2000:]
     waited = re.search(r"failed after (\d+) s", lines[0])
     assert waited and int(waited[1]) >= 4, lines[0]
+
+
+# -- World.wait: the deadline on a collective that NCCL only queues ----------------------------
+
+
+class _Event:
+    """A CUDA event's stand-in: done from its `done_at`-th query on (never: None)."""
+
+    def __init__(self, done_at: int | None) -> None:
+        self.done_at, self.queries = done_at, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done_at is not None and self.queries >= self.done_at
+
+
+class _Store:
+    """The rendezvous store's stand-in: fixed values (a heartbeat that never moves is a lost rank)."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+
+def _world(timeout_s: float, store: _Store | None, aborted: list[str]):
+    """Rank 0 of 2 on NCCL, without a process group: the pieces `wait` uses, as fakes."""
+    from types import SimpleNamespace
+
+    from dflash.runtime.distributed import World
+
+    backend = SimpleNamespace(abort=lambda: aborted.append("abort"))
+    world = World.__new__(World)
+    world.rank, world.size, world.backend, world.timeout_s = 0, 2, "nccl", timeout_s
+    world._store = store
+    world._dist = SimpleNamespace(group=SimpleNamespace(WORLD=SimpleNamespace(_get_backend=lambda dev: backend)))
+    return world
+
+
+def test_wait_past_the_deadline_names_the_lost_rank_in_one_line(monkeypatch):
+    """A queued all-reduce that never ends (its peer is gone: rank 1's heartbeat stopped):
+    after distributed.timeout_s, one line naming what was waited for and the lost rank; the
+    polls sleep between them, and the NCCL work is aborted so that no later sync hangs."""
+    import time
+
+    from dflash.runtime import distributed
+    from dflash.runtime.distributed import DistributedError
+
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.01)
+    aborted: list[str] = []
+    store = _Store({"dflash/hb/1": "7", "dflash/at/0": "12", "dflash/at/1": "12"})
+    world, ready = _world(0.3, store, aborted), _Event(None)
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError) as caught:
+        world.wait(ready, "the gradient all-reduce of step 12")
+    took = time.monotonic() - t0
+    msg = str(caught.value)
+    assert "\n" not in msg
+    assert re.fullmatch(
+        r"rank 0: the gradient all-reduce of step 12: not done after 0 s: lost rank 1 \(it stopped: no heartbeat\)", msg
+    ), msg
+    assert 0.3 <= took < 5, took
+    assert 3 < ready.queries < 300, ready.queries  # polled, not spun
+    assert aborted == ["abort"]
+
+
+def test_wait_returns_once_the_event_is_done():
+    """Done after a few polls: `wait` returns, reads no heartbeat and aborts nothing; no
+    event (gloo: the collective ended inside its call) returns at once."""
+    import torch
+
+    aborted: list[str] = []
+    world, ready = _world(30.0, None, aborted), _Event(4)  # no store: a diagnosis would fail
+    world.wait(ready, "the gradient all-reduce of step 3")
+    assert ready.queries == 4 and not aborted
+    world.wait(None, "the gradient all-reduce of step 3")
+    assert world.collective_event(torch.device("cpu")) is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -61,10 +62,16 @@ class FeatureCache:
                     out.append((r, s, e, d))
         return out
 
-    def get(self, batch: Batch, dtype: torch.dtype, pin: bool = False) -> tuple[torch.Tensor, Teacher | None] | None:
+    def get(
+        self, batch: Batch, dtype: torch.dtype, alloc: Callable[..., torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, Teacher | None] | None:
         """(R, T, k·H) host features and the teacher's top-k (or None, if none was stored) when
-        every document of the batch is cached, else None; in pinned memory with `pin` (a
-        CUDA drafter uploads it without a host sync)."""
+        every document of the batch is cached, else None; in buffers from `alloc(shape, dtype)`
+        when given (the device's pinned memory: it uploads them without a host sync)."""
+
+        def zeros(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt) if alloc is None else alloc(shape, dt).zero_()
+
         spans = self._spans(batch)
         with self._lock:
             parts = [self._store.get(d) for *_, d in spans]
@@ -76,11 +83,11 @@ class FeatureCache:
         R, T = batch.doc_ids.shape
         first = parts[0]
         assert first is not None
-        out = torch.zeros(R, T, first[0].shape[-1], dtype=dtype, pin_memory=pin)
+        out = zeros((R, T, first[0].shape[-1]), dtype)
         teacher = None
         if first[1] is not None:
             k = first[1].shape[-1]
-            teacher = (torch.zeros(R, T, k, pin_memory=pin), torch.zeros(R, T, k, dtype=torch.int64, pin_memory=pin))
+            teacher = (zeros((R, T, k), torch.float32), zeros((R, T, k), torch.int64))
         for (r, s, e, _), p in zip(spans, parts, strict=True):
             assert p is not None
             out[r, s:e] = p[0]

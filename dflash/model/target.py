@@ -10,6 +10,7 @@ but the last, where HF's last entry has the final norm applied and the hooks' do
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import threading
@@ -120,6 +121,47 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((causal & same) | torch.eye(T, dtype=torch.bool, device=doc_ids.device))[:, None]
 
 
+# The training forward's attention: transformers' SDPA under a name of our own. Mask creation
+# knows no mask function for it, so transformers builds no mask and runs none of its host-side
+# checks (with no mask and no cache, transformers 5 tests the positions for packed sequences
+# with a Python bool of a device tensor: a host sync per forward on a GPU). No mask means
+# causal SDPA (its fastest kernels); a packed batch brings its own 4-D document mask, which
+# transformers passes through as it is.
+TRAIN_ATTENTION = "dflash_sdpa"
+
+
+def _train_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:  # fmt: skip
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    window = kwargs.get("sliding_window")
+    q_len, k_len = query.shape[2], key.shape[2]
+    if window is not None and k_len > window:  # a sliding-window layer: causal and within the window
+        q = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+        k = torch.arange(k_len, device=query.device)[None, :]
+        band = ((k <= q) & (q - k < window))[None, None]
+        attention_mask = band if attention_mask is None else attention_mask & band
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@functools.cache
+def _register_train_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TRAIN_ATTENTION, _train_attention)
+
+
+def training_view(model: nn.Module) -> nn.Module:
+    """The same model (every parameter and buffer shared, no memory) with a config of its own
+    whose attention is `TRAIN_ATTENTION`: eval's forwards, which need transformers' masks
+    (padding, KV cache), keep the original, and may run in another thread meanwhile."""
+    _register_train_attention()
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    view = copy.deepcopy(model, shared)
+    view.config._attn_implementation = TRAIN_ATTENTION
+    return view
+
+
 class Target:
     """A frozen causal LM plus the layer ids whose outputs it hands to the drafter."""
 
@@ -164,6 +206,7 @@ class Target:
         last = max(self.layer_ids)
         for i in self.layer_ids:
             layers[i].register_forward_hook(self._hook(i, last=(i == last)))
+        self._train_model = training_view(model)  # after the hooks: the view's layers share them
 
     def _decoder_layers(self) -> nn.ModuleList:
         base = getattr(self.model, "model", self.model)
@@ -271,8 +314,9 @@ class Target:
         A row holding several documents (`packed`, which the batch knows: pass it) gets a
         4-D document-causal mask (documents never see each other); otherwise no mask at all:
         with causal attention, padding after a document cannot change its features, and
-        the model takes its fastest path — a 2-D padding mask would make transformers test
-        it on the host (a sync per forward on a GPU). Padding positions' features are never
+        the model takes its fastest path (`training_view`: transformers builds no mask and
+        makes no host check of its own) — a 2-D padding mask would make transformers test it
+        on the host (a sync per forward on a GPU). Padding positions' features are never
         read. Without `packed` it is read off `doc_ids` — a host sync on a GPU.
         """
         if packed is None:
@@ -287,7 +331,7 @@ class Target:
         """The decoder stack (no LM head) over a batch: a document-causal mask for packed
         rows, none otherwise (see `capture`)."""
         attention_mask = document_mask(doc_ids) if packed else None
-        base = getattr(self.model, "model", self.model)
+        base = getattr(self._train_model, "model", self._train_model)
         return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
 
     @torch.no_grad()

@@ -20,6 +20,8 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dflash.config import Config, PipelineConfig
 from dflash.features.cache import FeatureCache
 from dflash.pipeline import serial
@@ -86,10 +88,8 @@ def build(
         (Stage.PREFETCH, prefetch.run(training.plan, data, batches, stop, training.pin, training.world))
     ]
     for i, dev in enumerate(targets):
-        tasks += _target_chain(i, training, p, dev, batches, hs, profiler)
-    ahead = (
-        p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and training.replicas[0].device.type == "cuda")
-    )
+        tasks += _target_chain(i, training, p, dev, drafters, (batches, hs), profiler)
+    ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and drafters[0].accelerated)
     work = drafter_step.ReplicaWork(training.micro, training.steps.grad_accum, training.start_step, lookahead=ahead)
     for r, (rep, dev) in enumerate(zip(training.replicas, drafters, strict=True)):
         run = drafter_step.run(rep, work, dev, hs, grads, replies[r], profiler)
@@ -110,21 +110,22 @@ def _target_chain(
     training: Training,
     p: PipelineConfig,
     dev: Device,
-    batches: Channel[Batch],
-    hs: Channel[HostFeatures],
+    drafters: list[Device],
+    channels: tuple[Channel[Batch], Channel[HostFeatures]],
     profiler: Profiler,
 ) -> list[tuple[str, Coroutine[Any, Any, Any]]]:
     """Target chain `i`: forward, pack and transfer, joined by channels of their own."""
+    batches, hs = channels
     tgt, cache = training.targets[i], training.cache  # set-up's (seeded from feature files), or a stand-in's
     feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
     packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
     # Features stay on the GPU when every replica is there and no cache wants them on
     # the host; else D2H into reused pinned buffers: enough for a full channel, two
     # per replica (one taken ahead) and the one being filled.
-    drafter_gpus = {rep.device for rep in training.replicas}
-    keep = cache is None and drafter_gpus == {tgt.device} and tgt.device.type == "cuda"
-    all_cuda = all(d.type == "cuda" for d in drafter_gpus) and tgt.device.type == "cuda"
-    pool = PinnedPool(p.hs_queue_depth + 2 * len(training.replicas) + 2) if all_cuda and not keep else None
+    keep = cache is None and dev.accelerated and {d.gpu for d in drafters} == {dev.gpu}
+    all_gpus = dev.accelerated and all(d.accelerated for d in drafters)
+    size = p.hs_queue_depth + 2 * len(training.replicas) + 2
+    pool = PinnedPool(size, alloc=lambda n: dev.pinned((n,), torch.uint8)) if all_gpus and not keep else None
     return [
         (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
         (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),

@@ -47,7 +47,8 @@ from dflash.errors import ConfigError
 from dflash.runtime.profiler import Profiler
 
 __all__ = [
-    "Device", "DeviceFactory", "PinnedPool", "check_device", "host_sync", "named_sync", "set_sync_debug", "upload",
+    "Device", "DeviceFactory", "PinnedPool", "check_device", "host_sync", "in_named_sync", "named_sync", "on_device",
+    "set_sync_debug", "upload",
 ]  # fmt: skip
 
 R = TypeVar("R")
@@ -88,10 +89,19 @@ def set_sync_debug(on: bool) -> None:
             _set_mode("error" if on else "default")
 
 
+_named_here = threading.local()  # .depth: named syncs in progress in this thread
+
+
+def in_named_sync() -> bool:
+    """Whether this thread is inside `named_sync` (a checker's sync rule is per thread)."""
+    return getattr(_named_here, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def named_sync() -> Iterator[None]:
     """Around an intended host sync: exempt from the sync debug mode."""
     global _named_syncs
+    _named_here.depth = getattr(_named_here, "depth", 0) + 1
     with _sync_lock:
         _named_syncs += 1
         if _sync_debug and _named_syncs == 1:
@@ -99,6 +109,7 @@ def named_sync() -> Iterator[None]:
     try:
         yield
     finally:
+        _named_here.depth -= 1
         with _sync_lock:
             _named_syncs -= 1
             if _sync_debug and _named_syncs == 0:
@@ -108,26 +119,46 @@ def named_sync() -> Iterator[None]:
 _worker = threading.local()  # .device: the Device whose worker thread this is
 
 
+def _worker_device() -> Device | None:
+    """The `Device` whose worker thread this is, or None (the event loop, a plain thread)."""
+    return getattr(_worker, "device", None)
+
+
 def host_sync(t: torch.Tensor) -> torch.Tensor:
     """The hot path's one way to read a device value on the host: a blocking copy, i.e. a
     host sync point. Call it only inside a `Device.span` named for the sync
     (`drafter.grad_norm_sync`, `metrics.sync`), so that the profiler times it. In a device's
-    worker thread it first lets the device wait for its queued work (`before_host_read`:
-    nothing on CUDA, where the copy itself waits; a simulated device waits there)."""
+    worker thread the device makes the copy (`Device.to_host`: a plain blocking copy; a
+    simulated device first waits for its queue, a checked one folds its clocks)."""
     with named_sync():
-        device: Device | None = getattr(_worker, "device", None)
+        device = _worker_device()
         if device is not None:
-            device.before_host_read()
+            return device.to_host(t)
         return t.to("cpu")  # sync: the named one
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host → device without a host sync: from pinned memory with `non_blocking=True`. The
     caching host allocator keeps a pinned block alive until the copy that reads it is done.
-    A tensor already on `device` is returned as it is."""
+    A tensor already on `device` is returned as it is. In a device's worker thread the
+    device makes the copy (`Device.upload`)."""
+    worker = _worker_device()
+    if worker is not None:
+        return worker.upload(t, device)
+    return _upload(t, device)
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or t.device == device:
         return t
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)  # no-sync: pinned source
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether `t` lives in an accelerator's memory (asked of the worker's device: a checked
+    device answers for its virtual GPUs)."""
+    worker = _worker_device()
+    return worker.on_device(t) if worker is not None else t.device.type == "cuda"
 
 
 class PinnedPool:
@@ -211,10 +242,64 @@ class Device:
     def _adopt_worker(self) -> None:
         _worker.device = self
 
-    def before_host_read(self) -> None:
-        """What `host_sync` does first in this device's worker thread: nothing here (a
-        blocking copy waits for the current stream by itself); a simulated device waits for
-        its simulated queue, so it syncs exactly where the real one does."""
+    # -- where tensors live, and the CUDA-only choices: a checked device (dflash/runtime/checked.py)
+    # answers these for virtual GPUs over CPU tensors, so the real stage code takes its CUDA paths.
+
+    @property
+    def accelerated(self) -> bool:
+        """Device memory apart from the host's, streams and events (CUDA)."""
+        return self.is_cuda
+
+    @property
+    def gpu(self) -> int | None:
+        """Which GPU this device is (None: the host)."""
+        return (self.device.index or 0) if self.is_cuda else None
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def gpu_of(self, t: torch.Tensor) -> int | None:
+        """The GPU `t` lives on (None: the host)."""
+        return (t.device.index or 0) if t.device.type == "cuda" else None
+
+    def copy_to(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A copy of `t` on the device of `like`, queued on this thread's streams (GPU to GPU:
+        no host sync)."""
+        return t.to(like.device, copy=True, non_blocking=True)  # no-sync: device to device
+
+    def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return _upload(t, device)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`host_sync`'s blocking copy, in this device's worker thread (a simulated device
+        first waits for its simulated queue, so it syncs exactly where the real one does)."""
+        return t.to("cpu")  # sync: the named one (host_sync)
+
+    def pinned(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty host buffer the device can copy into and out of asynchronously."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def event(self, like: torch.Tensor | None = None) -> Any:
+        """An event recorded now on this thread's current stream (on the GPU of `like`)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(like.device if like is not None else None))
+        return ev
+
+    def stream_for(self, like: torch.Tensor, stage: str, wait: Any = None) -> Any:
+        """The stream this thread's work on the GPU of `like` runs on: the current one on this
+        device's own GPU; on another GPU, `stage`'s stream there, after `wait`, made this
+        thread's current stream there (the optimizer's work on other replicas' GPUs). None
+        off CUDA."""
+        dev = like.device
+        if dev.type != "cuda":
+            return None
+        if dev == self.device:
+            return torch.cuda.current_stream(dev)
+        stream = self.stream(stage, on=dev)
+        if wait is not None:
+            stream.wait_event(wait)
+        torch.cuda.set_stream(stream)
+        return stream
 
     def stream(self, stage: str, on: torch.device | None = None) -> Any:
         """The stream of `stage` on this device, or on GPU `on` (the optimizer's work on the

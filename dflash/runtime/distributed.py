@@ -14,7 +14,10 @@ event loop, and each rank calls them in the same order:
 2. `World.all_reduce`, inside the update (`drafter.allreduce` in the profile): the in-node
    gradient sum and the step's sums (Σ loss weight, Σ loss, per-slot counts, tokens),
    summed across ranks in buckets of `distributed.bucket_mb`. The update divides by the
-   global Σ w, so it does not depend on how samples fall on ranks.
+   global Σ w, so it does not depend on how samples fall on ranks. With NCCL the call only
+   queues the collective on the GPU: `collective_event` marks its end, and `World.wait`
+   polls that mark before the step's host sync, with the same deadline as a collective
+   (a lost peer would otherwise hang that sync with no deadline of ours).
 3. `World.check_same` every `distributed.check_every` steps: a checksum of the weights,
    compared across ranks (a clear error if replicas ever differ).
 
@@ -22,7 +25,9 @@ Data: rank r takes the batches of the run's fixed global order whose index is r 
 world size (`shard`): with the same total number of replicas, W processes see per step the
 batches one process would. Faults: a heartbeat per rank in the rendezvous store lets a
 survivor whose collective failed or timed out (`distributed.timeout_s`) name the rank it
-lost, in one error line.
+lost, in one error line. NCCL's own watchdog is a backstop only: its deadline is
+`NCCL_BACKSTOP_S` later than ours, so that `World.wait` names the lost rank and the run
+writes its emergency checkpoint before the watchdog would take the process down.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ if TYPE_CHECKING:
 __all__ = ["Agreement", "DistributedError", "SameWeights", "World", "join", "launched", "shard"]
 
 HEARTBEAT_S = 0.5
+POLL_S = (0.0001, 0.005)  # `World.wait`: the first and the longest sleep between polls
+NCCL_BACKSTOP_S = 60.0  # NCCL's watchdog deadline, past distributed.timeout_s (see `join`)
 
 
 class DistributedError(DFlashError):
@@ -137,6 +144,38 @@ class World:
             for t, f in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 t.copy_(f)
 
+    def collective_event(self, device: torch.device) -> Any:
+        """A mark of the end of the collectives just issued on `device` (a CUDA event on its
+        current stream, after them), for `wait`; None where they ended inside the call
+        (gloo: nothing to wait for)."""
+        if self.backend != "nccl" or device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+
+    def wait(self, ready: Any, what: str) -> None:
+        """Return once `ready` (a `collective_event`; None: at once) is done. With NCCL,
+        `all_reduce` returns before its collective ends, so a lost peer would surface only
+        in the next host sync, which waits with no deadline (until NCCL's watchdog takes the
+        process down: no diagnosis, no emergency checkpoint). Here the wait polls with the
+        deadline of a collective (`distributed.timeout_s`), sleeping between polls (the GIL
+        is free), and past it raises one line naming the lost rank; the queued NCCL work is
+        then aborted, so that nothing after it (a device sync, the emergency checkpoint's)
+        hangs on it."""
+        if ready is None:
+            return
+        t0 = time.monotonic()
+        pause = POLL_S[0]
+        while not ready.query():
+            waited = time.monotonic() - t0
+            if waited >= self.timeout_s:
+                msg = f"rank {self.rank}: {what}: not done after {waited:.0f} s: {self._diagnose()}"
+                self._abort_nccl()
+                raise DistributedError(msg)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+
     def _buckets(self, tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
         bucket: list[torch.Tensor] = []
         size = 0
@@ -184,6 +223,17 @@ class World:
             first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's source location
             msg = f"rank {self.rank}: {what} failed after {waited:.0f} s: {self._diagnose()} ({first})"
             raise DistributedError(msg) from None
+
+    def _abort_nccl(self) -> None:
+        """Abort the default group's NCCL communicator (best effort): its kernels stuck on a
+        lost peer end, and the GPU's streams drain. The run is over; the control group
+        (gloo) is untouched."""
+        if self.backend != "nccl":
+            return
+        try:
+            self._dist.group.WORLD._get_backend(torch.device("cuda")).abort()
+        except Exception:  # an older torch, or already gone: the watchdog is the backstop
+            pass
 
     def _heartbeat(self) -> None:
         while not self._closing.wait(HEARTBEAT_S):
@@ -264,9 +314,11 @@ def join(cfg: Config) -> World | None:
     if cfg.pipeline.mode == "serial":
         msg = "pipeline.mode = 'serial' runs in one process; launch it without torchrun"
         raise ConfigError(msg)
+    # NCCL's watchdog ends the process at its deadline: later than ours (`World.wait`).
+    limit = cfg.distributed.timeout_s + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0)
     if not dist.is_initialized():
         try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=limit))
         except (RuntimeError, ValueError) as err:
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
             msg = f"rank {rank} of {size}: joining the process group ({backend}) failed: {first}"
@@ -285,7 +337,7 @@ class SameWeights:
     async def after_step(self, ctx: Any) -> None:
         if self._first or ctx.step % self.every == 0:
             self._first = False
-            await ctx.device.run(None, self.world.check_same, ctx.step, self.params, wait_for=[ctx.ready])
+            await ctx.read(None, self.world.check_same, ctx.step, self.params)
 
     async def at_end(self, ctx: Any) -> None:
         return None

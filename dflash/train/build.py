@@ -15,7 +15,7 @@ import functools
 import math
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,6 +257,8 @@ def build_training(cfg: Config, resume: str | Path | None = None, world: World |
     writer = world is None or world.is_writer
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
     micro = MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
+    evaluate = _evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None
+    fence([*(t.device for t in targets), *(r.device for r in replicas)])  # the last set-up work is queued above
     return Training(
         targets=targets,
         replicas=replicas,
@@ -272,9 +274,19 @@ def build_training(cfg: Config, resume: str | Path | None = None, world: World |
         tokenizer=tokenizer,
         data_stats=stats,
         warnings=found,
-        evaluate=_evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None,
+        evaluate=evaluate,
         world=world,
     )
+
+
+def fence(devices: Iterable[torch.device]) -> None:
+    """Wait until every CUDA device among `devices` has run its queued work. Set-up queues
+    work on the legacy default stream (the frozen head copied to a replica's GPU, the loss
+    vocabulary's rows of the LM head, a tiny target's random weights), and the stages run on
+    streams of torch's pool, which do not wait on the legacy stream: without this fence a
+    stage's first kernel could read a tensor that set-up is still writing."""
+    for dev in dict.fromkeys(d for d in devices if d.type == "cuda"):
+        torch.cuda.synchronize(dev)  # sync: once, at the end of set-up
 
 
 def _devices(cfg: Config, world: World | None) -> tuple[list[torch.device], list[torch.device]]:

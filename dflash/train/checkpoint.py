@@ -229,7 +229,7 @@ class Checkpointer:
 
         if not self.writer:
             return
-        snap, _ = await ctx.device.run(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch, wait_for=[ctx.ready])
+        snap = await ctx.read(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch)
         await self.write(snap)
 
     def emergency(self, progress: Any) -> Path | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -24,6 +24,7 @@ from dflash.runtime.profiler import Profiler, Stage
 __all__ = ["EvalHook", "Progress", "StepBook", "StepContext", "StepHook", "StepResult", "SyncDebugHook", "to_records"]
 
 Record = dict[str, Any]
+R = TypeVar("R")
 
 
 @dataclass
@@ -64,6 +65,18 @@ class StepContext:
     last_batch: int
     ready: Any  # CUDA event: the step's update is done (None on CPU)
     device: Device  # the optimizer's device: hooks run their work through it
+
+    async def read(self, stage: str | None, fn: Callable[..., R], *args: Any) -> R:
+        """Hook work that reads the device on purpose (eval, a checkpoint's copy, a checksum):
+        in the optimizer's worker after the step's update, inside a named sync — only there:
+        while a hook awaits, the sync check stays armed for every other stage."""
+
+        def named() -> R:
+            with named_sync():
+                return fn(*args)
+
+        out, _ = await self.device.run(stage, named, wait_for=[self.ready])
+        return out
 
 
 class StepHook(Protocol):
@@ -158,16 +171,14 @@ class StepBook:
             self.profiler.mark_warm()
         if len(self._pending) >= self.log_every:
             await self._flush()
-        with named_sync():  # evals and checkpoints read the device on purpose
-            for hook in self.hooks:
-                await hook.after_step(self._context())
+        for hook in self.hooks:  # their device reads are named (`StepContext.read`)
+            await hook.after_step(self._context())
 
     async def close(self) -> None:
         if self._pending:
             await self._flush()
-        with named_sync():
-            for hook in self.hooks:
-                await hook.at_end(self._context())
+        for hook in self.hooks:
+            await hook.at_end(self._context())
 
     def _context(self) -> StepContext:
         p = self.progress
@@ -209,7 +220,7 @@ class EvalHook:
 
     async def after_step(self, ctx: StepContext) -> None:
         if self.every and ctx.step % self.every == 0:
-            record, _ = await ctx.device.run(Stage.EVAL, self.evaluate, ctx.step, wait_for=[ctx.ready])
+            record = await ctx.read(Stage.EVAL, self.evaluate, ctx.step)
             self.emit("eval", **record)
 
     async def at_end(self, ctx: StepContext) -> None:

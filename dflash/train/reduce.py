@@ -38,7 +38,13 @@ class StepSums:
     loss: torch.Tensor  # () Σ w·CE
     correct: torch.Tensor  # (B,) device
     count: torch.Tensor | None  # (B,) host; None until `read` with ranks
-    ranks: bool = False
+    world: World | None = None  # with ranks: `read` first waits, with a deadline, for
+    ready: Any = None  # the end of the all-reduce (`World.collective_event`; None: gloo's ended in the call)
+    what: str = "the gradient all-reduce"
+
+    @property
+    def ranks(self) -> bool:
+        return self.world is not None
 
     def scale(self) -> Any:
         """1 / Σ w, the step's normaliser: a host float, or a device tensor with ranks."""
@@ -49,15 +55,17 @@ class StepSums:
     def read(self, ok: torch.Tensor) -> tuple[bool, float]:
         """The step's one host sync (`drafter.grad_norm_sync`): whether `ok` holds, and Σ w on
         the host. With ranks the global Σ w and per-slot counts come over in the same sync."""
-        if not self.ranks:
+        if self.world is None:
             return bool(host_sync(ok)), self.weight
+        # A lost peer must end in one line naming it, not in a copy that waits forever.
+        self.world.wait(self.ready, self.what)
         host = host_sync(torch.cat([ok.double()[None], self.weight]))
         self.count = host[2:].round().long()
         return bool(host[0]), float(host[1])  # no-sync: host tensor
 
 
 def reduce_step(
-    device: Device, replicas: list[DrafterReplica], contribs: list[StepGrads], world: World | None
+    device: Device, replicas: list[DrafterReplica], contribs: list[StepGrads], world: World | None, step: int = 0
 ) -> StepSums:
     """The replicas' gradients and sums on the first replica's device (`drafter.grad_reduce`),
     then over every rank (`drafter.allreduce`)."""
@@ -69,7 +77,9 @@ def reduce_step(
     if world is None:
         return StepSums(grads, *sums)
     with device.span(Stage.ALLREDUCE):
-        return StepSums(grads, *_across_ranks(world, grads, sums, dev0), ranks=True)
+        summed = _across_ranks(world, grads, sums, dev0)
+        ready = world.collective_event(dev0)
+        return StepSums(grads, *summed, world=world, ready=ready, what=f"the gradient all-reduce of step {step}")
 
 
 def update_everywhere(
@@ -81,12 +91,10 @@ def update_everywhere(
     """`update(replica, its copy of grads)` for every replica, on its own GPU's stream of this
     thread; the event of each update on another GPU (the first's is `Device.run`'s)."""
     events = {}
-    for r, g in zip(replicas, _spread(replicas, grads), strict=True):
+    for r, g in zip(replicas, _spread(device, replicas, grads), strict=True):
         update(r, g)
-        if r.device.type == "cuda" and r.device != device.device:
-            ev = torch.cuda.Event()
-            ev.record(device.stream(Stage.OPTIMIZER_STEP, on=r.device))
-            events[r.index] = ev
+        if device.gpu_of(r.params[0]) not in (None, device.gpu):
+            events[r.index] = device.event(like=r.params[0])  # on the optimizer's stream there (`_take_over`)
     return events
 
 
@@ -104,15 +112,8 @@ def _take_over(device: Device, replicas: list[DrafterReplica], contribs: list[St
         tensors = [p.grad for p in r.params if p.grad is not None]
         if c is not None:
             tensors += [t for t in (c.loss_sum, c.correct_per_slot) if t is not None]
-        stream = None
-        if r.device.type == "cuda":
-            if r.device != dev0:
-                stream = device.stream(Stage.OPTIMIZER_STEP, on=r.device)
-                if c is not None and c.ready is not None:
-                    stream.wait_event(c.ready)
-                torch.cuda.set_stream(stream)  # this thread's current stream on that GPU
-            else:
-                stream = torch.cuda.current_stream(dev0)
+        wait = c.ready if c is not None else None
+        stream = device.stream_for(r.params[0], Stage.OPTIMIZER_STEP, wait)  # this thread's stream on its GPU
         device.hold(Stage.GRAD_REDUCE, tensors, stream)
     if dev0.type == "cuda":
         torch.cuda.set_device(dev0)
@@ -149,7 +150,7 @@ def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch
     return grads
 
 
-def _spread(replicas: list[DrafterReplica], grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def _spread(device: Device, replicas: list[DrafterReplica], grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The step's gradient for every replica: the tensors themselves for the first, a copy
     on each other replica's device (torch's multi-GPU broadcast on distinct GPUs)."""
     if len(replicas) == 1:
@@ -157,7 +158,7 @@ def _spread(replicas: list[DrafterReplica], grads: list[torch.Tensor]) -> list[l
     if _multi_gpu(replicas):
         copies = comm.broadcast_coalesced(grads, [r.device.index or 0 for r in replicas])
         return [grads, *(list(c) for c in copies[1:])]
-    copies = [[g.to(r.device, copy=True, non_blocking=True) for g in grads] for r in replicas[1:]]  # no-sync: d2d
+    copies = [[device.copy_to(g, r.params[0]) for g in grads] for r in replicas[1:]]
     return [grads, *copies]
 
 

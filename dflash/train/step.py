@@ -23,7 +23,7 @@ from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.loss import BlockTargets, LossParts, LossSpec, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.runtime import faults
-from dflash.runtime.devices import Device, upload
+from dflash.runtime.devices import Device, on_device, upload
 from dflash.runtime.distributed import World
 from dflash.runtime.messages import Batch, HostFeatures, StepGrads
 from dflash.runtime.profiler import Stage
@@ -169,7 +169,7 @@ def _greedy_prefix(
     T = ids.shape[1]
     pos = (anchors[:, :, None] + torch.arange(B)).clamp(max=T - 1).view(R, N * B)
     prev = (pos - 1).clamp(min=0)
-    if top1.device.type == "cuda":
+    if on_device(top1):
         pos, prev, ids, sel = (upload(t, top1.device) for t in (pos, prev, ids, sel))
     agree = (torch.gather(ids, 1, pos) == torch.gather(top1.to(ids.dtype), 1, prev)).view(R, N, B)
     agree[:, :, 0] = True  # the anchor is given
@@ -190,7 +190,7 @@ def _teacher_at_labels(
     N = anchors.shape[1]
     where = (anchors[:, :, None] + torch.arange(B) - 1).clamp(min=0).reshape(-1)[sel]  # (M,) positions
     rows = sel // (N * B)
-    if vals.device.type == "cuda":  # still on the target's GPU (shared with this replica)
+    if on_device(vals):  # still on the target's GPU (shared with this replica)
         rows, where = upload(rows, vals.device), upload(where, vals.device)
     return upload(vals[rows, where], dev), upload(idx[rows, where], dev)
 
@@ -291,7 +291,7 @@ def apply_step(
     faults.check(Stage.OPTIMIZER_STEP)
     if budget is not None:
         budget.tick()  # one reading for every replica's schedule and the stop check after the step
-    sums = reduce_step(device, replicas, contribs, world)
+    sums = reduce_step(device, replicas, contribs, world, step)
     scale = sums.scale()
     torch._foreach_mul_(sums.grads, scale)  # the fused multi-tensor kernel clip_grad_norm_ uses too
     with device.span(Stage.GRAD_NORM_SYNC):

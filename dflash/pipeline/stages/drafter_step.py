@@ -71,7 +71,7 @@ async def run_prepare(
     """The prepare phase of one batch: after the features' event when they are still on the
     target's GPU (and holding their memory for this stream); a pooled pinned buffer goes
     back to its pool with the event after its upload."""
-    on_device = [t for t in (feats.hidden, *(feats.teacher or ())) if t.device.type == "cuda"]
+    on_device = [t for t in (feats.hidden, *(feats.teacher or ())) if device.on_device(t)]
     out, ready = await device.run(None, micro.prepare, rep, device, feats, step, wait_for=[feats.ready], uses=on_device)
     if feats.release is not None:  # (after a failure it stays out: the pool makes another)
         feats.release(ready)

@@ -39,8 +39,8 @@ async def features(
     """A batch's features: from the cache when every document is there, else the target's."""
     if cache is not None:
         # A hit skips the target: one host tensor with the layers already concatenated.
-        pin = target.device.type == "cuda"
-        hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype, pin)
+        alloc = device.pinned if device.accelerated else None
+        hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype, alloc)
         if hit is not None:
             return TargetFeatures(batch, [hit[0]], None, hit[1])
     (layers, teacher), ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch, target.teacher_topk)

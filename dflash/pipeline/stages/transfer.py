@@ -23,24 +23,24 @@ from dflash.runtime.profiler import Profiler, Stage
 __all__ = ["host_features", "run", "to_host"]
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+def _pinned_copy(device: Device, t: torch.Tensor) -> torch.Tensor:
     # Same dtype as the source: a dtype change inside .to() falls back to pageable memory.
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host = device.pinned(t.shape, t.dtype)
     host.copy_(t, non_blocking=True)
     return host
 
 
 def to_host(
-    hidden: torch.Tensor, pool: PinnedPool | None = None, teacher: Teacher | None = None
+    device: Device, hidden: torch.Tensor, pool: PinnedPool | None = None, teacher: Teacher | None = None
 ) -> tuple[torch.Tensor, object, Teacher | None]:
     """(host tensor, its release callback or None, the teacher's top-k on the host). Queued
     on the D2H stream; the host must wait for the returned event before it reads."""
     faults.check(Stage.TARGET_D2H)
-    if hidden.device.type == "cpu":
+    if not device.on_device(hidden):
         return hidden, None, teacher
-    teacher_host = (_pinned_copy(teacher[0]), _pinned_copy(teacher[1])) if teacher is not None else None
+    teacher_host = (_pinned_copy(device, teacher[0]), _pinned_copy(device, teacher[1])) if teacher is not None else None
     if pool is None:
-        return _pinned_copy(hidden), None, teacher_host
+        return _pinned_copy(device, hidden), None, teacher_host
     host, release = pool.take(hidden.shape, hidden.dtype)
     host.copy_(hidden, non_blocking=True)
     return host, release, teacher_host
@@ -56,10 +56,10 @@ async def host_features(
 ) -> HostFeatures:
     """The copy, waited for off the loop (the host must not read before it lands), and
     stored in the feature cache. `keep_on_device`: no copy; the consumer waits on the event."""
-    if keep_on_device and f.hidden.device.type == "cuda":
+    if keep_on_device and device.on_device(f.hidden):
         return HostFeatures(f.batch, f.hidden, source, ready=f.ready, teacher=f.teacher)
     (host, release, teacher), ready = await device.run(
-        Stage.TARGET_D2H, to_host, f.hidden, pool, f.teacher, wait_for=[f.ready], uses=[f.hidden, *(f.teacher or ())]
+        Stage.TARGET_D2H, to_host, device, f.hidden, pool, f.teacher, wait_for=[f.ready], uses=[f.hidden, *(f.teacher or ())]
     )
     await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:

@@ -47,12 +47,15 @@ def model_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 TARGET_LABELS = {"loss.labels": '"target"', "loss.greedy_prefix_only": "true"}
 DISTILL = {"loss.distill": 0.5, "loss.distill_topk": 8}
 SERIAL = {"pipeline.mode": '"serial"'}
+HOOKS = {  # eval and checkpoints between steps: their device reads are named, nothing else
+    "eval.every_steps": 2, "eval.num_prompts": 2, "eval.max_new_tokens": 8, "checkpoint.every_steps": 2,
+}  # fmt: skip
 PACKED = {"data.pack": "true", "data.max_seq_len": 96, "data.num_samples": 128}  # two or three documents a row
 
 # A covering set, not the whole product: each kind, packing, labels, distillation and mode
 # appears both ways.
 MATRIX = {
-    "tiny-unpacked-pipeline": ("tiny", {}),
+    "tiny-unpacked-pipeline-hooks": ("tiny", HOOKS),
     "tiny-packed-labels-distill-2gpus": ("tiny", {**PACKED, **TARGET_LABELS, **DISTILL}),
     "tiny-packed-serial": ("tiny", {**PACKED, **SERIAL}),
     "hf-unpacked-distill": ("qwen3", DISTILL),
@@ -77,21 +80,31 @@ def test_no_stage_syncs_the_host_outside_a_named_sync(tiny_config, model_folders
     assert rules.ops > 500
 
 
-def test_a_planted_item_in_a_stage_fails_naming_op_and_frame(tiny_config, monkeypatch):
-    real = pack.pack
+PLANTS = {  # a host read of a device value, planted in the pack stage, and what the failure names
+    "item": (lambda t: t.sum().item(), "aten._local_scalar_dense"),
+    "bool": (lambda t: bool(t.sum() > 0), "aten._local_scalar_dense"),
+    "tolist": (lambda t: t[0, 0, :2].tolist(), "Tensor.tolist"),
+    "mask_index": (lambda t: t[t > 0], "with a boolean mask"),
+    "nonzero": (lambda t: t.nonzero(), "aten.nonzero"),
+    "repeat_interleave": (lambda t: torch.arange(2).repeat_interleave(t[0, 0, :2].long().abs()), "without output_size"),
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_a_planted_sync_in_a_stage_fails_naming_op_and_frame(tiny_config, monkeypatch, plant):
+    real, (peek, named) = pack.pack, PLANTS[plant]
 
     def pack_and_peek(layers):  # type: ignore[no-untyped-def]
         out = real(layers)
-        if out.sum().item() > 1e30:  # a host read of a device value: a sync on a GPU
-            pass
+        peek(out)
         return out
 
     monkeypatch.setattr(pack, "pack", pack_and_peek)
     with pytest.raises(StageError) as err:
-        checked_run(tiny_config)
+        checked_run(tiny_config, **{"train.max_steps": 1})
     msg = str(err.value)
-    assert msg.startswith("stage target.pack_hidden[0] failed: CudaRuleError: target0 target.pack_hidden: sync:")
-    assert "aten._local_scalar_dense" in msg and "test_sync_detector.py" in msg and "pack_and_peek" in msg
+    assert msg.startswith("stage target.pack_hidden[0] failed: CudaRuleError: target0 target.pack_hidden: sync:"), msg
+    assert named in msg and "test_sync_detector.py" in msg, msg
 
 
 def test_the_plain_call_into_transformers_fails_inside_transformers(tiny_config, monkeypatch):
@@ -109,3 +122,46 @@ def test_the_plain_call_into_transformers_fails_inside_transformers(tiny_config,
     msg = str(err.value)
     assert "target.model_forward" in msg and "sync: aten." in msg
     assert "transformers/masking_utils.py" in msg, msg
+
+
+def test_the_sync_check_stays_armed_while_hooks_await(monkeypatch):
+    """Torch's sync debug mode is process-wide: a hook must not turn it off for the whole of
+    its await (other stages run meanwhile), only around its own device reads (`ctx.read`)."""
+    import asyncio
+
+    from dflash.runtime import devices
+    from dflash.runtime.profiler import Profiler
+    from dflash.train.hooks import StepBook, StepResult
+
+    monkeypatch.setattr(devices, "_set_mode", lambda mode: None)
+    seen: list[int] = []
+
+    class Hook:
+        async def after_step(self, ctx):  # type: ignore[no-untyped-def]
+            seen.append(devices._named_syncs)
+            await ctx.read(None, lambda: seen.append(devices._named_syncs))
+            seen.append(devices._named_syncs)
+
+        async def at_end(self, ctx):  # type: ignore[no-untyped-def]
+            seen.append(devices._named_syncs)
+
+    device = devices.Device("cpu", "optimizer")
+    book = StepBook(
+        device, Profiler(60.0, lambda *a, **k: None, enabled=False), lambda *a, **k: None,
+        start_step=0, log_every=100, max_bad_steps=3, hooks=[Hook()],
+    )  # fmt: skip
+    result = StepResult(
+        step=1, loss=torch.zeros(()), grad_norm=torch.zeros(()), lr=0.0, correct=torch.zeros(2),
+        count=torch.zeros(2, dtype=torch.long), tokens=1, samples=1, weight_sum=1.0,
+    )  # fmt: skip
+    book.progress.finish(1, 0)
+
+    async def go() -> None:
+        await book.end(result, None)
+        await book.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        device.close()
+    assert seen == [0, 1, 0, 0]  # named only inside the hook's own device work

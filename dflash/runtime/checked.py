@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -252,7 +253,7 @@ class Rules:
             self.launch(stream, wait_for)
         _local.ctx = (stage, {stream.gpu: stream} if stream is not None else {})
         try:
-            with _Watch(self):
+            with _HostReads(self), _Watch(self):
                 yield
         finally:
             _local.ctx = prev
@@ -457,6 +458,30 @@ class _Watch(TorchDispatchMode):
         if not getattr(_local, "paused", False):
             self.rules.op(func, args, kwargs, out)
         return out
+
+
+# Copies to the host that reach no op on CPU (the tensor is already there): seen at the
+# Python level instead.
+_TO_HOST = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__array__})
+
+
+class _HostReads(TorchFunctionMode):
+    """`.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` of a device tensor: a blocking copy to
+    the host (on CPU no op is dispatched for them: the dispatch mode cannot see them)."""
+
+    def __init__(self, rules: Rules) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        to_cpu = func is torch.Tensor.to and "cpu" in (*args[1:2], kwargs.get("device"))
+        if (func in _TO_HOST or to_cpu) and args and isinstance(args[0], torch.Tensor):
+            rules = self.rules
+            if rules.syncs and not getattr(_local, "paused", False) and not in_named_sync():
+                if rules.where(args[0]) is not None:
+                    rules.fail(f"sync: Tensor.{func.__name__} of a device tensor is a blocking copy to the host")
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

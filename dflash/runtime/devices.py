@@ -24,10 +24,18 @@ The hand-off rule, the one way a tensor crosses from one stream to another:
 
 Host syncs: `host_sync` (read a device value) and `Device.synchronize` (wait for an event)
 are the hot path's only ones, each inside a span named for it. `set_sync_debug(True)` makes
-every other sync on CUDA an error (torch's sync debug mode), for checks.
+every other sync on CUDA an error (torch's sync debug mode), for checks. That mode is
+process-wide, so while one thread is inside `named_sync` the others go unchecked; hooks
+name only their own work (`StepContext.read`), and waiting for an event needs no name.
 
-The orchestration benchmarks bring their own subclass (`synthetic.SimDevice`, a simulated
-in-order device queue); this module does not know it exists.
+Where tensors live and the CUDA-only choices (features kept on the device, pinned buffers,
+per-GPU streams, events across GPUs) are `Device` methods (`accelerated`, `gpu`,
+`on_device`, `upload`, `to_host`, `pinned`, `event`, `stream_for`, `copy_to`), and the free
+functions `upload`, `host_sync` and `on_device` ask the worker's device. Subclasses plug in
+through the pipeline's `DeviceFactory`: the orchestration benchmarks' simulated device queue
+(`bench/simulated.py`) and the checked device of `runtime/checked.py`, which runs the real
+stages on virtual GPUs over CPU tensors and checks every op against CUDA's rules; this module
+knows neither.
 """
 
 from __future__ import annotations
@@ -195,8 +203,7 @@ class PinnedPool:
                 self.extra += 1
                 return self._alloc(nbytes)[:nbytes].view(dtype).view(shape), lambda _ready: None
         if ready is not None and not ready.query():
-            with named_sync():
-                ready.synchronize()  # sync: the last upload from this buffer must be done
+            ready.synchronize()  # sync: the last upload from this buffer must be done (an event: see `_wait`)
 
         def release(ready: Any) -> None:
             with self._lock:
@@ -206,8 +213,10 @@ class PinnedPool:
 
 
 def _wait(ready: Any) -> None:
-    with named_sync():
-        ready.synchronize()  # sync: named by the caller's span or record
+    # No named_sync: torch's sync debug mode does not flag an event's synchronize (it checks
+    # copies and stream/device synchronizes), so the check stays armed meanwhile for every
+    # other thread; turning it off here, process-wide, would blind it while the host waits.
+    ready.synchronize()  # sync: named by the caller's span or record
 
 
 # How the pipeline makes its devices: `(spec, name, profiler) -> Device`. `Device` itself by

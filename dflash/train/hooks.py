@@ -72,10 +72,12 @@ class StepContext:
         while a hook awaits, the sync check stays armed for every other stage."""
 
         def named() -> R:
-            with named_sync():
+            with named_sync(), self.device.span(stage):
                 return fn(*args)
 
-        out, _ = await self.device.run(stage, named, wait_for=[self.ready])
+        # On the optimizer's own stream, in order after the update: it may read any state the
+        # update made (AdamW's moments) with no hand-off to another stream.
+        out, _ = await self.device.run(None, named, wait_for=[self.ready])
         return out
 
 

@@ -225,7 +225,7 @@ def _apply_step(spec: SyntheticSpec) -> Any:
     def apply(contribs: Any, device: Any, step: int, progress: Any) -> StepResult:
         with device.span(Stage.OPTIMIZER_STEP):
             work(spec.optimizer)
-        with device.span(Stage.GRAD_NORM_SYNC):  # the real step's one host sync, through the same helper
+        with device.span(Stage.GRAD_NORM_SYNC):  # the real step's one host sync, through the same function
             host_sync(torch.ones(()))
         progress.finish(step, max(c.last_batch for c in contribs))
         B = spec.block_size

@@ -291,3 +291,31 @@ def test_wait_returns_once_the_event_is_done():
     assert ready.queries == 4 and not aborted
     world.wait(None, "the gradient all-reduce of step 3")
     assert world.collective_event(torch.device("cpu")) is None
+
+
+def test_the_steps_host_sync_waits_for_the_all_reduce_with_a_deadline():
+    """`StepSums.read` with ranks: first `World.wait` on the all-reduce's event (NCCL returns
+    before the collective ends), then the one host sync; a lost peer raises from the wait."""
+    import torch
+
+    from dflash.runtime.distributed import DistributedError
+    from dflash.train.reduce import StepSums
+
+    calls: list[tuple[object, str]] = []
+
+    class World:
+        def wait(self, ready: object, what: str) -> None:
+            calls.append((ready, what))
+
+    stats = torch.tensor([4.0, 1.0, 2.0], dtype=torch.float64)
+    sums = StepSums([], stats, torch.zeros(()), torch.zeros(2), None, world=World(), ready="event", what="step 3")
+    ok, weight = sums.read(torch.tensor(True))
+    assert calls == [("event", "step 3")] and ok and weight == 4.0 and sums.count.tolist() == [1, 2]
+
+    class Lost(World):
+        def wait(self, ready: object, what: str) -> None:
+            raise DistributedError(f"{what}: not done after 1 s: lost rank 1 (it stopped: no heartbeat)")
+
+    sums.world = Lost()
+    with pytest.raises(DistributedError, match="lost rank 1"):
+        sums.read(torch.tensor(True))

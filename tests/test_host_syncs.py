@@ -87,7 +87,7 @@ def unnamed(path: Path) -> list[str]:
 
 def test_the_hot_path_has_no_unnamed_host_sync():
     """Every possible host sync in stages/, model/, devices, steps and the serial loop is the
-    named helper or says why it is none."""
+    named function or says why it is none."""
     found = [hit for path in HOT for hit in unnamed(path)]
     assert not found, "\n".join(found)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from checked_run import checked_run
+
 from dflash.errors import StageError
 from dflash.runtime import devices
-from dflash.runtime.checked import Rules, VStream
+from dflash.runtime.checked import CheckedDevice, Rules, VStream
 
 ONE_GPU = (0,)
 TWO_GPUS = (0, 1)
@@ -27,7 +27,7 @@ def test_the_real_code_keeps_every_rule(tiny_config, gpus):
     steps = [r for r in records if r["event"] == "train_step"]
     assert len(steps) == 4 and all(r["loss"] is not None for r in steps)
     assert rules.ops > 1000  # the work ran on virtual GPUs, op by op
-    streams = {s.name for s in rules._streams.values()}
+    streams = rules.stream_names
     assert "target0/target.pack_hidden@gpu0" in streams
     if gpus == TWO_GPUS:  # the D2H path and the optimizer's stream on the second GPU
         assert {"target0/target.d2h_copy@gpu0", "optimizer/drafter.optimizer_step@gpu1"} <= streams
@@ -87,7 +87,7 @@ def test_reading_a_host_buffer_before_its_copy_lands_fails(tiny_config, monkeypa
     async def no_wait(self, ready):  # type: ignore[no-untyped-def]
         return None
 
-    monkeypatch.setattr(devices.Device, "synchronize", no_wait)
+    monkeypatch.setattr(CheckedDevice, "synchronize", no_wait)
     with pytest.raises(StageError) as err:
         checked_run(tiny_config, TWO_GPUS)
     assert "last written on target0/target.d2h_copy@gpu0, not waited for" in str(err.value)

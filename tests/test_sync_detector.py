@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checked_run import checked_run
+
 from dflash.config import TinyTargetConfig
 from dflash.errors import StageError
 from dflash.model.target import Target, build_tiny
@@ -50,6 +50,7 @@ SERIAL = {"pipeline.mode": '"serial"'}
 HOOKS = {  # eval and checkpoints between steps: their device reads are named, nothing else
     "eval.every_steps": 2, "eval.num_prompts": 2, "eval.max_new_tokens": 8, "checkpoint.every_steps": 2,
 }  # fmt: skip
+CACHE = {"data.feature_cache_mb": 64, "data.num_samples": 32, "train.epochs": 3}  # steps 3 and 4 skip the target
 PACKED = {"data.pack": "true", "data.max_seq_len": 96, "data.num_samples": 128}  # two or three documents a row
 
 # A covering set, not the whole product: each kind, packing, labels, distillation and mode
@@ -58,6 +59,7 @@ MATRIX = {
     "tiny-unpacked-pipeline-hooks": ("tiny", HOOKS),
     "tiny-packed-labels-distill-2gpus": ("tiny", {**PACKED, **TARGET_LABELS, **DISTILL}),
     "tiny-packed-serial": ("tiny", {**PACKED, **SERIAL}),
+    "tiny-cache-hits-2gpus": ("tiny", CACHE),
     "hf-unpacked-distill": ("qwen3", DISTILL),
     "llama-unpacked-labels": ("llama", TARGET_LABELS),
     "llama-packed-serial-distill": ("llama", {**PACKED, **SERIAL, **DISTILL}),
@@ -78,6 +80,8 @@ def test_no_stage_syncs_the_host_outside_a_named_sync(tiny_config, model_folders
     records, rules = checked_run(tiny_config, gpus, **_target(kind, model_folders), **extra)
     assert [r["step"] for r in records if r["event"] == "train_step"] == [1, 2, 3, 4]
     assert rules.ops > 500
+    if extra is CACHE:  # later epochs' batches came from the cache, through the device's pinned buffers
+        assert "target0/target.feature_cache_hit@gpu0" in rules.stream_names
 
 
 PLANTS = {  # a host read of a device value, planted in the pack stage, and what the failure names
@@ -86,6 +90,8 @@ PLANTS = {  # a host read of a device value, planted in the pack stage, and what
     "tolist": (lambda t: t[0, 0, :2].tolist(), "Tensor.tolist"),
     "mask_index": (lambda t: t[t > 0], "with a boolean mask"),
     "nonzero": (lambda t: t.nonzero(), "aten.nonzero"),
+    "made_on_device": (lambda t: torch.ones(3, device=t.device).nonzero(), "aten.nonzero"),  # a factory given a device
+    "to_cpu": (lambda t: t.to("cpu"), "Tensor.to"),
     "repeat_interleave": (lambda t: torch.arange(2).repeat_interleave(t[0, 0, :2].long().abs()), "without output_size"),
 }
 
@@ -165,3 +171,25 @@ def test_the_sync_check_stays_armed_while_hooks_await(monkeypatch):
     finally:
         device.close()
     assert seen == [0, 1, 0, 0]  # named only inside the hook's own device work
+
+
+def test_flex_block_masks_are_built_without_a_host_sync():
+    """The flex `BlockMask` (the drafter's mask on CUDA; training on CPU cannot use flex, it has
+    no CPU backward) is built from device tensors without a host read: the eager
+    `create_block_mask` under the checker, on a virtual GPU."""
+    from dflash.model.drafter import DrafterSpec
+    from dflash.model.masks import BlockLayout, layer_masks
+    from dflash.runtime.checked import Rules
+
+    spec = DrafterSpec(
+        hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+        vocab_size=100, rms_norm_eps=1e-6, rope_theta=1e4, target_layer_ids=[0], num_target_layers=1,
+        block_size=4, mask_token_id=0, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+    )  # fmt: skip
+    rules = Rules()
+    with rules.working("drafter0 prepare", rules.stream("drafter0/prepare", 0), []):
+        anchors = rules.upload(torch.tensor([[0, 5, 10], [2, 7, 0]]), 0)
+        valid = rules.upload(torch.tensor([[True, True, True], [True, True, False]]), 0)
+        docs = rules.upload(torch.tensor([[0] * 8 + [1] * 8, [0] * 12 + [-1] * 4]), 0)
+        masks = layer_masks(BlockLayout(anchors, valid, docs, 4), spec, True)
+    assert set(masks) == {"full_attention", "sliding_attention"} and rules.ops > 50

@@ -15,6 +15,7 @@ import functools
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,7 +158,15 @@ def training_view(model: nn.Module) -> nn.Module:
     (padding, KV cache), keep the original, and may run in another thread meanwhile."""
     _register_train_attention()
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    view = copy.deepcopy(model, shared)
+    try:
+        view = copy.deepcopy(model, shared)
+    except Exception as err:  # a model that cannot be copied (locks, offload maps): as it is
+        warnings.warn(
+            f"target: no training view ({type(err).__name__}: {err}); training forwards keep "
+            "transformers' own mask preparation (a host sync per forward on a GPU)",
+            stacklevel=2,
+        )
+        return model
     view.config._attn_implementation = TRAIN_ATTENTION
     return view
 

@@ -33,6 +33,7 @@ tensors throughout: the checker sees the order of the work, not its speed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
@@ -68,7 +69,7 @@ def _ops(*names: str) -> frozenset[Any]:
 # Ops whose result size or value the host must know: on CUDA each waits for the device.
 SYNC_OPS = _ops(
     "_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "_unique", "_unique2", "unique_dim",
-    "unique_consecutive", "masked_scatter",
+    "unique_consecutive", "bincount",
 )  # fmt: skip
 _REPEAT = _ops("repeat_interleave.Tensor", "repeat_interleave.self_Tensor")
 _INDEX = _ops("index.Tensor", "index_put.default", "index_put_.default", "_index_put_impl_.default")
@@ -95,6 +96,11 @@ def _frame() -> str:
             path = path[len(root.rstrip(os.sep)) + 1 :]
             break
     return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+def _non_blocking(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """`copy_(dst, src, non_blocking)`'s flag."""
+    return bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
 
 
 def _desc(t: torch.Tensor) -> str:
@@ -141,12 +147,11 @@ class VEvent:
         self.rules, self.clock = rules, dict(clock)
 
     def query(self) -> bool:
-        with self.rules.lock:
-            return all(self.rules.host.get(k, 0) >= v for k, v in self.clock.items())
+        host = _host()
+        return all(host.get(k, 0) >= v for k, v in self.clock.items())
 
     def synchronize(self) -> None:
-        with self.rules.lock:
-            _join(self.rules.host, self.clock)
+        _join(_host(), self.clock)
 
 
 @dataclass
@@ -162,7 +167,16 @@ class Mem:
     holds: set[str] = field(default_factory=set)
 
 
-_local = threading.local()  # .stage, .streams {gpu: VStream}, .gpu: the worker's context
+_local = threading.local()  # .ctx: (work's name, {gpu: this thread's current stream there}); .host; .paused
+
+
+def _host() -> Clock:
+    """This thread's host clock: the work it knows to be done (what it waited for, and what
+    the threads it heard from knew: through the event loop, `CheckedDevice.run`)."""
+    clock = getattr(_local, "host", None)
+    if clock is None:
+        clock = _local.host = {}
+    return clock
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -178,7 +192,6 @@ class Rules:
         self.syncs, self.streams = syncs, streams  # which rules are checked
         self.lock = threading.RLock()
         self.mem: dict[int, Mem] = {}
-        self.host: Clock = {}
         self._streams: dict[tuple[str, int], VStream] = {}
         self.ops = 0  # ops seen on virtual GPUs
         # Mutation tests: (work, "wait_for" | "hold") pairs whose waits or holds are dropped, as
@@ -226,6 +239,11 @@ class Rules:
         m = self._get(t)
         return m.gpu if m is not None else None
 
+    @property
+    def stream_names(self) -> set[str]:
+        """Every virtual stream work ran on, e.g. "target0/target.pack_hidden@gpu0"."""
+        return {s.name for s in self._streams.values()}
+
     def stream(self, name: str, gpu: int) -> VStream:
         with self.lock:
             s = self._streams.get((name, gpu))
@@ -238,7 +256,7 @@ class Rules:
     def launch(self, stream: VStream, wait_for: Sequence[Any]) -> None:
         """Work is queued on `stream` now: after all the host has seen done, and `wait_for`."""
         with self.lock:
-            _join(stream.clock, self.host)
+            _join(stream.clock, _host())
             for ev in wait_for:
                 if isinstance(ev, VEvent):
                     stream.wait_event(ev)
@@ -251,7 +269,7 @@ class Rules:
         prev = getattr(_local, "ctx", None)
         if stream is not None:
             self.launch(stream, wait_for)
-        _local.ctx = (stage, {stream.gpu: stream} if stream is not None else {})
+        _local.ctx = (stage, {stream.gpu: stream} if stream is not None else {}, stream)
         try:
             with _HostReads(self), _Watch(self):
                 yield
@@ -316,12 +334,24 @@ class Rules:
             self._fresh(out, None)
         return out
 
+    def made_on_device(self, t: torch.Tensor) -> None:
+        """A factory's tensor, made with an explicit device by this thread's work: its stream's."""
+        ctx = getattr(_local, "ctx", None)
+        if ctx is not None and ctx[2] is not None and isinstance(t, torch.Tensor):
+            with self.lock:
+                self._fresh(t, ctx[2])
+
     def _host_waits(self, stream: VStream) -> None:
         """The host waited for `stream`'s work so far; what the stream does next is after."""
-        _join(self.host, stream.clock)
+        _join(_host(), stream.clock)
         stream.clock[stream.name] += 1
 
     # -- the rules --------------------------------------------------------------------------
+
+    def race(self, what: str) -> None:
+        """A broken stream rule (checked when `streams`)."""
+        if self.streams:
+            self.fail(what)
 
     def fail(self, what: str) -> None:
         ctx = getattr(_local, "ctx", None)
@@ -333,13 +363,13 @@ class Rules:
         if m is None:
             return
         if stream is None:  # the host
-            if m.writer is not None and not _covers(self.host, m.writer):
-                self.fail(f"host read in flight: {op} reads {m.desc} while {m.writer[0]} may still write it")
+            if m.writer is not None and not _covers(_host(), m.writer):
+                self.race(f"host read in flight: {op} reads {m.desc} while {m.writer[0]} may still write it")
             return
         if m.writer is not None and m.writer[0] != stream.name and not _covers(stream.clock, m.writer):
-            self.fail(f"unordered read: {op} on {stream} reads {m.desc} last written on {m.writer[0]}, not waited for")
+            self.race(f"unordered read: {op} on {stream} reads {m.desc} last written on {m.writer[0]}, not waited for")
         if m.gpu is not None and m.alloc is not None and m.alloc != stream.name and stream.name not in m.holds:
-            self.fail(f"no hold: {op} on {stream} uses {m.desc} allocated on {m.alloc} without Device.hold")
+            self.race(f"no hold: {op} on {stream} uses {m.desc} allocated on {m.alloc} without Device.hold")
         m.reads[stream.name] = stream.clock[stream.name]
 
     def _write(self, t: torch.Tensor, stream: VStream | None, op: str, to_host: bool = False) -> None:
@@ -352,13 +382,16 @@ class Rules:
                 gpu, alloc = (None, None) if to_host else (stream.gpu, stream.name)
                 self.mem[s.data_ptr()] = Mem(gpu, _desc(t), weakref.ref(s), alloc=alloc, writer=stream.now)
             return
-        clock = self.host if stream is None else stream.clock
+        clock = _host() if stream is None else stream.clock
         who = "the host" if stream is None else str(stream)
+        foreign = stream is not None and m.gpu is not None and m.alloc not in (None, stream.name)
+        if foreign and stream.name not in m.holds:  # type: ignore[union-attr]
+            self.race(f"no hold: {op} on {stream} writes {m.desc} allocated on {m.alloc} without Device.hold")
         for other, at in m.reads.items():
             if (stream is None or other != stream.name) and clock.get(other, 0) < at:
-                self.fail(f"unordered write: {op} on {who} writes {m.desc} that {other} may still read")
+                self.race(f"unordered write: {op} on {who} writes {m.desc} that {other} may still read")
         if m.writer is not None and (stream is None or m.writer[0] != stream.name) and not _covers(clock, m.writer):
-            self.fail(f"unordered write: {op} on {who} writes {m.desc} that {m.writer[0]} may still write")
+            self.race(f"unordered write: {op} on {who} writes {m.desc} that {m.writer[0]} may still write")
         if stream is not None:
             m.writer, m.reads = stream.now, {}
         elif m.gpu is None:
@@ -382,25 +415,22 @@ class Rules:
             copy_out = func in _COPY and gpus and self.where(args[0]) is None  # device → host
             if self.syncs and gpus and not in_named_sync():
                 self._check_sync(func, args, kwargs, bool(copy_out))
-            if not self.streams and not self.syncs:
-                return
             stream = None
             if gpus:
                 self.ops += 1
                 stream = self._stream_on(min(gpus), func)
             written = self._written(func, args, kwargs)
-            if self.streams:
-                for st in self._streams_here():  # queued now: after all the host has seen done
-                    _join(st.clock, self.host)
-                # Each tensor on the thread's current stream of its own GPU (a copy between
-                # GPUs is ordered on both); host memory that a stream op touches (a pinned
-                # buffer a copy lands in) on the op's stream.
-                for t in ins:
-                    if all(t is not w for w in written):
-                        self._read(t, self._stream_of(t, stream, func), str(func))
-                for t in written:
-                    self._write(t, self._stream_of(t, stream, func), str(func), bool(copy_out))
-            if copy_out and stream is not None and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+            for st in self._streams_here():  # queued now: after all this thread has seen done
+                _join(st.clock, _host())
+            # Each tensor on the thread's current stream of its own GPU (a copy between GPUs
+            # is ordered on both); host memory that a stream op touches (a pinned buffer a
+            # copy lands in) on the op's stream.
+            for t in ins:
+                if all(t is not w for w in written):
+                    self._read(t, self._stream_of(t, stream, func), str(func))
+            for t in written:
+                self._write(t, self._stream_of(t, stream, func), str(func), bool(copy_out))
+            if copy_out and stream is not None and not _non_blocking(args, kwargs):
                 self._host_waits(stream)  # a blocking copy
             in_storages = [_storage(t) for t in ins]
             for t in outs:
@@ -415,7 +445,7 @@ class Rules:
     def _stream_on(self, gpu: int, func: Any) -> VStream:
         stream = self.current(gpu)
         if stream is None:  # CUDA would run it on that GPU's legacy stream, ordered with nothing
-            self.fail(f"no stream: {func} uses a tensor on gpu{gpu}, where this work has no stream (Device.stream_for)")
+            self.race(f"no stream: {func} uses a tensor on gpu{gpu}, where this work has no stream (Device.stream_for)")
         return stream  # type: ignore[return-value]
 
     def _stream_of(self, t: torch.Tensor, stream: VStream | None, func: Any) -> VStream | None:
@@ -441,7 +471,7 @@ class Rules:
             idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx or ()):
                 self.fail(f"sync: {func} with a boolean mask makes the host wait for the GPU (its size)")
-        if copy_out and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+        if copy_out and not _non_blocking(args, kwargs):
             self.fail(f"sync: {func}, a blocking copy of a device tensor to the host")
 
 
@@ -465,9 +495,31 @@ class _Watch(TorchDispatchMode):
 _TO_HOST = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__array__})
 
 
+# Factories: with an explicit device (other than the string "cpu") inside a device's work,
+# their tensor is that device's (on CPU the dispatched op cannot tell it from a host one).
+_FACTORIES = frozenset({
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.rand, torch.randn,
+    torch.randint, torch.linspace, torch.eye, torch.empty_strided, torch.as_tensor,
+})  # fmt: skip
+
+
+def _to_host_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this Python-level call copies its tensor to the host and waits for it."""
+    if func in _TO_HOST:
+        return True
+    if func is not torch.Tensor.to or kwargs.get("non_blocking") or (len(args) > 3 and args[3]):
+        return False
+    to = kwargs.get("device", args[1] if len(args) > 1 else None)
+    if isinstance(to, torch.Tensor):
+        return False  # `.to(other)`: where `other` lives decides; the dispatch mode sees the copy
+    # Only the string: under the checker every torch.device is "cpu", the GPUs' too.
+    return isinstance(to, str) and to.split(":")[0] == "cpu"
+
+
 class _HostReads(TorchFunctionMode):
     """`.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` of a device tensor: a blocking copy to
-    the host (on CPU no op is dispatched for them: the dispatch mode cannot see them)."""
+    the host (on CPU no op is dispatched for them: the dispatch mode cannot see them); and
+    factories given a device, whose tensors are the device's."""
 
     def __init__(self, rules: Rules) -> None:
         super().__init__()
@@ -475,13 +527,14 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        to_cpu = func is torch.Tensor.to and "cpu" in (*args[1:2], kwargs.get("device"))
-        if (func in _TO_HOST or to_cpu) and args and isinstance(args[0], torch.Tensor):
-            rules = self.rules
-            if rules.syncs and not getattr(_local, "paused", False) and not in_named_sync():
-                if rules.where(args[0]) is not None:
-                    rules.fail(f"sync: Tensor.{func.__name__} of a device tensor is a blocking copy to the host")
-        return func(*args, **kwargs)
+        rules, watched = self.rules, not getattr(_local, "paused", False)
+        copies = watched and args and isinstance(args[0], torch.Tensor) and _to_host_copy(func, args, kwargs)
+        if copies and rules.syncs and not in_named_sync() and rules.where(args[0]) is not None:
+            rules.fail(f"sync: Tensor.{func.__name__} of a device tensor is a blocking copy to the host")
+        out = func(*args, **kwargs)
+        if watched and func in _FACTORIES and kwargs.get("device") not in (None, "cpu"):
+            rules.made_on_device(out)
+        return out
 
 
 @contextlib.contextmanager
@@ -507,7 +560,9 @@ class CheckedDevice(Device):
     their CUDA paths (features kept on the device or copied into pinned buffers, events,
     holds), and every op of its work is checked."""
 
-    def __init__(self, spec: str, name: str, profiler: Profiler | None = None, *, rules: Rules, gpu: int | None) -> None:
+    def __init__(
+        self, spec: str, name: str, profiler: Profiler | None = None, *, rules: Rules, gpu: int | None
+    ) -> None:
         super().__init__(spec, name, profiler)
         self.rules, self._gpu = rules, gpu
 
@@ -526,8 +581,11 @@ class CheckedDevice(Device):
         return self.rules.where(t) is not None
 
     def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if self._gpu is None or self.rules.where(t) is not None:
+        where = self.rules.where(t)
+        if self._gpu is None or where == self._gpu:
             return t
+        if where is not None:  # on another GPU: a copy between the two
+            return self.rules.copy(t, self._gpu)
         return self.rules.upload(t, self._gpu)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -574,6 +632,33 @@ class CheckedDevice(Device):
             n += 1
         if n:
             self.held[stage or "default"] += n
+
+    async def run(
+        self,
+        stage: str | None,
+        fn: Callable[..., Any],
+        *args: Any,
+        wait_for: Sequence[Any] = (),
+        uses: Sequence[torch.Tensor] = (),
+    ) -> tuple[Any, Any]:
+        """`Device.run`, passing host clocks through the event loop, as the code's own
+        happens-before goes: the work knows what the loop knew when it was sent, and the loop
+        learns what the work's thread waited for when it returns."""
+        sent = dict(_host())
+        loop = asyncio.get_running_loop()
+        out, ready, seen = await loop.run_in_executor(self._executor, self._sent, sent, stage, fn, args, wait_for, uses)
+        _join(_host(), seen)
+        return out, ready
+
+    def _sent(self, sent: Clock, *call: Any) -> tuple[Any, Any, Clock]:
+        _join(_host(), sent)
+        out, ready = self._call(*call)
+        return out, ready, dict(_host())
+
+    async def synchronize(self, ready: Any) -> None:
+        """The event's wait, in the loop's own thread (a virtual event is waited for at once)."""
+        if ready is not None:
+            ready.synchronize()
 
     def _call(
         self,

@@ -29,7 +29,7 @@ process-wide, so while one thread is inside `named_sync` the others go unchecked
 name only their own work (`StepContext.read`), and waiting for an event needs no name.
 
 Where tensors live and the CUDA-only choices (features kept on the device, pinned buffers,
-per-GPU streams, events across GPUs) are `Device` methods (`accelerated`, `gpu`,
+per-GPU streams, events across GPUs) are `Device` methods (`accelerated`, `gpu`, `gpu_of`,
 `on_device`, `upload`, `to_host`, `pinned`, `event`, `stream_for`, `copy_to`), and the free
 functions `upload`, `host_sync` and `on_device` ask the worker's device. Subclasses plug in
 through the pipeline's `DeviceFactory`: the orchestration benchmarks' simulated device queue
@@ -159,6 +159,8 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or t.device == device:
         return t
+    if t.device.type == "cuda":  # on another GPU: a copy between the two
+        return t.to(device, non_blocking=True)  # no-sync: device to device
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)  # no-sync: pinned source
 
 
@@ -298,7 +300,8 @@ class Device:
         """The stream this thread's work on the GPU of `like` runs on: the current one on this
         device's own GPU; on another GPU, `stage`'s stream there, after `wait`, made this
         thread's current stream there (the optimizer's work on other replicas' GPUs). None
-        off CUDA."""
+        off CUDA. Setting a stream also makes its GPU the thread's current device: the caller
+        sets its own back (`reduce._take_over`)."""
         dev = like.device
         if dev.type != "cuda":
             return None

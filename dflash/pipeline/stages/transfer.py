@@ -58,8 +58,9 @@ async def host_features(
     stored in the feature cache. `keep_on_device`: no copy; the consumer waits on the event."""
     if keep_on_device and device.on_device(f.hidden):
         return HostFeatures(f.batch, f.hidden, source, ready=f.ready, teacher=f.teacher)
+    uses = [f.hidden, *(f.teacher or ())]
     (host, release, teacher), ready = await device.run(
-        Stage.TARGET_D2H, to_host, device, f.hidden, pool, f.teacher, wait_for=[f.ready], uses=[f.hidden, *(f.teacher or ())]
+        Stage.TARGET_D2H, to_host, device, f.hidden, pool, f.teacher, wait_for=[f.ready], uses=uses
     )
     await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:

@@ -188,7 +188,7 @@ check_dry_run() {
 
 check_travel() {
   local size
-  size="$( { git ls-files -co --exclude-standard -z; [[ -d wheels ]] && find wheels -type f -print0; } \
+  size="$( { git ls-files -co --exclude-standard -z; if [[ -d wheels ]]; then find wheels -type f -print0; fi; } \
     | "$PY" -c 'import os, sys
 print(sum(os.path.getsize(p) for p in set(sys.stdin.read().split("\0")) - {""} if os.path.isfile(p)))')" \
     || { echo "MISSING travel: cannot list the working tree"; return 1; }

@@ -141,6 +141,8 @@ def run(
             f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
             f"{summary['tokens_per_s']:.0f} tok/s{tau}; run folder {summary['run_dir']}"
         )
+        if summary.get("vllm_speculative_config"):
+            logs.human(f"dflash: in vLLM: speculative_config = {json.dumps(summary['vllm_speculative_config'])}")
     finally:
         if log_fh is not None:
             log_fh.close()
@@ -163,6 +165,9 @@ def run(
                    "verification (eval.temperature)")  # fmt: skip
 @click.option("--batch-size", type=click.IntRange(min=1),
               help="prompts decoded at once, greedy only (eval.batch_size; 1: single-sequence speedup)")  # fmt: skip
+@click.option("--engine", type=click.Choice(["dflash", "vllm"]), default="dflash", show_default=True,
+              help="vllm: decode in vLLM's offline API with the export as drafter, checked against vLLM's "
+                   "plain greedy output and ours (needs vLLM: make engines)")  # fmt: skip
 def eval_cmd(
     config: Path,
     drafter_path: Path,
@@ -172,6 +177,7 @@ def eval_cmd(
     max_new_tokens: int | None,
     temperature: float | None,
     batch_size: int | None,
+    engine: str,
 ) -> None:
     """Speculative decoding with a trained drafter, greedy (temperature 0, checked lossless
     against the target's own output) or sampled (--temperature): one `eval` JSON record per
@@ -193,7 +199,7 @@ def eval_cmd(
     logs.configure(sys.stdout)
     from dflash.eval.command import run_eval
 
-    records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None)
+    records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None, engine)
     import structlog
 
     for record in records:
@@ -203,6 +209,14 @@ def eval_cmd(
 
 def _eval_table(records: list[dict]) -> str:
     """τ per prompt set, like the papers' tables."""
+    if records and records[0].get("engine") == "vllm":
+        rows = [f"{'prompt set':<14}{'prompts':>8}{'tau vLLM':>10}{'tau dflash':>12}  same as vLLM greedy / ours"]
+        rows += [
+            f"{r['prompt_set']:<14}{r['prompts']:>8}{r['tau']:>10.3f}{r['dflash_tau']:>12.3f}  "
+            f"{r['identical_to_vllm_greedy']}/{r['prompts']} / {r['identical_to_dflash_greedy']}/{r['prompts']}"
+            for r in records
+        ]
+        return "dflash eval --engine vllm (greedy; tau: tokens per verify step)\n" + "\n".join(rows)
     k = min(6, max(len(r["accept_per_position"]) for r in records))
     head = (
         f"{'prompt set':<14}{'prompts':>8}{'gens':>6}{'tau':>7}{'tau/gen':>9}  "
@@ -240,11 +254,15 @@ def export_cmd(checkpoint: Path, out_dir: Path) -> None:
             msg = f"{checkpoint}: no complete checkpoint in {checkpoint / 'checkpoints'}"
             raise DFlashError(msg)
         source = found
-    out = export_checkpoint(source, out_dir)
-    click.echo(json.dumps({"event": "export", "checkpoint": str(source), "path": str(out)}))
     from dflash import logs
+    from dflash.engines.vllm import speculative_config
+    from dflash.model.export import load_drafter
 
-    logs.human(f"dflash export: {source} -> {out}")
+    out = export_checkpoint(source, out_dir)
+    spec_cfg = speculative_config(out.resolve(), load_drafter(out).spec)
+    record = {"event": "export", "checkpoint": str(source), "path": str(out), "vllm_speculative_config": spec_cfg}
+    click.echo(json.dumps(record))
+    logs.human(f"dflash export: {source} -> {out}; in vLLM: speculative_config = {json.dumps(spec_cfg)}")
 
 
 def _per_set(counts: dict[str, int]) -> str:
@@ -278,14 +296,15 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
             raise ConfigError(msg)
         from dflash.data.prompts import load_prompts
 
-        dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
+        server = bool(cfg.regen.server)  # a server answers: the target's weights are never loaded here
+        dev = None if server else check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
         with warnings.catch_warnings(record=True) as caught:  # skipped records: warning records, as in a run
             warnings.simplefilter("always")
             prompts = load_prompts(cfg)  # before the model: a bad prompt file fails in a second
         for w in caught:
             structlog.get_logger("dflash").info("warning", message=str(w.message))
         tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
-        target = load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
+        target = None if dev is None else load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
         torch.manual_seed(cfg.regen.seed)
         stats = regenerate(cfg, target, tokenizer, prompts=prompts)
         structlog.get_logger("dflash").info("regen", **stats)

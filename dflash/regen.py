@@ -7,7 +7,9 @@ file whose conversations are cut before their first assistant turn; or several s
 answered one after the other), keeps `holdout` of the first set aside for eval, and
 generates replies in batches (greedy, or sampled) in a seeded random order, like lengths
 batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended
-batch by batch and flushed: an interrupted regen resumes where it stopped.
+batch by batch and flushed: an interrupted regen resumes where it stopped. With
+`regen.server`, an OpenAI-compatible server (vLLM, SGLang, llama.cpp) writes the replies
+instead of the target running here (`_ServerReplier`): same prompts, split, order and records.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,6 +33,7 @@ from dflash.config import Config
 from dflash.data.chat_template import prompt_ids, tokenize_many
 from dflash.data.prompts import Messages, Prompts, load_prompts, prompt_key
 from dflash.data.samples import Sample, collate
+from dflash.engines.server import ChatServer
 from dflash.errors import DataError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
@@ -279,9 +283,13 @@ def regenerate(
 ) -> dict[str, Any]:
     """Generate replies for every training prompt not yet in the output; returns stats.
 
-    `progress`: a live line on a terminal; otherwise one line every 30 s on stderr."""
+    `progress`: a live line on a terminal; otherwise one line every 30 s on stderr. With
+    `regen.server`, the server answers and `target` may be None (only `tokenizer` is used);
+    a server that does not answer GET /v1/models fails here, before anything is written."""
+    r = cfg.regen
+    server = ChatServer(r.server, r.server_model, r.server_timeout_s).connect() if r.server else None
     with _exclusive(cfg.regen_output):
-        return _regenerate(cfg, target, tokenizer, progress, prompts)
+        return _regenerate(cfg, target, tokenizer, progress, prompts, server)
 
 
 def _check_held_out(out_path: Path, done: set[str], held: list[Messages]) -> None:
@@ -404,7 +412,7 @@ class _Replier:
         self.per_set = dict.fromkeys((src for src, _ in prompts.sets), 0)  # replies written, by prompt set
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos = tokenizer.eos_token_id
-        self.generator = torch.Generator(device=target.device).manual_seed(cfg.regen.seed)
+        self.generator = None if target is None else torch.Generator(device=target.device).manual_seed(cfg.regen.seed)
         self.features: _FeatureParts | None = None
         self.new_tokens = self.written = 0
 
@@ -456,14 +464,70 @@ class _Replier:
     def _write(self, out: IO[str], i: int, reply: list[int]) -> Messages:
         """Training prompt i with its reply, as written to `out`."""
         self.new_tokens += len(reply)
+        return self._write_text(out, i, self.tokenizer.decode(reply, skip_special_tokens=True).strip())
+
+    def _write_text(self, out: IO[str], i: int, text: str) -> Messages:
+        """Training prompt i with its reply's text, as written to `out`."""
         self.per_set[self.source[i]] += 1
-        text = self.tokenizer.decode(reply, skip_special_tokens=True).strip()
         msgs = [*self.train[i], {"role": "assistant", "content": text}]
         record: dict[str, Any] = {"id": i, "messages": msgs}
         if self.template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
             record["chat_template_kwargs"] = self.template_kwargs
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
         return msgs
+
+
+class _ServerReplier(_Replier):
+    """regen.server: an OpenAI-compatible server writes the replies, `batch_size` requests in
+    flight (the prompts in the local loop's order), each written as soon as those before it
+    are; the output is flushed whenever the next reply is still pending, so an error loses no
+    reply received before it. A server's tokens come back as text: the record holds that text,
+    stripped, like the local loop's decoded reply (training tokenizes it with the target's chat
+    template, as any chat file); its token count is the server's usage.completion_tokens, else
+    the text re-tokenized. Greedy is asked as the local loop's raw argmax: temperature 0,
+    repetition_penalty 1 (a server would otherwise apply the model's generation config)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, prompts: Prompts, server: ChatServer) -> None:
+        super().__init__(cfg, None, tokenizer, prompts)
+        self.server = server
+        r = cfg.regen
+        self.options: dict[str, Any] = {
+            "max_tokens": r.max_new_tokens, "temperature": r.temperature, "seed": r.seed, "repetition_penalty": 1.0,
+        }  # fmt: skip
+        if self.template_kwargs:
+            self.options["chat_template_kwargs"] = self.template_kwargs
+
+    def ask(self, i: int) -> tuple[str, int | None]:
+        """Training prompt i's reply from the server (from a worker thread: no tokenizer here)."""
+        return self.server.chat(self.train[i], self.options)
+
+    def answer_all(self, queue: collections.deque[Todo], out: IO[str], deadline: float, line: _ProgressLine) -> None:
+        """The queued prompts, until the queue runs out or `deadline` (perf_counter) passes:
+        no request starts after it."""
+        items = (i for batch in queue for i, _ in batch)
+        ahead = 4 * self.regen.batch_size  # requests queued: the workers never wait on a slow head
+        pending: collections.deque[tuple[int, Future[tuple[str, int | None]]]] = collections.deque()
+        pool = ThreadPoolExecutor(self.regen.batch_size, thread_name_prefix="regen-server")
+        try:
+            while True:
+                while len(pending) < ahead and time.perf_counter() < deadline and (i := next(items, None)) is not None:
+                    pending.append((i, pool.submit(self.ask, i)))
+                if not pending:
+                    return
+                if not pending[0][1].done():
+                    out.flush()
+                i, reply = pending.popleft()
+                text, tokens = reply.result()
+                text = text.strip()
+                if tokens is None:
+                    tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                self.new_tokens += tokens
+                self._write_text(out, i, text)
+                self.written += 1
+                line.update(self.written == 1, self.written, self.new_tokens, time.perf_counter())
+        finally:
+            out.flush()
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _answer_all(
@@ -489,6 +553,7 @@ def _regenerate(
     tokenizer: Any,
     progress: bool,
     prompts: Prompts | None,
+    server: ChatServer | None,
 ) -> dict[str, Any]:
     out_path = cfg.regen_output
     prompts = prompts if prompts is not None else load_prompts(cfg)
@@ -498,14 +563,18 @@ def _regenerate(
     write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(prompts.held)])
     todo, too_long = _unanswered(cfg, tokenizer, prompts.train, done)
     already = len(prompts.train) - len(todo) - too_long
-    replier = _Replier(cfg, target, tokenizer, prompts)
+    replier = _ServerReplier(cfg, tokenizer, prompts, server) if server else _Replier(cfg, target, tokenizer, prompts)
     t0 = time.perf_counter()
     if cfg.regen.save_features:
         replier.features = _FeatureParts(out_path, target, cfg.regen.temperature == 0)
     line = _ProgressLine(progress, t0, already, len(prompts.train) - too_long)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    budget = _Budget(cfg.regen.max_minutes, cfg.regen.batch_size, t0)
     with out_path.open("a", encoding="utf-8") as out:
-        _answer_all(replier, replier.queue(todo), out, _Budget(cfg.regen.max_minutes, cfg.regen.batch_size, t0), line)
+        if isinstance(replier, _ServerReplier):
+            replier.answer_all(replier.queue(todo), out, t0 + budget.budget_s, line)
+        else:
+            _answer_all(replier, replier.queue(todo), out, budget, line)
     line.end(bool(todo))
     el = time.perf_counter() - t0
     features = replier.features
@@ -518,7 +587,8 @@ def _regenerate(
         "resumed_from": already,
         "unanswered": len(todo) - replier.written,
         "too_long": too_long,
-        "target_dtype": target.dtype_name,
+        "target_dtype": target.dtype_name if target is not None else None,
+        "server": f"{server.model} at {server.url}" if server is not None else None,
         "features": str(features.folder) if features is not None else None,
         "features_mb": round(features.mb if features is not None else 0.0, 2),
         "new_tokens": replier.new_tokens,

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("dflash.pipeline",)),
     ("train", ("dflash.train",)),
     ("eval", ("dflash.eval",)),
+    ("engines", ("dflash.engines",)),
     ("features", ("dflash.features",)),
     ("data", ("dflash.data",)),
     ("model", ("dflash.model",)),

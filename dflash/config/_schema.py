@@ -481,6 +481,23 @@ class RegenConfig(_Section):
         "regen.jsonl -> regen.features/, k x hidden x 2 bytes a token); training on the output then skips the "
         "target for those conversations, the first epoch too (needs data.feature_cache_mb)",
     )  # fmt: skip
+    server: str = Field(
+        "", description="URL of an OpenAI-compatible server (vLLM, SGLang, llama.cpp) serving the target, e.g. "
+        "'http://localhost:8000': it writes the replies (POST /v1/chat/completions, batch_size requests in "
+        "flight) instead of the target running here; same prompts, split, resume and output ('' = off)",
+    )  # fmt: skip
+    server_model: str = Field("", description="the model the server is asked for ('' = the first it lists)")
+    server_timeout_s: float = Field(600.0, gt=0, description="seconds one server request may take")
+
+    @model_validator(mode="after")
+    def _server(self) -> RegenConfig:
+        if self.server and not self.server.startswith(("http://", "https://")):
+            msg = "regen.server: not an http:// or https:// URL"
+            raise ValueError(msg)
+        if self.server and self.save_features:
+            msg = "regen.server with regen.save_features: a server sends no target features; unset one of them"
+            raise ValueError(msg)
+        return self
 
 
 class EvalConfig(_Section):

@@ -10,7 +10,10 @@ from typing import Any
 import torch
 
 from dflash.config import Config
+from dflash.data.chat_template import prompt_ids
+from dflash.engines import vllm
 from dflash.errors import DataError
+from dflash.eval.engine import evaluate_in_vllm
 from dflash.eval.fit import check_drafter_fits
 from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
 from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
@@ -34,12 +37,15 @@ def _load_target(cfg: Config, drafter: DFlashDrafter, device: torch.device) -> t
 
 
 def run_eval(
-    cfg: Config, drafter_path: Path, prompt_sets: Sequence[str] = (), limit: int | None = None
+    cfg: Config, drafter_path: Path, prompt_sets: Sequence[str] = (), limit: int | None = None, engine: str = "dflash"
 ) -> list[dict[str, Any]]:
     """`dflash eval`: load the config's target and a drafter (export or checkpoint folder),
     evaluate on each prompt set (`data.prompt_sets`: mtbench, humaneval, heldout, a file;
     none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
-    record per set, with `prompt_set`. `limit`: at most this many prompts per set."""
+    record per set, with `prompt_set`. `limit`: at most this many prompts per set.
+    `engine = "vllm"`: decoded in vLLM instead (`eval/engine.py`; a chat set's first turns)."""
+    if engine == "vllm":
+        vllm.require_vllm()  # before any model is loaded
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     heldout = cfg.heldout_prompts if reads_chat_prompts(cfg) else None
@@ -53,12 +59,23 @@ def run_eval(
     settings = DecodeSettings.of(cfg, stop_ids(target, tokenizer))
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
-        record = evaluate(target, drafter, head, prompts, settings)
+        if engine == "vllm":
+            record = evaluate_in_vllm(cfg, target, drafter, drafter_path, prompts, settings)
+        else:
+            record = evaluate(target, drafter, head, prompts, settings)
         return [{"prompt_set": "heldout" if reads_chat_prompts(cfg) else "random", **record}]
     if tokenizer is None:
         msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
         raise DataError(msg)
     kwargs = dict(cfg.data.chat_template_kwargs)
+    if engine == "vllm":  # first turns: later ones would follow each engine's own replies
+        firsts = {
+            ps.name: [torch.tensor(prompt_ids(tokenizer, p[0], kwargs)) for p in ps.prompts[:limit]] for ps in sets
+        }
+        return [
+            {"prompt_set": name, "turns": 1, **evaluate_in_vllm(cfg, target, drafter, drafter_path, ids, settings)}
+            for name, ids in firsts.items()
+        ]
     return [
         {"prompt_set": ps.name, **evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], settings, kwargs),
          "chat_template_kwargs": kwargs}

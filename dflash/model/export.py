@@ -55,6 +55,9 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
             "mask_token_id": spec.mask_token_id,
             "target_layer_ids": list(spec.target_layer_ids),
             "sliding_causal_block": spec.sliding_causal_block,
+            # vLLM reads `causal`, not ours: written only as false (a block bidirectional in the
+            # sliding layers too); true would make vLLM's full layers causal as well.
+            **({} if spec.sliding_causal_block else {"causal": False}),
         },
     }
 

@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from dflash.config import Config, dump_toml
+from dflash.engines.vllm import speculative_config
 from dflash.errors import ConfigError
 from dflash.logs import ProgressLine, RunLog
 from dflash.model.export import export_drafter
@@ -293,6 +294,7 @@ class Coordinator:
             "eval_tau": eval_record["tau"] if eval_record else None,
             "eval_lossless": eval_record["lossless"] if eval_record else None,
             "export_dir": str(export_dir) if export_dir else None,
+            "vllm_speculative_config": speculative_config(export_dir.resolve(), training.spec) if export_dir else None,
             "run_dir": str(self.run_dir),
         }
         self.emit("run_end", **self.summary)

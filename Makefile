@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (Python 3.11, no GPU needed):
 #   make demo   - set up, then train a drafter on the embedded default
-#   make test   - set up, then run the test suite
+#   make test   - set up (also .venv-engines: vLLM, once), then run the test suite
 # Set-up creates .venv. Where that venv can import no torch, it installs torch==2.13.0
 # (a CPU build on these machines). To use a CUDA torch you already have, create the venv
 # over your site-packages first:  make VENV_FLAGS=--system-site-packages test

@@ -241,7 +241,10 @@ def _eval_table(records: list[dict]) -> str:
 @main.command("export")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-def export_cmd(checkpoint: Path, out_dir: Path) -> None:
+@click.option("--format", "fmt", type=click.Choice(["dflash", "speculators"]), default="dflash", show_default=True,
+              help="dflash: the reference format (vLLM, SGLang, AutoModel); speculators: vLLM's second DFlash "
+                   "format (speculators_config, nested transformer_layer_config)")  # fmt: skip
+def export_cmd(checkpoint: Path, out_dir: Path, fmt: str) -> None:
     """Turn a checkpoint folder (mid-run, emergency or final), or a run folder's latest
     complete checkpoint, into an exported drafter in OUT_DIR."""
     from dflash.model.export import export_checkpoint, is_checkpoint
@@ -258,7 +261,7 @@ def export_cmd(checkpoint: Path, out_dir: Path) -> None:
     from dflash.engines.vllm import speculative_config
     from dflash.model.export import load_drafter
 
-    out = export_checkpoint(source, out_dir)
+    out = export_checkpoint(source, out_dir, fmt)
     spec_cfg = speculative_config(out.resolve(), load_drafter(out).spec)
     record = {"event": "export", "checkpoint": str(source), "path": str(out), "vllm_speculative_config": spec_cfg}
     click.echo(json.dumps(record))

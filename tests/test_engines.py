@@ -78,18 +78,29 @@ def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     drafter = Path(end["export_dir"])
     assert end["vllm_speculative_config"]["method"] == "dflash"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(
-        [str(ENGINES_PY), "-m", "dflash", "eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", str(drafter),
-         *sets, "--engine", "vllm"],
-        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (record,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+    def in_vllm(export: Path) -> dict:
+        proc = subprocess.run(
+            [str(ENGINES_PY), "-m", "dflash", "eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", str(export),
+             *sets, "--engine", "vllm"],
+            capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (record,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        return record
+
+    record = in_vllm(drafter)
     assert record["engine"] == "vllm" and record["prompts"] == 6
     assert record["identical_to_vllm_greedy"] == 6 and record["identical_to_dflash_greedy"] == 6 and record["lossless"]
     assert record["tau"] > 1.0 and record["dflash_tau"] > 1.0
     # The same verify steps but at a generation's end, where vLLM counts drafts past max_tokens
     assert abs(record["verify_steps"] - record["dflash_verify_steps"]) <= record["prompts"], record
-    exported = dflash("export", str(Path(end["run_dir"])), str(tmp_path / "export"))  # prints the vLLM config too
-    assert exported.returncode == 0 and "speculative_config = " in exported.stderr
-    assert json.loads(exported.stdout)["vllm_speculative_config"]["num_speculative_tokens"] == 7
+    # vLLM's second format, from the run's last checkpoint: the same drafter, the same decoding
+    exported = dflash("export", str(Path(end["run_dir"])), str(tmp_path / "spec"), "--format", "speculators")
+    assert exported.returncode == 0 and "speculative_config = " in exported.stderr, exported.stderr
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [3]
+    again = in_vllm(tmp_path / "spec")
+    assert again["speculative_config"] == {"model": str((tmp_path / "spec").resolve())}
+    same = ("tau", "verify_steps", "accepted_tokens", "accept_per_position", "identical_to_vllm_greedy", "lossless")
+    assert {k: again[k] for k in same} == {k: record[k] for k in same}

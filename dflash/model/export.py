@@ -62,13 +62,53 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
     }
 
 
-def export_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, Any]:
+    """vLLM's second DFlash format (the `speculators` library's): the model's config nested
+    in `transformer_layer_config`, the target's layers as `aux_hidden_state_layer_ids` (our ids
+    + 1: vLLM counts a layer's input), `speculative_tokens` = block size − 1. vLLM sets
+    `causal` from `sliding_window_non_causal` for every layer, so a drafter with causal
+    sliding blocks (`drafter.sliding_causal_block`) would get causal full layers too: refused."""
+    if "sliding_attention" in spec.layer_types and spec.sliding_causal_block:
+        msg = (
+            "--format speculators: vLLM would make this drafter's full layers causal too (it reads one "
+            "causal flag for all layers); export it in the default format"
+        )
+        raise CheckpointError(msg)
+    ours_only = ("dflash_config", "auto_map", "architectures")
+    layers = {k: v for k, v in drafter_config_json(spec).items() if k not in ours_only}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+        "transformer_layer_config": layers,
+        "mask_token_id": spec.mask_token_id,
+        "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
+        "draft_vocab_size": spec.vocab_size,
+        "sliding_window_non_causal": True,
+        "block_size": spec.block_size,
+    }
+
+
+def export_drafter(
+    model: DFlashDrafter,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    fmt: str = "dflash",
+    verifier: str = "",
+) -> Path:
+    """`fmt`: "dflash" (the reference format) or "speculators" (`speculators_config_json`)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    config = drafter_config_json(model.spec) if fmt == "dflash" else speculators_config_json(model.spec, verifier)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     with atomic_path(out, folder=True) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(drafter_config_json(model.spec), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # the self-contained modeling file AutoModel(..., trust_remote_code=True) loads
         shutil.copyfile(_MODELING, tmp / "modeling_dflash.py")
     return out
@@ -100,6 +140,20 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
     except (KeyError, TypeError, ValueError) as err:
         msg = f"drafter config.json is missing or has a bad field: {err}"
         raise CheckpointError(msg) from None
+
+
+def _from_speculators(cfg: dict[str, Any]) -> dict[str, Any]:
+    try:
+        flat = dict(cfg["transformer_layer_config"])
+        flat["dflash_config"] = {
+            "mask_token_id": cfg["mask_token_id"],
+            "target_layer_ids": [int(i) - 1 for i in cfg["aux_hidden_state_layer_ids"]],
+            "sliding_causal_block": not cfg.get("sliding_window_non_causal", True),
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        msg = f"speculators config.json is missing or has a bad field: {err}"
+        raise CheckpointError(msg) from None
+    return flat
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -137,10 +191,11 @@ def is_export(path: Path) -> bool:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and "dflash_config" in cfg and (path / "model.safetensors").is_file()
+    ours = isinstance(cfg, dict) and ("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash")
+    return ours and (path / "model.safetensors").is_file()
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "dflash") -> Path:
     """A checkpoint folder → an export folder (bf16, like the end-of-run export). OUT_DIR
     must not exist, or be an earlier export (which is replaced); never a folder holding
     anything else (a run, its checkpoints), and never the checkpoint or a folder above it."""
@@ -154,7 +209,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if out.resolve() == p.resolve() or out.resolve() in p.resolve().parents:
         msg = f"{out} holds the checkpoint {p}: give another folder"
         raise CheckpointError(msg)
-    return export_drafter(_from_checkpoint(p), out)
+    return export_drafter(_from_checkpoint(p), out, fmt=fmt, verifier=_verifier(p))
+
+
+def _verifier(checkpoint: Path) -> str:
+    """The target a checkpoint's run trained against, as its config names it."""
+    import tomllib
+
+    try:
+        target = tomllib.loads((checkpoint / "config.toml").read_text()).get("target") or {}
+    except (OSError, ValueError):
+        return ""
+    return str(target.get("path") or target.get("kind") or "")
 
 
 def load_drafter(
@@ -177,6 +243,8 @@ def load_drafter(
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         msg = f"{cfg_file}: not valid JSON: {err}"
         raise CheckpointError(msg) from None
+    if cfg.get("speculators_model_type") == "dflash":  # the speculators format: back to ours
+        cfg = _from_speculators(cfg)
     model = DFlashDrafter(_spec_from_config(cfg))
     try:
         state = load_file(str(weights))

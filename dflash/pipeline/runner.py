@@ -10,6 +10,7 @@ from typing import Any
 
 from dflash.config import Config
 from dflash.pipeline.coordinator import Coordinator, Record
+from dflash.train.checkpoint import ResumeFrom
 
 __all__ = ["run"]
 
@@ -35,7 +36,7 @@ def _install_signals(loop: asyncio.AbstractEventLoop, coord: Coordinator, main: 
             pass
 
 
-def run(config: Config, *, install_signals: bool = True, resume: str | Path | None = None) -> Record:
+def run(config: Config, *, install_signals: bool = True, resume: ResumeFrom | str | Path | None = None) -> Record:
     """Run synchronously (uvloop when installed); Ctrl-C / SIGTERM stop cleanly."""
     try:
         import uvloop

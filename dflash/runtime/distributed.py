@@ -23,7 +23,8 @@ event loop, and each rank calls them in the same order:
 
 Data: rank r takes the batches of the run's fixed global order whose index is r modulo the
 world size (`shard`): with the same total number of replicas, W processes see per step the
-batches one process would. Faults: a heartbeat per rank in the rendezvous store lets a
+batches one process would, and a checkpoint resumes on another number of processes (see
+dflash/train/checkpoint.py). Faults: a heartbeat per rank in the rendezvous store lets a
 survivor whose collective failed or timed out (`distributed.timeout_s`) name the rank it
 lost, in one error line. NCCL's own watchdog is a backstop only: its deadline is
 `NCCL_BACKSTOP_S` later than ours, so that `World.wait` names the lost rank and the run

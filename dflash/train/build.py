@@ -25,7 +25,7 @@ import torch
 from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
 from dflash.data.formats import dataset_path
-from dflash.errors import CheckpointError, ConfigError, DataError
+from dflash.errors import ConfigError, DataError
 from dflash.eval.prompts import require_eval_prompts
 from dflash.features.cache import FeatureCache
 from dflash.features.files import FeatureMeta, folder_for, seed_cache
@@ -38,10 +38,18 @@ from dflash.runtime.devices import check_device
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Stage
 from dflash.store.packages import local_path
-from dflash.train.checkpoint import Loaded, check_resume_config, latest_checkpoint, load_checkpoint, restore
+from dflash.train.checkpoint import (
+    Loaded,
+    ResumeFrom,
+    check_resume_config,
+    latest_checkpoint,
+    load_checkpoint,
+    restore,
+    resume_grad_accum,
+)
 from dflash.train.hooks import StepResult
 from dflash.train.replicas import DrafterReplica, build_replicas
-from dflash.train.schedule import StepPlan, TimeBudget, lr_schedule
+from dflash.train.schedule import GlobalBatch, StepPlan, TimeBudget, lr_schedule
 from dflash.train.step import MicroStep, apply_step
 
 __all__ = ["Training", "build_training"]
@@ -67,6 +75,8 @@ class Training:
     evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
     world: World | None = None  # this process's rank among several (torchrun), else None
     cache: FeatureCache | None = None  # data.feature_cache_mb: seeded from feature files beside the data files
+    batch: GlobalBatch = field(default_factory=GlobalBatch)  # batches per step over the whole run
+    resumed: dict[str, Any] | None = None  # what --resume found and kept or changed (the `resume` record)
 
     @property
     def pin(self) -> bool:
@@ -74,19 +84,49 @@ class Training:
         return any(m.device.type == "cuda" for m in [*self.targets, *self.replicas])
 
 
-def _resume(cfg: Config, resume: str | Path | None, world_size: int = 1) -> Loaded | None:
+def _resume(cfg: Config, resume: ResumeFrom | str | Path | None) -> tuple[ResumeFrom | None, Loaded | None]:
+    """What was asked, and the checkpoint to resume from. "auto" with none yet is a fresh
+    start (a job restarted by torchrun runs one command line before and after its first
+    checkpoint)."""
     if resume is None:
-        return None
-    if str(resume) == "auto":
+        return None, None
+    resume = resume if isinstance(resume, ResumeFrom) else ResumeFrom(resume)
+    if str(resume.where) == "auto":
         path = latest_checkpoint(cfg.run_dir)
         if path is None:
-            msg = f"--resume auto: no complete checkpoint in {cfg.run_dir / 'checkpoints'}"
-            raise CheckpointError(msg)
+            return resume, None
     else:
-        path = Path(resume).expanduser()
+        path = Path(resume.where).expanduser()
     loaded = load_checkpoint(path)
-    check_resume_config(loaded.config, cfg, path, (loaded.world_size, world_size))
-    return loaded
+    check_resume_config(loaded.config, cfg, path)
+    return resume, loaded
+
+
+def _global_batch(
+    cfg: Config, loaded: Loaded | None, resume: ResumeFrom | None, processes: int
+) -> tuple[GlobalBatch, dict[str, Any] | None]:
+    """This run's batches per step, and the `resume` record: resumed on another number of
+    processes or replicas, `train.grad_accum` keeps the checkpoint's global batch."""
+    replicas = len(cfg.pipeline.drafter_devices)
+    if loaded is None:
+        accum = cfg.train.grad_accum if cfg.train.grad_accum != "auto" else 1
+        batch = GlobalBatch(processes, replicas, accum)
+        if resume is None:
+            return batch, None
+        where = cfg.run_dir / "checkpoints"
+        return batch, {"from": None, "step": 0, "global_batch": str(batch), "note": f"no checkpoint in {where} yet"}
+    new = bool(resume and resume.new_global_batch)
+    batch = GlobalBatch(processes, replicas, resume_grad_accum(loaded, cfg, processes, new))
+    saved = loaded.batch or GlobalBatch()
+    record = {
+        "from": str(loaded.path),
+        "step": loaded.step,
+        "cursor": (loaded.cursor or {}).get("index"),
+        "global_batch": str(batch),
+        "checkpoint_global_batch": str(saved),
+        "global_batch_changed": batch.per_step != saved.per_step,
+    }
+    return batch, record
 
 
 def _mask_id(cfg: Config, target: Target, head: FrozenHead, warn: Callable[[str], None]) -> int:
@@ -219,14 +259,15 @@ def _feature_cache(
     return cache
 
 
-def build_training(cfg: Config, resume: str | Path | None = None, world: World | None = None) -> Training:
+def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, world: World | None = None) -> Training:
     """Build a run's `Training` from its config (in a worker thread). With a `world` (several
     processes), this rank's share: the same initial weights on every rank (same seed), the
-    step count of the whole world, and evals on rank 0 only."""
+    step count of the whole world, and evals on rank 0 only. `resume`: a `ResumeFrom` (or its `where`)."""
     torch.manual_seed(cfg.run.seed)
     t_devs, d_devs = _devices(cfg, world)
     ranks = world.size if world is not None else 1
-    loaded = _resume(cfg, resume, ranks)  # before loading any model: a bad checkpoint fails in a second
+    resume, loaded = _resume(cfg, resume)  # before loading any model: a bad checkpoint fails in a second
+    batch, resumed = _global_batch(cfg, loaded, resume, ranks)
     _check_data_files(cfg)  # likewise a missing data file
     wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
     if wants_eval:  # what the end of the run needs, before any model loads
@@ -243,10 +284,10 @@ def build_training(cfg: Config, resume: str | Path | None = None, world: World |
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
     )
-    total = cfg.train.max_steps or max(1, math.ceil(len(plan) / (cfg.train.grad_accum * len(d_devs) * ranks)))
+    total = cfg.train.max_steps or max(1, math.ceil(len(plan) / batch.per_step))
     spec = drafter_spec(cfg, t0, mask_id)
     budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
-    steps = StepPlan(cfg.train.grad_accum, cfg.train.max_steps, budget)
+    steps = StepPlan(batch.grad_accum, cfg.train.max_steps, budget)
     init_from = t0.model if cfg.drafter.init_from_target else None
     lr = lr_schedule(cfg.schedule, total, budget)
     replicas = build_replicas(spec, head, d_devs, cfg.optimizer, lr, cfg.run.seed, init_from)
@@ -254,9 +295,8 @@ def build_training(cfg: Config, resume: str | Path | None = None, world: World |
         stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
     if loaded is not None:
         restore(loaded, replicas)
+    micro = _micro_step(cfg, loss, d_devs[0], total)
     writer = world is None or world.is_writer
-    flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and d_devs[0].type == "cuda")
-    micro = MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
     evaluate = _evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None
     fence([*(t.device for t in targets), *(r.device for r in replicas)])  # the last set-up work is queued above
     return Training(
@@ -276,7 +316,14 @@ def build_training(cfg: Config, resume: str | Path | None = None, world: World |
         warnings=found,
         evaluate=evaluate,
         world=world,
+        batch=batch,
+        resumed=resumed,
     )
+
+
+def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:
+    flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and device.type == "cuda")
+    return MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
 
 
 def fence(devices: Iterable[torch.device]) -> None:

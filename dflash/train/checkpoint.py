@@ -3,12 +3,19 @@
 A checkpoint is a folder `<run>/checkpoints/step_000123/` with
 - `drafter.safetensors`   the drafter weights (fp32; every replica is identical),
 - `optimizer.safetensors` AdamW state tensors, `state.<param index>.<name>`,
-- `state.json`            step, data cursor, LR schedule, optimizer param groups, drafter spec,
+- `state.json`            step, data cursor, global batch per step (processes × replicas ×
+                          grad_accum), LR schedule, optimizer param groups, drafter spec,
 - `config.toml`           the resolved config of the run that wrote it.
 It is written into a hidden temporary folder, every file fsynced, then renamed into place
 (and the parent fsynced): a kill at any moment leaves either the old set of checkpoints or
 the old set plus the complete new one. Older ones beyond `keep_last` are removed only after
 that. Nothing here unpickles anything: tensors are safetensors, the rest JSON / TOML.
+
+Resume on another number of processes: the data cursor is global (the next batch index of
+the run's fixed order) and every random draw of a step is seeded by (run seed, batch index,
+epoch), so W' processes continue where W stopped with rank r taking the indices ≡ r (mod W');
+`train.grad_accum` is then chosen so that the global batch per step stays the checkpoint's
+(`resume_grad_accum`): the steps are the same computation, up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import json
 import re
 import shutil
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +36,17 @@ from safetensors.torch import load_file, save_file
 from dflash.config import Config, dump_toml, moved_keys_mapped
 from dflash.errors import CheckpointError
 from dflash.store.atomic import atomic_path
+from dflash.train.schedule import GlobalBatch
 
 __all__ = [
     "Checkpointer",
+    "ResumeFrom",
     "Snapshot",
     "check_resume_config",
     "latest_checkpoint",
     "load_checkpoint",
     "restore",
+    "resume_grad_accum",
     "snapshot",
     "write_checkpoint",
 ]
@@ -56,10 +66,12 @@ class Snapshot:
 
 
 def snapshot(
-    step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: Any, cfg: Config, world: Any = None
+    step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: Any, cfg: Config, world: Any = None,
+    batch: GlobalBatch | None = None,
 ) -> Snapshot:
     """Copies to the host (fast for a drafter); the slow write happens elsewhere. `world`:
-    the run's ranks and each one's data cursor (the highest batch index it consumed)."""
+    the run's ranks and each one's data cursor (the highest batch index it consumed);
+    `batch`: what one step takes over the whole run."""
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -74,6 +86,8 @@ def snapshot(
         "param_groups": opt["param_groups"],
         "spec": model.spec.to_dict(),
         "world": {"size": world.size if world else 1, "cursors": list(world.cursors) if world else None},
+        "batch": asdict(batch) if batch is not None else None,
+        "seed": cfg.run.seed,
     }
     return Snapshot(step, weights, tensors, state, dump_toml(cfg))
 
@@ -126,6 +140,16 @@ class Loaded:
     scheduler: dict[str, Any]
     config: dict[str, Any]
     world_size: int = 1  # processes of the run that wrote it
+    batch: GlobalBatch | None = None  # what one of its steps took
+
+
+def _saved_batch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> GlobalBatch:
+    """The global batch of the run that wrote a checkpoint (older ones: from its config)."""
+    if state.get("batch"):
+        return GlobalBatch(**state["batch"])
+    accum = config.get("train", {}).get("grad_accum", 1)
+    replicas = len(config.get("pipeline", {}).get("drafter_devices", ["cpu"]))
+    return GlobalBatch(world_size, replicas, accum if isinstance(accum, int) else 1)
 
 
 def load_checkpoint(path: Path) -> Loaded:
@@ -158,6 +182,7 @@ def load_checkpoint(path: Path) -> Loaded:
         scheduler=state["scheduler"],
         config=config,
         world_size=int((state.get("world") or {}).get("size", 1)),
+        batch=_saved_batch(state, config, int((state.get("world") or {}).get("size", 1))),
     )
 
 
@@ -172,16 +197,11 @@ _MUST_MATCH = [
 ]  # fmt: skip
 
 
-def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path, world_size: tuple[int, int] = (1, 1)) -> None:
-    """`world_size`: (the checkpoint's, this run's) number of processes. The number of
-    processes and of replicas per process fix which batches each step reads: both must match."""
+def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+    """What fixes the drafter's shape, what it reads and the data order must match. The
+    number of processes and replicas may change: `resume_grad_accum` keeps the global batch."""
     now = cfg.model_dump(mode="json", exclude_none=True)
     diffs = []
-    if world_size[0] != world_size[1]:
-        diffs.append(f"processes (torchrun WORLD_SIZE) {world_size[0]} -> {world_size[1]}")
-    before, after = len(saved.get("pipeline", {}).get("drafter_devices", ["cpu"])), len(cfg.pipeline.drafter_devices)
-    if max(world_size) > 1 and before != after:
-        diffs.append(f"pipeline.drafter_devices {before} -> {after} replicas per process")
     for section, key in _MUST_MATCH:
         a, b = saved.get(section, {}).get(key), now.get(section, {}).get(key)
         if a != b:
@@ -191,10 +211,52 @@ def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path, world_si
         raise CheckpointError(msg)
 
 
+@dataclass(frozen=True)
+class ResumeFrom:
+    """What `--resume` asks: a checkpoint folder or "auto" (the newest complete one in the
+    run folder; none there: a fresh start), and whether the global batch per step may change
+    (`--new-global-batch`)."""
+
+    where: str | Path
+    new_global_batch: bool = False
+
+
+def resume_grad_accum(loaded: Loaded, cfg: Config, processes: int, new_global_batch: bool = False) -> int:
+    """`train.grad_accum` for a run resumed from `loaded` on `processes` processes: the one
+    that keeps the checkpoint's global batch per step. A value that cannot keep it is
+    refused in one line naming the values that would, unless `new_global_batch`."""
+    want, replicas = cfg.train.grad_accum, len(cfg.pipeline.drafter_devices)
+    saved = loaded.batch or GlobalBatch()
+    per = processes * replicas
+    if new_global_batch:
+        return want if want != "auto" else max(1, round(saved.per_step / per))
+    if saved.per_step % per:
+        g = saved.per_step
+        pairs = [(p, r) for r in range(1, g + 1) for p in range(1, g + 1) if g % (p * r) == 0]
+        pairs.sort(key=lambda pr: (pr[1] != replicas, pr[1], pr[0]))  # this run's replica count first
+        msg = (
+            f"{loaded.path}: its steps took {saved}; {processes} process{'es' if processes != 1 else ''} × "
+            f"{replicas} replica{'s' if replicas != 1 else ''} cannot divide them: processes × replicas per "
+            f"process must divide {g} ({', '.join(f'{p} × {r}' for p, r in pairs[:6])} would), "
+            "or pass --new-global-batch to train with another global batch"
+        )
+        raise CheckpointError(msg)
+    need = saved.per_step // per
+    if want not in ("auto", need):
+        msg = (
+            f"train.grad_accum = {want} gives {GlobalBatch(processes, replicas, want)}, but the steps of "
+            f"{loaded.path} took {saved.per_step}: set train.grad_accum = {need} (or \"auto\"), "
+            "or pass --new-global-batch to train with another global batch"
+        )
+        raise CheckpointError(msg)
+    return need
+
+
 class Checkpointer:
     """A step hook: snapshots between optimizer steps, written off the hot path.
 
-    After every `checkpoint.every_steps` steps (`after_step`) and at the end of training
+    After every `checkpoint.every_steps` steps, after the first step that ends
+    `checkpoint.every_minutes` after the last checkpoint (`after_step`), and at the end of training
     with `checkpoint.at_end` (`at_end`), it takes a snapshot in the optimizer's worker
     thread (host copies only, a few ms for a drafter); a writer thread then writes it while
     the pipeline goes on. One write at a time: the next snapshot (and `finish`) waits for
@@ -202,8 +264,16 @@ class Checkpointer:
     consistent state.
     """
 
-    def __init__(self, cfg: Config, replica: Any, plan: Any, emit: Any, start_step: int = 0, world: Any = None) -> None:
+    def __init__(
+        self, cfg: Config, replica: Any, plan: Any, emit: Any, start_step: int = 0, world: Any = None,
+        batch: GlobalBatch | None = None,
+    ) -> None:
+        import time
+
         self.cfg = cfg
+        self.batch = batch
+        self._clock = time.monotonic
+        self._since = self._clock()  # when the last checkpoint was taken (or training began)
         self.world = world
         self.writer = world is None or world.is_writer  # with several ranks, rank 0 writes
         self.replica = replica
@@ -215,8 +285,9 @@ class Checkpointer:
         self.last_step = -1  # last step written
 
     async def after_step(self, ctx: Any) -> None:
-        every = self.cfg.checkpoint.every_steps
-        if every and ctx.step % every == 0:
+        every, minutes = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes
+        due = minutes > 0 and self._clock() - self._since >= 60.0 * minutes  # the writer's own clock
+        if (every and ctx.step % every == 0) or due:
             await self._save(ctx)
 
     async def at_end(self, ctx: Any) -> None:
@@ -229,6 +300,7 @@ class Checkpointer:
 
         if not self.writer:
             return
+        self._since = self._clock()
         snap = await ctx.read(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch)
         await self.write(snap)
 
@@ -248,7 +320,7 @@ class Checkpointer:
     def take(self, step: int, last_batch: int) -> Snapshot:
         cursor = self.plan.cursor_after(last_batch) if last_batch >= 0 else None
         r = self.replica
-        return snapshot(step, r.model, r.optimizer, r.scheduler, cursor, self.cfg, self.world)
+        return snapshot(step, r.model, r.optimizer, r.scheduler, cursor, self.cfg, self.world, self.batch)
 
     async def write(self, snap: Snapshot) -> None:
         import asyncio

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from dflash.config import ScheduleConfig
 from dflash.model.loss import LossSpec
 
-__all__ = ["StepPlan", "TimeBudget", "lr_lambda", "lr_schedule", "reveal_prob"]
+__all__ = ["GlobalBatch", "StepPlan", "TimeBudget", "lr_lambda", "lr_schedule", "reveal_prob"]
 
 
 class TimeBudget:
@@ -45,6 +45,27 @@ class TimeBudget:
     @property
     def spent(self) -> bool:
         return self._frac >= 1.0
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Batches per optimizer step, over the whole run: processes × replicas per process ×
+    `grad_accum`. Step s reads the global batch indices [s·n, (s+1)·n) of the plan's fixed
+    order whatever the three factors are, so a checkpoint resumes on another number of
+    processes with the same steps when the product is kept."""
+
+    processes: int = 1
+    replicas: int = 1
+    grad_accum: int = 1
+
+    @property
+    def per_step(self) -> int:
+        return self.processes * self.replicas * self.grad_accum
+
+    def __str__(self) -> str:
+        p, r = self.processes, self.replicas
+        how = f"{p} process{'es' if p != 1 else ''} × {r} replica{'s' if r != 1 else ''} × grad_accum {self.grad_accum}"
+        return f"{self.per_step} batches a step ({how})"
 
 
 @dataclass(frozen=True)

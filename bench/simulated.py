@@ -269,7 +269,7 @@ def prepare(cfg: Any, spec: SyntheticSpec) -> tuple[Any, Any]:
         spec=dspec,
         micro=micro,
         apply=_apply_step(spec),
-        steps=StepPlan(cfg.train.grad_accum, cfg.train.max_steps),
+        steps=StepPlan(cfg.train.fresh_grad_accum, cfg.train.max_steps),
         total_steps=-(-spec.batches // len(replicas)),
         padding_fraction=0.0,
         cache=FeatureCache.from_config(cfg.data.feature_cache_mb),

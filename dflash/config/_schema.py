@@ -242,6 +242,11 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
     max_bad_steps: int = Field(5, ge=1, description="abort after this many non-finite steps in a row")
 
+    @property
+    def fresh_grad_accum(self) -> int:
+        """`grad_accum` of a run that does not resume ("auto": 1)."""
+        return 1 if self.grad_accum == "auto" else self.grad_accum
+
     @field_validator("grad_accum", mode="before")
     @classmethod
     def _grad_accum(cls, v: Any) -> Any:

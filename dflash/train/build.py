@@ -109,8 +109,7 @@ def _global_batch(
     processes or replicas, `train.grad_accum` keeps the checkpoint's global batch."""
     replicas = len(cfg.pipeline.drafter_devices)
     if loaded is None:
-        accum = cfg.train.grad_accum if cfg.train.grad_accum != "auto" else 1
-        batch = GlobalBatch(processes, replicas, accum)
+        batch = GlobalBatch(processes, replicas, cfg.train.fresh_grad_accum)
         if resume is None:
             return batch, None
         where = cfg.run_dir / "checkpoints"

@@ -269,12 +269,13 @@ def _records_safe(path: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
-def test_a_lost_node_restarts_the_job_on_the_survivor(tmp_path, popen):
-    """Two torchrun agents of one process each (`--nnodes 1:2`, c10d rendezvous on 127.0.0.1);
-    one agent is SIGKILLed with its worker mid-run. The survivor's worker fails in one line,
-    its agent re-forms the group with one node and restarts it; `--resume auto` continues
-    from the newest checkpoint on one process (grad_accum "auto": 2), and the job ends with
-    the losses and weights of an uninterrupted run of the same global batch."""
+def test_a_lost_worker_then_a_lost_node_restart_the_job(tmp_path, popen):
+    """Two torchrun agents of one process each (`--nnodes 1:2`, c10d rendezvous on 127.0.0.1).
+    One worker is SIGKILLed mid-run: torchrun restarts the group of two, which resumes from
+    the newest checkpoint. Then one agent is SIGKILLed with its worker: the survivor's worker
+    fails in one line, its agent re-forms the group with one node and restarts it; `--resume
+    auto` continues on one process (grad_accum "auto": 2), and the job ends with the losses
+    and weights of an uninterrupted run of the same global batch."""
     extra = {"data.num_samples": 256, "train.epochs": 2, "checkpoint.every_steps": 1, "checkpoint.keep_last": 3}
     ref = _single(tmp_path / "ref", 1, **extra, **{"train.grad_accum": 2})
     out, port = tmp_path / "elastic", _port()
@@ -282,7 +283,7 @@ def test_a_lost_node_restarts_the_job_on_the_survivor(tmp_path, popen):
 
     def agent(host: bool) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-               "--max-restarts", "2", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
+               "--max-restarts", "5", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost-node",
                "--rdzv-conf", f"{conf},is_host={int(host)}",
                "-m", "dflash", *_args(out, **extra), "--resume", "auto"]  # fmt: skip
@@ -293,7 +294,14 @@ def test_a_lost_node_restarts_the_job_on_the_survivor(tmp_path, popen):
     records = out / "tiny" / "records.jsonl"
     _wait_for_record(records, lambda r: r.get("event") == "train_step" and r["step"] >= 3, [survivor, lost])
     assert next(r for r in _records_safe(records) if r["event"] == "run_start")["world_size"] == 2
-    for pid in [*_children(lost.pid), lost.pid]:
+    for pid in _children(lost.pid):  # a worker: the group of two restarts
+        os.kill(pid, signal.SIGKILL)
+    _wait_for_record(records, lambda r: r.get("event") == "resume" and r["from"] is not None, [survivor, lost])
+    again = next(r for r in _records_safe(records) if r.get("event") == "resume" and r["from"] is not None)
+    assert again["global_batch"].startswith("2 batches a step (2 processes × 1 replica × grad_accum 1")
+    _wait_for_record(records, lambda r: r.get("event") == "train_step" and r["step"] >= again["step"] + 2,
+                     [survivor, lost])  # fmt: skip
+    for pid in [*_children(lost.pid), lost.pid]:  # a node
         os.kill(pid, signal.SIGKILL)
     _, err = survivor.communicate(timeout=CLI_TIMEOUT_S)
     assert survivor.returncode == 0, err[-3000:]

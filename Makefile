@@ -57,6 +57,13 @@ ENGINES_STAMP := $(ENGINES_VENV)/.dflash-installed
 
 engines: $(ENGINES_STAMP)
 
+# The stamp holds the VLLM_SPEC it was built with: another spec builds the venv again.
+ifneq ($(shell cat $(ENGINES_STAMP) 2>/dev/null),$(VLLM_SPEC))
+$(ENGINES_STAMP): engines-spec-changed
+endif
+.PHONY: engines-spec-changed
+engines-spec-changed:
+
 $(ENGINES_STAMP): setup.py
 	@test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
 	@$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
@@ -65,7 +72,7 @@ $(ENGINES_STAMP): setup.py
 	$(ENGINES_VENV)/bin/python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
 	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash" 2>/dev/null \
 		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
-	@touch $(ENGINES_STAMP)
+	@echo '$(VLLM_SPEC)' > $(ENGINES_STAMP)
 
 test: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m pytest -q

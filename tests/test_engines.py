@@ -63,6 +63,114 @@ def test_engine_vllm_without_vllm_says_how_to_get_it(tmp_path, monkeypatch):
         assert "make engines" in proc.stderr
 
 
+def test_engine_vllm_refuses_sampling_before_loading_anything(tmp_path):
+    """--temperature with --engine vllm: one line before any model (here: no drafter at all),
+    in either venv."""
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    proc = dflash("eval", tiny, "--drafter", str(tmp_path / "nothing"), "--engine", "vllm", "--temperature", "0.5")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--engine vllm: greedy only" in proc.stderr and "drop --temperature" in proc.stderr
+    if ENGINES_PY.exists():
+        args = [str(ENGINES_PY), "-m", "dflash", "eval", tiny, "--drafter", str(tmp_path / "nothing"),
+                "--engine", "vllm", "--temperature", "0.5"]  # fmt: skip
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "--engine vllm: greedy only" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_mixed_drafters_get_vllms_v2_runner_on_a_gpu_only(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    mixed = dataclasses.replace(SPEC, layer_types=["full_attention", "sliding_attention"])
+    with vllm.runner_env(mixed, "cuda"):
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # as it was, after
+    for spec, device in ((SPEC, "cuda"), (mixed, "cpu"), (None, "cuda")):
+        with vllm.runner_env(spec, device):
+            assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from dflash.errors import ConfigError
+
+    with (
+        pytest.raises(ConfigError, match=r"needs vLLM's V2 runner \(VLLM_USE_V2_MODEL_RUNNER=1\)"),
+        vllm.runner_env(mixed, "cuda"),
+    ):
+        pass
+    assert vllm.gpu_share("cpu") is None
+
+
+def test_each_prompt_sets_counters_are_its_own():
+    before = {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_accepted_tokens_per_pos": [7, 3]}
+    after = {"vllm:spec_decode_num_drafts": 25, "vllm:spec_decode_num_accepted_tokens_per_pos": [17, 9, 1]}
+    assert vllm._since(before, after) == {
+        "vllm:spec_decode_num_drafts": 15, "vllm:spec_decode_num_accepted_tokens_per_pos": [10, 6, 1],
+    }  # fmt: skip
+    assert vllm._since({}, after) == after
+
+
+def test_the_tiny_target_folder_is_removed_at_the_end(tiny_config):
+    import torch
+
+    from dflash.eval.engine import target_folder
+    from dflash.model.target import load_target
+
+    cfg = tiny_config()
+    target = load_target(cfg.target, torch.device("cpu"), 1)
+    with target_folder(cfg, target) as folder:
+        assert (folder / "config.json").is_file()
+    assert not folder.exists()
+
+
+FULL, MIXED = ["full_attention", "full_attention"], ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("layer_types", [FULL, MIXED], ids=["full", "mixed"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal_sliding", "bidirectional"])
+def test_a_speculators_export_reads_back_as_the_same_drafter(tmp_path, layer_types, causal):
+    import torch
+
+    from dflash.errors import CheckpointError
+    from dflash.model.export import load_drafter
+
+    spec = dataclasses.replace(SPEC, layer_types=layer_types, sliding_causal_block=causal)
+    model = DFlashDrafter(spec)
+    if "sliding_attention" in layer_types and causal:  # vLLM would make its full layers causal too
+        with pytest.raises(CheckpointError, match="--format speculators"):
+            export_drafter(model, tmp_path / "spec", fmt="speculators")
+        return
+    out = export_drafter(model, tmp_path / "spec", fmt="speculators")
+    back = load_drafter(out)
+    expected = spec if "sliding_attention" in layer_types else dataclasses.replace(spec, sliding_causal_block=True)
+    assert back.spec == expected  # all full: the flag means nothing, and reads back as its default
+    for (name, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16).float(), b), name
+
+
+def test_the_speculators_verifier_is_the_targets_folder(tmp_path, monkeypatch):
+    """vLLM serving a speculators export loads `verifier.name_or_path` as the target: the
+    absolute path of the target's HF folder, or "" when there is none to name."""
+    from dflash.model.export import _verifier
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    (tmp_path / "models" / "t" / "config.json").write_text("{}")
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    converted = tmp_path / "cache" / "models" / ("t-" + "0123456789abcdef")
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    cases = {
+        '[target]\nkind = "hf"\npath = "models/t"\n': str((tmp_path / "models" / "t").resolve()),
+        '[target]\nkind = "hf"\npath = "models/nothing"\n': "",
+        '[target]\nkind = "tiny"\n': "",
+        f'[target]\nkind = "gguf"\npath = "{gguf}"\n[data]\ncache_dir = "{tmp_path / "cache"}"\n': str(converted),
+        f'[target]\nkind = "gguf"\npath = "{gguf}"\n[data]\ncache_dir = "{tmp_path / "none"}"\n': "",
+    }
+    for toml, expected in cases.items():
+        (checkpoint / "config.toml").write_text(toml)
+        assert _verifier(checkpoint) == expected, toml
+
+
 @pytest.mark.slow
 def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     if not ENGINES_PY.exists():
@@ -100,6 +208,7 @@ def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     assert exported.returncode == 0 and "speculative_config = " in exported.stderr, exported.stderr
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [3]
+    assert config["speculators_config"]["verifier"]["name_or_path"] == ""  # the tiny target has no folder
     again = in_vllm(tmp_path / "spec")
     assert again["speculative_config"]["model"] == str((tmp_path / "spec").resolve())
     same = ("tau", "verify_steps", "accepted_tokens", "accept_per_position", "identical_to_vllm_greedy", "lossless")

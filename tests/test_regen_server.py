@@ -2,17 +2,21 @@
 thread (`ThreadingHTTPServer` on 127.0.0.1) that answers `/v1/models` and
 `/v1/chat/completions` with "sure " + the last user message. The same prompts, held-out split
 and records as the local loop; resume asks only for what is unanswered; an unreachable URL,
-an error status or a malformed answer is one line, and every reply written before it is kept.
+an error status or a malformed answer is one line, and every reply written before it is kept;
+a prompt the server refuses is skipped with a warning record; passing failures are tried
+again; regen.max_minutes, an error and Ctrl-C end the regen at once, with requests in flight.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +26,7 @@ import pytest
 
 from dflash.config import Config, load_config
 from dflash.data.prompts import load_prompts
+from dflash.engines.server import ChatServer
 from dflash.errors import ConfigError, DFlashError
 from dflash.regen import regenerate
 from tests.test_regen_files import HOLDOUT, NUM_TRAIN, _conversations, _tokenizer
@@ -37,15 +42,28 @@ class Fake:
     fail_after: int | None = None  # chat requests answered before every next one fails
     fail_status: int = 500
     fail_body: str = '{"error": "boom: the engine died"}'
+    refuse: str | None = None  # prompts whose last user message holds this word: 400, too long
+    passing: list[int] = field(default_factory=list)  # the first chat requests' statuses (0: dropped)
+    hang: Callable[[int], bool] | None = None  # chat requests (1, 2, ...) left unanswered until `release`
+    release: threading.Event = field(default_factory=threading.Event)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def reply(self, body: dict[str, Any]) -> tuple[int, str]:
+    def reply(self, body: dict[str, Any]) -> tuple[int, str] | None:
+        """The status and body answered; None: the connection closed without an answer."""
         with self.lock:
             self.bodies.append(body)
             n = len(self.bodies)
+        if self.hang is not None and self.hang(n):
+            self.release.wait(120)
+            return None
+        if n <= len(self.passing):
+            return None if self.passing[n - 1] == 0 else (self.passing[n - 1], '{"error": "busy"}')
         if self.fail_after is not None and n > self.fail_after:
             return self.fail_status, self.fail_body
+        if self.refuse is not None and self.refuse in _last_user(body["messages"]):
+            message = "This model's maximum context length is 16 tokens. However, you requested 99 tokens."
+            return 400, json.dumps({"error": {"message": message, "type": "BadRequestError", "code": 400}})  # vLLM's
         if body.get("model") != MODEL:
             return 404, json.dumps({"error": f"The model `{body.get('model')}` does not exist."})
         last = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
@@ -71,7 +89,11 @@ def _handler(fake: Fake) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self._send(*fake.reply(body) if self.path == "/v1/chat/completions" else (404, "{}"))
+            answer = fake.reply(body) if self.path == "/v1/chat/completions" else (404, "{}")
+            if answer is None:
+                self.close_connection = True
+                return
+            self._send(*answer)
 
         def log_message(self, *args: Any) -> None:  # quiet
             pass
@@ -84,12 +106,19 @@ def fake() -> Iterator[tuple[Fake, str]]:
     """A fake server and its URL, for one test."""
     state = Fake()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    httpd.handle_error = lambda *_: None  # a client gone before its answer: nothing to report
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield state, f"http://127.0.0.1:{httpd.server_address[1]}"
+    state.release.set()
     httpd.shutdown()
     httpd.server_close()
     thread.join()
+
+
+@pytest.fixture(autouse=True)
+def _quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ChatServer, "backoff_s", 0.01)
 
 
 @dataclass
@@ -153,10 +182,12 @@ def test_server_writes_the_replies_with_the_local_split_and_resumes(env, fake):
         assert r["messages"][:-1] == prompts.train[r["id"]]
         assert r["messages"][-1] == {"role": "assistant", "content": f"sure {_last_user(r['messages'][:-1])}"}
     # what was asked: the first listed model, the prompt so far, regen's settings
-    body = state.bodies[0]
-    assert body["model"] == MODEL and body["messages"] in prompts.train
-    assert (body["max_tokens"], body["temperature"], body["seed"]) == (12, 0.0, 0)
-    assert "chat_template_kwargs" not in body
+    for body in state.bodies:
+        assert body["model"] == MODEL and body["messages"] in prompts.train
+        assert (body["max_tokens"], body["temperature"], body["repetition_penalty"]) == (12, 0.0, 1.0)
+        assert body["seed"] == prompts.train.index(body["messages"])  # regen.seed (0) + the prompt's index
+        assert "chat_template_kwargs" not in body
+    assert stats["refused"] == stats["unanswered"] == 0
     assert stats["new_tokens"] == sum(
         len(env.tokenizer(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]) for r in records
     )
@@ -174,15 +205,16 @@ def test_server_options_reach_the_server(env, fake):
                   "regen.seed=5", "regen.max_prompts=8", kwargs)  # fmt: skip
     stats = regenerate(cfg, None, env.tokenizer, progress=False)
     assert stats["generated"] == 8 == len(state.bodies)  # max_prompts counts training prompts
-    for body in state.bodies:
-        assert (body["temperature"], body["seed"]) == (0.7, 5)
+    train = load_prompts(cfg).train
+    for body in state.bodies:  # each prompt's seed: regen.seed + its index, whatever the requests in flight
+        assert (body["temperature"], body["seed"]) == (0.7, 5 + train.index(body["messages"]))
         assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert all(r["chat_template_kwargs"] == {"enable_thinking": False} for r in _records(cfg))
 
 
 @pytest.mark.parametrize(
     ("status", "body", "says"),
-    [(500, '{"error": "boom: the engine died"}', 'server error, HTTP 500: {"error": "boom'),
+    [(500, '{"error": "boom: the engine died"}', "server error, HTTP 500: boom: the engine died (tried 4 times)"),
      (200, "<html>" + "x" * 400, "HTTP 200 but not JSON: <html>xxx")],
     ids=["http_500", "not_json"],
 )  # fmt: skip
@@ -198,10 +230,8 @@ def test_a_failure_mid_run_keeps_the_replies_written(env, fake, status, body, sa
     assert len(line) < 400  # the body's first 200 characters, no more
     kept = _records(cfg)
     assert 1 <= len(kept) <= 7 and all(r["messages"][-1]["content"].startswith("sure ") for r in kept)
-    for t in threading.enumerate():  # requests still in flight when the error came end on their own
-        if t.name.startswith("regen-server"):
-            t.join(10)
-    state.fail_after, asked = None, len(state.bodies)
+    _regen_threads_end(10)  # the requests in flight when the error came are cancelled
+    state.fail_after, asked = None, _settled(state)
     stats = regenerate(cfg, None, env.tokenizer, progress=False)
     assert (stats["resumed_from"], stats["generated"]) == (len(kept), NUM_TRAIN - len(kept))
     assert len(state.bodies) - asked == NUM_TRAIN - len(kept)
@@ -235,6 +265,124 @@ def test_a_refused_request_is_one_line(env, fake):
         regenerate(cfg, None, env.tokenizer, progress=False)
     assert "\n" not in str(err.value)
     assert not cfg.regen_output.exists() or _records(cfg) == []
+
+
+def test_a_prompt_the_server_refuses_is_skipped_with_a_warning(env, fake):
+    """A 4xx about one prompt (longer than the server's context): a warning record naming it
+    and the server's message, the other prompts answered; a later regen asks only it again."""
+    from structlog.testing import capture_logs
+
+    state, url = fake
+    state.refuse = "moon"
+    cfg = env.cfg("refuse", f'regen.server="{url}"')
+    train = load_prompts(cfg).train
+    moons = sorted(i for i, p in enumerate(train) if "moon" in _last_user(p))
+    assert 0 < len(moons) < NUM_TRAIN - 8
+    with capture_logs() as logs:
+        stats = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert (stats["refused"], stats["generated"], stats["unanswered"]) == (len(moons), NUM_TRAIN - len(moons), 0)
+    warnings = [w for w in logs if w["event"] == "warning"]
+    assert sorted(w["prompt_id"] for w in warnings) == moons
+    for w in warnings:
+        i = w["prompt_id"]
+        assert f"prompt {i} ('{_last_user(train[i])}') skipped" in w["message"] and url in w["message"]
+        assert "refused, HTTP 400: This model's maximum context length is 16 tokens" in w["message"]
+    assert sorted(r["id"] for r in _records(cfg)) == sorted(set(range(NUM_TRAIN)) - set(moons))
+    state.refuse, asked = None, len(state.bodies)
+    again = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert (again["generated"], len(state.bodies) - asked) == (len(moons), len(moons))
+
+
+def test_a_server_refusing_every_prompt_stops_in_one_line(env, fake):
+    state, url = fake
+    state.refuse = "the"  # every prompt
+    cfg = env.cfg("refuse_all", f'regen.server="{url}"')
+    with pytest.raises(DFlashError, match=r"refused, HTTP 400: .*the first 8 prompts were all refused") as err:
+        regenerate(cfg, None, env.tokenizer, progress=False)
+    assert "\n" not in str(err.value) and url in str(err.value)
+
+
+def test_passing_failures_are_asked_again(env, fake):
+    """5xx, 429 and a dropped connection: the same request again (with backoff), no reply lost."""
+    state, url = fake
+    state.passing = [503, 0, 429]
+    cfg = env.cfg("passing", f'regen.server="{url}"', "regen.batch_size=1")
+    stats = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert stats["generated"] == NUM_TRAIN and len(state.bodies) == NUM_TRAIN + 3
+    assert state.bodies[0] == state.bodies[1] == state.bodies[2] == state.bodies[3]  # one request, four tries
+    assert sorted(r["id"] for r in _records(cfg)) == list(range(NUM_TRAIN))
+
+
+def _settled(state: Fake) -> int:
+    """The requests the fake has read, once no more come (a cancelled one may be read late)."""
+    n = -1
+    while n != len(state.bodies):
+        n = len(state.bodies)
+        time.sleep(0.3)
+    return n
+
+
+def _regen_threads_end(within_s: float) -> None:
+    threads = [t for t in threading.enumerate() if t.name.startswith("regen-server")]
+    assert all(t.daemon for t in threads)  # never keep the process alive
+    for t in threads:
+        t.join(within_s)
+    assert not [t for t in threads if t.is_alive()]
+
+
+def test_max_minutes_cancels_the_requests_in_flight(env, fake):
+    """At regen.max_minutes the regen ends at once: the replies back are written, the requests
+    in flight cancelled (their connections closed), a later regen answers the rest."""
+    state, url = fake
+    state.hang = lambda n: n > 5
+    cfg = env.cfg("deadline", f'regen.server="{url}"', "regen.max_minutes=0.02")  # 1.2 s
+    t0 = time.perf_counter()
+    stats = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert time.perf_counter() - t0 < 10  # not server_timeout_s (600 s)
+    assert (stats["generated"], stats["unanswered"]) == (5, NUM_TRAIN - 5) == (len(_records(cfg)), NUM_TRAIN - 5)
+    _regen_threads_end(5)
+    state.hang = None
+    again = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert (again["resumed_from"], again["generated"]) == (5, NUM_TRAIN - 5)
+    assert sorted(r["id"] for r in _records(cfg)) == list(range(NUM_TRAIN))
+
+
+def test_an_error_ends_the_regen_at_once_with_requests_in_flight(env, fake):
+    """A request failing for good, wherever it is in flight, ends the regen without waiting for
+    the others (here never answered)."""
+    state, url = fake
+    state.hang = lambda n: n != 2
+    state.fail_after, state.fail_status = 1, 404
+    cfg = env.cfg("fail_fast", f'regen.server="{url}"')
+    t0 = time.perf_counter()
+    with pytest.raises(DFlashError, match=r"refused, HTTP 404"):
+        regenerate(cfg, None, env.tokenizer, progress=False)
+    assert time.perf_counter() - t0 < 10
+    _regen_threads_end(5)
+
+
+def test_ctrl_c_exits_at_once_with_requests_in_flight(env, fake):
+    state, url = fake
+    state.hang = lambda n: True
+    env_vars = {k: v for k, v in os.environ.items() if k not in {"DFLASH_DEBUG", "DFLASH_INJECT_FAULT"}}
+    env_vars.update(HOME=str(env.root), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    args = [str(ROOT / "bin" / "dflash"), "regen", str(env.config), "--set", 'run.name="ctrl_c"',
+            "--set", f'regen.server="{url}"']  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_vars, cwd=env.root)
+    try:
+        deadline = time.monotonic() + 120
+        while len(state.bodies) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(state.bodies) >= 3, proc.communicate(timeout=5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and "regen interrupted" in err, err
 
 
 def test_server_refuses_save_features(env):

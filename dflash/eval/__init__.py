@@ -13,6 +13,7 @@
 from dflash.eval.command import run_eval
 from dflash.eval.decode import (
     GREEDY,
+    EvalStopped,
     Sampling,
     SpecOutput,
     greedy_generate,
@@ -29,6 +30,7 @@ from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
 __all__ = [
     "GREEDY",
     "DecodeSettings",
+    "EvalStopped",
     "PromptSet",
     "Sampling",
     "SpecOutput",

@@ -11,16 +11,15 @@ import torch
 
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids
-from dflash.engines import vllm
 from dflash.errors import DataError
-from dflash.eval.engine import evaluate_in_vllm
+from dflash.eval.engine import check_vllm_eval, evaluate_in_vllm
 from dflash.eval.fit import check_drafter_fits
 from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
 from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
 from dflash.model.drafter import DFlashDrafter, FrozenHead
 from dflash.model.export import load_drafter
 from dflash.model.loading import load_tokenizer
-from dflash.model.target import Target, load_target
+from dflash.model.target import Target, TargetShape, load_target
 from dflash.runtime.devices import check_device
 
 __all__ = ["run_eval"]
@@ -45,25 +44,25 @@ def run_eval(
     record per set, with `prompt_set`. `limit`: at most this many prompts per set.
     `engine = "vllm"`: decoded in vLLM instead (`eval/engine.py`; a chat set's first turns)."""
     if engine == "vllm":
-        vllm.require_vllm()  # before any model is loaded
+        check_vllm_eval(cfg)  # before any model is loaded
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     heldout = cfg.heldout_prompts if reads_chat_prompts(cfg) else None
     sets = [load_prompt_set(name, heldout) for name in prompt_sets]  # before any model: a bad name fails at once
     drafter = load_drafter(drafter_path, d_dev)
+    check_drafter_fits(drafter, TargetShape.from_config(cfg.target), drafter_path, cfg)  # before the target loads
     if not sets:
         require_eval_prompts(cfg)
     target, tokenizer = _load_target(cfg, drafter, t_dev)
-    check_drafter_fits(drafter, target)
+    check_drafter_fits(drafter, target, drafter_path, cfg)
     head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
     settings = DecodeSettings.of(cfg, stop_ids(target, tokenizer))
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
+        name = "heldout" if reads_chat_prompts(cfg) else "random"
         if engine == "vllm":
-            record = evaluate_in_vllm(cfg, target, drafter, drafter_path, prompts, settings)
-        else:
-            record = evaluate(target, drafter, head, prompts, settings)
-        return [{"prompt_set": "heldout" if reads_chat_prompts(cfg) else "random", **record}]
+            return evaluate_in_vllm(cfg, target, drafter, drafter_path, {name: prompts}, settings)
+        return [{"prompt_set": name, **evaluate(target, drafter, head, prompts, settings)}]
     if tokenizer is None:
         msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
         raise DataError(msg)
@@ -72,10 +71,7 @@ def run_eval(
         firsts = {
             ps.name: [torch.tensor(prompt_ids(tokenizer, p[0], kwargs)) for p in ps.prompts[:limit]] for ps in sets
         }
-        return [
-            {"prompt_set": name, "turns": 1, **evaluate_in_vllm(cfg, target, drafter, drafter_path, ids, settings)}
-            for name, ids in firsts.items()
-        ]
+        return evaluate_in_vllm(cfg, target, drafter, drafter_path, firsts, settings, kwargs)
     return [
         {"prompt_set": ps.name, **evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], settings, kwargs),
          "chat_template_kwargs": kwargs}

@@ -12,12 +12,13 @@ Sampled (temperature > 0), the proposals are drawn and verified by speculative s
 rule (`verify_sampled`). Several prompts at once (`speculative_generate_batch`, greedy):
 the same steps over a left-padded batch, nothing cropped, hidden slots masked instead.
 The layer outputs come from the same hooks as training's (`Target.forward_with_features`),
-the drafter's attention masks from the same `layer_masks`.
+the drafter's attention masks from the same `layer_masks`. Every loop asks `should_stop`
+(when given) once per step, a host-side flag read: True ends the decoding with `EvalStopped`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from dflash.model.target import Target
 
 __all__ = [
     "GREEDY",
+    "EvalStopped",
     "Sampling",
     "SpecOutput",
     "greedy_accepted",
@@ -42,6 +44,18 @@ __all__ = [
     "speculative_generate_batch",
     "verify_sampled",
 ]
+
+
+class EvalStopped(Exception):
+    """A decoding ended early because its `should_stop` said so (e.g. Ctrl-C after training)."""
+
+
+StopCheck = Callable[[], bool] | None  # asked once per decoding step; True: raise EvalStopped
+
+
+def _check(should_stop: StopCheck) -> None:
+    if should_stop is not None and should_stop():
+        raise EvalStopped
 
 
 @dataclass
@@ -146,13 +160,20 @@ GREEDY = Sampling()
 
 @torch.no_grad()
 def greedy_generate(
-    target: Target, prompt: torch.Tensor, max_new: int, stop_ids: AbstractSet[int], sampling: Sampling = GREEDY
+    target: Target,
+    prompt: torch.Tensor,
+    max_new: int,
+    stop_ids: AbstractSet[int],
+    sampling: Sampling = GREEDY,
+    should_stop: StopCheck = None,
 ) -> list[int]:
     """The target alone (greedy: the lossless reference; with a temperature: sampled)."""
     model, key = target.model, cache_kwarg(target.model)
+    _check(should_stop)
     out = model(input_ids=prompt[None].to(target.device), use_cache=True)
     tokens = [sampling.pick(out.logits[0, -1])]
     while len(tokens) < max_new and tokens[-1] not in stop_ids:
+        _check(should_stop)
         nxt = torch.tensor([[tokens[-1]]], device=target.device)
         out = model(input_ids=nxt, use_cache=True, **{key: output_cache(out)})
         tokens.append(sampling.pick(out.logits[0, -1]))
@@ -215,15 +236,18 @@ def speculative_generate(
     max_new: int,
     stop_ids: AbstractSet[int],
     sampling: Sampling = GREEDY,
+    should_stop: StopCheck = None,
 ) -> SpecOutput:
     """Greedy (temperature 0: output equal to `greedy_generate`'s), or sampled with
     speculative sampling's verification (`verify_sampled`: the target's distribution)."""
+    _check(should_stop)
     state = _Speculation(target, drafter, head)
     ddev, P = state.drafter_device, prompt.numel()
     first = state.prefill(torch.arange(P, device=ddev)[None], input_ids=prompt[None].to(state.target_device))
     tokens = [sampling.pick(first[0])]
     accepted: list[int] = []
     while len(tokens) < max_new and tokens[-1] not in stop_ids:
+        _check(should_stop)
         start = P + len(tokens) - 1  # absolute position of the last token: the anchor
         size = min(state.block_size, max_new - len(tokens) + 1)
         q_pos = torch.arange(start, start + size, device=ddev)[None]  # (1, size)
@@ -310,6 +334,7 @@ def speculative_generate_batch(
     prompts: Sequence[torch.Tensor],
     max_new: int,
     stop_ids: AbstractSet[int],
+    should_stop: StopCheck = None,
 ) -> list[SpecOutput]:
     """Greedy speculative decoding of several prompts at once: each verify step is one target
     forward over every row's block (on a CPU or a GPU, R rows cost far less than R forwards).
@@ -319,6 +344,7 @@ def speculative_generate_batch(
     hidden by the attention masks from then on. Row r's drafter sees exactly the context and
     block `speculative_generate` gives it (`_batch_masks`), so each row's tokens and verify
     steps equal the one-prompt loop's, up to the float rounding of batched matmuls."""
+    _check(should_stop)
     state = _Speculation(target, drafter, head)
     R, B, ddev, dev = len(prompts), state.block_size, state.drafter_device, state.target_device
     ids, valid, pos = _left_padded(prompts)
@@ -330,6 +356,7 @@ def speculative_generate_batch(
         row.done = len(row.tokens) >= max_new or row.tokens[-1] in stop_ids
     valid = valid.to(ddev)  # (R, S): the cache slots each row sees, growing by B a step
     while not all(row.done for row in rows):
+        _check(should_stop)
         sizes = [row.block_size(B, max_new) for row in rows]
         q_pos = torch.tensor([row.context for row in rows], device=ddev)[:, None] + torch.arange(B, device=ddev)
         last = torch.tensor([row.tokens[-1] for row in rows], device=ddev)
@@ -351,11 +378,16 @@ def speculative_generate_batch(
 
 @torch.no_grad()
 def greedy_generate_batch(
-    target: Target, prompts: Sequence[torch.Tensor], max_new: int, stop_ids: AbstractSet[int]
+    target: Target,
+    prompts: Sequence[torch.Tensor],
+    max_new: int,
+    stop_ids: AbstractSet[int],
+    should_stop: StopCheck = None,
 ) -> list[list[int]]:
     """The target alone, greedy, several prompts at once (left-padded): `greedy_generate` row
     by row, up to the float rounding of batched matmuls."""
     model, key, dev = target.model, cache_kwarg(target.model), target.device
+    _check(should_stop)
     ids, valid, pos = _left_padded(prompts)
     valid = valid.to(dev)
     out = model(input_ids=ids.to(dev), attention_mask=valid.long(), position_ids=pos.to(dev), use_cache=True)
@@ -364,6 +396,7 @@ def greedy_generate_batch(
     last = torch.tensor([p.numel() - 1 for p in prompts], device=dev)
     done = [row[-1] in stop_ids for row in tokens]
     while len(tokens[0]) < max_new and not all(done):
+        _check(should_stop)
         valid = torch.cat([valid, torch.ones(len(prompts), 1, dtype=torch.bool, device=dev)], dim=1)
         last = last + 1
         out = model(

@@ -4,15 +4,16 @@ position, speed, and the lossless check.
 
 `evaluate` takes token-id prompts; `evaluate_chat` takes chat prompts turn by turn (each
 turn after the target's reply to the one before). Both decode as `DecodeSettings` says:
-greedy or sampled, one prompt at a time or (greedy) in batches.
+greedy or sampled, one prompt at a time or (greedy) in batches. `DecodeSettings.should_stop`
+ends an eval early (`EvalStopped`, raised out of the decoding step that saw it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,19 +40,21 @@ __all__ = ["DecodeSettings", "evaluate", "evaluate_chat"]
 class DecodeSettings:
     """How eval decodes: at most `max_new` tokens a generation, ending at any of `stop_ids`;
     greedy at temperature 0, else sampled from `seed`; `batch_size` prompts at once (greedy
-    only: a sampled eval decodes one prompt at a time)."""
+    only: a sampled eval decodes one prompt at a time). `should_stop`, asked once per decoding
+    step: True ends the eval there (`EvalStopped`)."""
 
     max_new: int
     stop_ids: frozenset[int] = frozenset()
     temperature: float = 0.0
     seed: int = 0
     batch_size: int = 1
+    should_stop: Callable[[], bool] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, cfg: Config, stop_ids: Iterable[int]) -> DecodeSettings:
+    def of(cls, cfg: Config, stop_ids: Iterable[int], should_stop: Callable[[], bool] | None = None) -> DecodeSettings:
         """The settings a config gives (`[eval]`, and `run.seed`), ending at `stop_ids`."""
         e = cfg.eval
-        return cls(e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size)
+        return cls(e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size, should_stop)
 
 
 class _Tally:
@@ -130,9 +133,10 @@ class _Evaluation:
         """One speculative generation and the plain one (greedy: it must equal it), both timed."""
         s, sampling = self.settings, Sampling(self.tally.temperature, self.generator)
         t0 = time.perf_counter()
-        spec = speculative_generate(self.target, self.drafter, self.head, prompt, s.max_new, s.stop_ids, sampling)
+        models = (self.target, self.drafter, self.head)
+        spec = speculative_generate(*models, prompt, s.max_new, s.stop_ids, sampling, s.should_stop)
         t1 = time.perf_counter()
-        plain = greedy_generate(self.target, prompt, s.max_new, s.stop_ids, sampling)
+        plain = greedy_generate(self.target, prompt, s.max_new, s.stop_ids, sampling, s.should_stop)
         self.tally.add(spec, plain, t1 - t0, time.perf_counter() - t1)
         return spec
 
@@ -151,16 +155,16 @@ class _Evaluation:
         s, models = self.settings, (self.target, self.drafter, self.head)
         self.tally.largest_batch = max(self.tally.largest_batch, len(chunk))
         t0 = time.perf_counter()
-        specs = speculative_generate_batch(*models, chunk, s.max_new, s.stop_ids)
+        specs = speculative_generate_batch(*models, chunk, s.max_new, s.stop_ids, s.should_stop)
         t1 = time.perf_counter()
-        plains = greedy_generate_batch(self.target, chunk, s.max_new, s.stop_ids)
+        plains = greedy_generate_batch(self.target, chunk, s.max_new, s.stop_ids, s.should_stop)
         t2 = time.perf_counter()
         outs = []
         for p, spec, plain in zip(chunk, specs, plains, strict=True):
             if spec.tokens != plain:
                 self.tally.singly += 1
-                spec = speculative_generate(*models, p, s.max_new, s.stop_ids)
-                plain = greedy_generate(self.target, p, s.max_new, s.stop_ids)
+                spec = speculative_generate(*models, p, s.max_new, s.stop_ids, should_stop=s.should_stop)
+                plain = greedy_generate(self.target, p, s.max_new, s.stop_ids, should_stop=s.should_stop)
             self.tally.add(spec, plain, (t1 - t0) / len(chunk), (t2 - t1) / len(chunk))
             outs.append(spec)
         return outs

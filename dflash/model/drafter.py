@@ -63,6 +63,11 @@ class DrafterSpec:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def differences(self, other: DrafterSpec) -> list[str]:
+        """'name mine vs other's' for every field (but `extra`) in which the two differ."""
+        a, b = self.to_dict(), other.to_dict()
+        return [f"{k} {a[k]} vs {b[k]}" for k in a if k != "extra" and a[k] != b[k]]
+
 
 # The building blocks are the export's own (`modeling_dflash.py`, the file AutoModel loads
 # with trust_remote_code): one definition, so training and every export compute alike.

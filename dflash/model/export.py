@@ -22,7 +22,15 @@ from dflash.store.atomic import atomic_path
 
 _MODELING = Path(__file__).parent / "modeling_dflash.py"
 
-__all__ = ["drafter_config_json", "export_checkpoint", "export_drafter", "is_checkpoint", "is_export", "load_drafter"]
+__all__ = [
+    "drafter_config_json",
+    "export_checkpoint",
+    "export_drafter",
+    "is_checkpoint",
+    "is_export",
+    "load_drafter",
+    "weight_mismatches",
+]
 
 
 def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
@@ -143,12 +151,16 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
 
 
 def _from_speculators(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A speculators config as ours. `sliding_window_non_causal` says how sliding layers see
+    their block; a drafter without any keeps `sliding_causal_block`'s default (the export
+    writes the flag true for every drafter it takes, as vLLM needs)."""
     try:
         flat = dict(cfg["transformer_layer_config"])
+        sliding = "sliding_attention" in (flat.get("layer_types") or [])
         flat["dflash_config"] = {
             "mask_token_id": cfg["mask_token_id"],
             "target_layer_ids": [int(i) - 1 for i in cfg["aux_hidden_state_layer_ids"]],
-            "sliding_causal_block": not cfg.get("sliding_window_non_causal", True),
+            "sliding_causal_block": not cfg.get("sliding_window_non_causal", True) if sliding else True,
         }
     except (KeyError, TypeError, ValueError) as err:
         msg = f"speculators config.json is missing or has a bad field: {err}"
@@ -174,13 +186,25 @@ def _from_checkpoint(path: Path) -> DFlashDrafter:
     return model
 
 
+def weight_mismatches(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """How `state` differs from `model`'s own tensors, a few of each kind ('fc.weight (64, 128)
+    vs (32, 64) here', 'missing ...', 'unexpected ...'); [] when it loads."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)} here" for k in own
+              if k in state and state[k].shape != own[k].shape]  # fmt: skip
+    out = shapes[:3]
+    if missing:
+        out.append(f"missing {missing[:3]}")
+    if unexpected:
+        out.append(f"unexpected {unexpected[:3]}")
+    return out
+
+
 def _load_weights(model: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
-    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
-    if missing or unexpected:
-        msg = (
-            f"{where}: weights do not match the drafter's config "
-            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
-        )
+    wrong = weight_mismatches(model, state)
+    if wrong:
+        msg = f"{where}: weights do not match the drafter's config: {'; '.join(wrong)}"
         raise CheckpointError(msg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
 
@@ -213,14 +237,43 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "d
 
 
 def _verifier(checkpoint: Path) -> str:
-    """The target a checkpoint's run trained against, as its config names it."""
+    """The target a checkpoint's run trained against, as the absolute path of its Hugging Face
+    folder (what vLLM loads as the target when it serves a speculators export): an `hf`
+    target's folder (a relative path: from here), a `gguf` target's converted folder when
+    the run made one; else "" (the tiny target, a folder not found)."""
     import tomllib
 
     try:
-        target = tomllib.loads((checkpoint / "config.toml").read_text()).get("target") or {}
+        raw = tomllib.loads((checkpoint / "config.toml").read_text())
     except (OSError, ValueError):
         return ""
-    return str(target.get("path") or target.get("kind") or "")
+    target, data = raw.get("target") or {}, raw.get("data") or {}
+    path = target.get("path")
+    if not isinstance(path, str) or not path:
+        return ""
+    if target.get("kind") == "hf":
+        folder = Path(path).expanduser()
+        return str(folder.resolve()) if (folder / "config.json").is_file() else ""
+    if target.get("kind") == "gguf":
+        return _converted_gguf(path, str(data.get("cache_dir") or ""))
+    return ""
+
+
+def _converted_gguf(path: str, cache_dir: str) -> str:
+    """The folder a GGUF target was converted into (dflash.model.loading.model_folder), when
+    exactly one conversion of that file is cached; else ""."""
+    import glob
+
+    from dflash.errors import ConfigError
+    from dflash.model.loading import cache_root, resolve_gguf
+
+    try:
+        stem = resolve_gguf(path).stem
+    except ConfigError:
+        return ""
+    name = glob.escape(stem) + "-" + "[0-9a-f]" * 16  # model_folder's: the file's stem, a 16-digit key
+    found = glob.glob(str(cache_root(cache_dir) / "models" / name / "config.json"))
+    return str(Path(found[0]).parent.resolve()) if len(found) == 1 else ""
 
 
 def load_drafter(

@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import os
 import threading
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +28,7 @@ from torch import nn
 from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.errors import ConfigError
 
-__all__ = ["Target", "build_tiny", "cpu_bf16_is_fast", "document_mask", "load_target", "resolve_dtype"]
+__all__ = ["Target", "TargetShape", "build_tiny", "cpu_bf16_is_fast", "document_mask", "load_target", "resolve_dtype"]
 
 
 class _StopForward(Exception):
@@ -169,6 +172,53 @@ def training_view(model: nn.Module) -> nn.Module:
         return model
     view.config._attn_implementation = TRAIN_ATTENTION
     return view
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The sizes of a target that a drafter made for it has too (`DrafterSpec` copies them):
+    what tells a drafter for another target apart."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        heads = f"{self.num_heads} heads ({self.num_kv_heads} kv) x {self.head_dim}"
+        return f"hidden {self.hidden_size}, vocab {self.vocab_size}, {self.num_layers} layers, {heads}"
+
+    @classmethod
+    def of(cls, target: Target) -> TargetShape:
+        return cls(target.hidden_size, target.vocab_size, target.num_layers, target.num_heads, target.num_kv_heads,
+                   target.head_dim)  # fmt: skip
+
+    @classmethod
+    def of_drafter(cls, spec: Any) -> TargetShape:
+        """The target a `DrafterSpec` was made for."""
+        return cls(spec.hidden_size, spec.vocab_size, spec.num_target_layers, spec.num_heads, spec.num_kv_heads,
+                   spec.head_dim)  # fmt: skip
+
+    @classmethod
+    def from_config(cls, cfg: TargetConfig) -> TargetShape | None:
+        """Without loading any weights: a tiny target's config, an `hf` folder's config.json.
+        None where that is not at hand (a GGUF file, a folder without a readable config)."""
+        if cfg.kind == "tiny":
+            t = cfg.tiny
+            return cls(t.hidden_size, t.vocab_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim)
+        if cfg.kind != "hf" or cfg.path is None:
+            return None
+        try:
+            raw = json.loads((Path(cfg.path).expanduser() / "config.json").read_text())
+            c = raw.get("text_config") or raw  # a multimodal model: its language model's sizes
+            heads = int(c["num_attention_heads"])
+            kv, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or int(c["hidden_size"]) // heads
+            return cls(int(c["hidden_size"]), int(c["vocab_size"]), int(c["num_hidden_layers"]), heads, int(kv),
+                       int(head_dim))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
 
 
 class Target:

@@ -6,9 +6,12 @@ and the coordinator runs them in one TaskGroup — the first stage to fail cance
 others and comes out as one StageError naming it — then tears down in a fixed order
 (profiler, trace, devices) and ends the run: export, end-of-run eval, summary. Step hooks
 (eval, checkpoints) and record subscribers (the progress line, the run folder's log) are
-attached here. `stop()` (Ctrl-C, SIGTERM, or a caller) stops intake; the in-flight
-optimizer step finishes, queued work is dropped. Nothing here runs on the event loop
-longer than a record's bookkeeping: models, data, writes and joins run in threads.
+attached here. `stop()` (Ctrl-C, SIGTERM, or a caller) acts on the run's `phase`: during
+set-up, set-up ends at its next phase boundary and the run ends without training; while
+training, intake stops, the in-flight optimizer step finishes, queued work is dropped; after
+the last step (`"finishing"`), the export is kept and the end-of-run eval ends at its next
+decoding step. `run_end` says which (`stopped_during`, `eval_stopped`). Nothing here runs on
+the event loop longer than a record's bookkeeping: models, data, writes and joins run in threads.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from dflash.config import Config, dump_toml
 from dflash.engines.vllm import speculative_config
 from dflash.errors import ConfigError
+from dflash.eval.decode import EvalStopped
 from dflash.logs import ProgressLine, RunLog
 from dflash.model.export import export_drafter
 from dflash.pipeline import topology
@@ -34,7 +38,7 @@ from dflash.runtime import distributed, faults
 from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Profiler, Trace
-from dflash.train.build import Training, build_training
+from dflash.train.build import SetupStopped, Training, build_training, stopping_setup
 from dflash.train.checkpoint import Checkpointer, ResumeFrom
 from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
 
@@ -75,6 +79,8 @@ class Coordinator:
         self.targets: list[Any] = []
         self.steps = 0
         self.summary: Record | None = None
+        self.phase = "setup"  # then "training" (the stage tasks), "finishing" (export, end-of-run eval)
+        self._stopped_during: str | None = None  # the phase the first stop() came in
         self._topology: topology.Topology | None = None
         self.world: World | None = None  # set when torchrun launched several processes
 
@@ -103,7 +109,10 @@ class Coordinator:
 
     # -- control ------------------------------------------------------------------------
     def stop(self) -> None:
-        """Ask the run to stop cleanly. Safe from any thread and from signal handlers."""
+        """Ask the run to stop cleanly (what that means depends on `phase`). Safe from any
+        thread and from signal handlers."""
+        if not self._stop_requested.is_set():
+            self._stopped_during = self.phase
         self._stop_requested.set()
         loop, ev = self._loop, self._stop_event
         if loop is not None and ev is not None and not loop.is_closed():
@@ -158,27 +167,11 @@ class Coordinator:
         self.emit(
             "run_start", run_dir=str(self.run_dir), torch=torch.__version__, **where, config=cfg.model_dump(mode="json")
         )
-        training = self._given or await asyncio.to_thread(build_training, cfg, self.resume, self.world)
+        training = self._given or await self._setup()
+        if training is None:  # a stop came during set-up
+            return self._end({"reason": "stopped", "steps": 0}, t_start)
         self.targets, self.replicas = training.targets, training.replicas
-        for w in training.warnings:
-            self.emit("warning", message=w)
-        if training.resumed is not None:
-            self.emit("resume", **training.resumed)
-        self.emit(
-            "setup",
-            samples=len(training.plan.samples),
-            data=training.data_stats,
-            batches_per_epoch=training.plan.batches_per_epoch,
-            padding_fraction=round(training.padding_fraction, 4),
-            total_steps=training.total_steps,
-            target=training.targets[0].name,
-            target_dtype=training.targets[0].dtype_name,
-            target_layers=training.spec.target_layer_ids,
-            drafter_params=sum(p.numel() for p in training.replicas[0].params),
-            mask_token_id=training.spec.mask_token_id,
-            setup_s=round(time.perf_counter() - t_start, 3),
-            resumed_from=training.start_step if self.resume is not None else None,
-        )
+        self._emit_setup(training, t_start)
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
         checkpointer = Checkpointer(
@@ -198,6 +191,7 @@ class Coordinator:
         t_train = time.perf_counter()
         if training.steps.budget is not None:
             training.steps.budget.start()
+        self.phase = "training"
         try:
             error = await self._train(topo, profiler, trace)
         finally:
@@ -207,7 +201,44 @@ class Coordinator:
             await self._fail(error, checkpointer, topo)
         train_s = time.perf_counter() - t_train
         self.steps = topo.book.progress.step
+        self.phase = "finishing"
         return await self._finish(training, topo, stop.is_set(), t_start, train_s)
+
+    async def _setup(self) -> Training | None:
+        """Set-up in a worker thread (`build_training`); None when a stop was asked before it
+        or came during it (set-up ends at its next phase boundary: `stopping_setup`). With
+        several processes set-up always completes: the ranks, which may see a signal at
+        different phases, then agree to stop before the first step, all together."""
+        if self.world is not None:
+            return await asyncio.to_thread(build_training, self.config, self.resume, self.world)
+        if self._stop_requested.is_set():
+            return None
+        try:
+            with stopping_setup(self._stop_requested.is_set):
+                return await asyncio.to_thread(build_training, self.config, self.resume, self.world)
+        except SetupStopped:
+            return None
+
+    def _emit_setup(self, training: Training, t_start: float) -> None:
+        for w in training.warnings:
+            self.emit("warning", message=w)
+        if training.resumed is not None:
+            self.emit("resume", **training.resumed)
+        self.emit(
+            "setup",
+            samples=len(training.plan.samples),
+            data=training.data_stats,
+            batches_per_epoch=training.plan.batches_per_epoch,
+            padding_fraction=round(training.padding_fraction, 4),
+            total_steps=training.total_steps,
+            target=training.targets[0].name,
+            target_dtype=training.targets[0].dtype_name,
+            target_layers=training.spec.target_layer_ids,
+            drafter_params=sum(p.numel() for p in training.replicas[0].params),
+            mask_token_id=training.spec.mask_token_id,
+            setup_s=round(time.perf_counter() - t_start, 3),
+            resumed_from=training.start_step if self.resume is not None else None,
+        )
 
     async def _train(self, topo: topology.Topology, profiler: Profiler, trace: Trace | None) -> BaseException | None:
         """Every stage task in one TaskGroup; then teardown in a fixed order: profiler (last
@@ -265,14 +296,10 @@ class Coordinator:
         if cfg.checkpoint.export_final and trained and writer:
             export_dir = self.run_dir / "final"
             await asyncio.to_thread(export_drafter, training.replicas[0].model, export_dir)
-        eval_record = None
+            self.emit("export", step=self.steps, path=str(export_dir))
+        eval_record, eval_stopped = None, False
         if cfg.eval.at_end and trained and not stopped and training.evaluate is not None:
-            try:
-                eval_record = await asyncio.to_thread(training.evaluate, self.steps)
-            except Exception as err:
-                self.emit("warning", message=f"end-of-run eval failed: {' '.join(str(err).split())}")
-            else:
-                self.emit("eval", **eval_record)
+            eval_record, eval_stopped = await self._end_eval(training)
         if stopped:
             reason = "stopped"
         elif cfg.train.max_steps and self.steps >= cfg.train.max_steps:
@@ -284,20 +311,64 @@ class Coordinator:
         else:
             reason = "data_exhausted"
         last = book.last
+        return self._end(
+            {
+                "reason": reason,
+                "steps": self.steps,
+                "train_s": round(train_s, 3),
+                "tokens": book.tokens,
+                "tokens_per_s": round(book.tokens / train_s, 2) if train_s > 0 else 0.0,
+                "feature_cache": topo.cache.stats() if topo.cache is not None else None,
+                "final_loss": last["loss"] if last else None,
+                "final_tau_sim": last["tau_sim"] if last else None,
+                "eval_tau": eval_record["tau"] if eval_record else None,
+                "eval_lossless": eval_record["lossless"] if eval_record else None,
+                "eval_stopped": eval_stopped,
+                "export_dir": str(export_dir) if export_dir else None,
+                "vllm_speculative_config": speculative_config(export_dir.resolve(), training.spec)
+                if export_dir
+                else None,
+            },
+            t_start,
+        )
+
+    async def _end_eval(self, training: Training) -> tuple[Record | None, bool]:
+        """The end-of-run eval: its record, and whether a stop ended it first (it asks once per
+        decoding step, so Ctrl-C here ends it in well under a second)."""
+        assert training.evaluate is not None
+        try:
+            record = await asyncio.to_thread(training.evaluate, self.steps, self._stop_requested.is_set)
+        except EvalStopped:
+            return None, True
+        except Exception as err:
+            self.emit("warning", message=f"end-of-run eval failed: {' '.join(str(err).split())}")
+            return None, False
+        self.emit("eval", **record)
+        return record, False
+
+    def _end(self, fields: Record, t_start: float) -> Record:
+        """The `run_end` record (also the summary `run` returns). `stopped_during`: the phase the
+        first stop came in ("setup", "training", "finishing"), None without a stop."""
+        during = self._stopped_during
+        if during is None and fields["reason"] == "stopped":  # another rank's stop (distributed.World)
+            during = "training"
         self.summary = {
-            "reason": reason,
-            "steps": self.steps,
+            "reason": fields.pop("reason"),
+            "steps": fields.pop("steps"),
             "wall_s": round(time.perf_counter() - t_start, 3),
-            "train_s": round(train_s, 3),
-            "tokens": book.tokens,
-            "tokens_per_s": round(book.tokens / train_s, 2) if train_s > 0 else 0.0,
-            "feature_cache": topo.cache.stats() if topo.cache is not None else None,
-            "final_loss": last["loss"] if last else None,
-            "final_tau_sim": last["tau_sim"] if last else None,
-            "eval_tau": eval_record["tau"] if eval_record else None,
-            "eval_lossless": eval_record["lossless"] if eval_record else None,
-            "export_dir": str(export_dir) if export_dir else None,
-            "vllm_speculative_config": speculative_config(export_dir.resolve(), training.spec) if export_dir else None,
+            "train_s": 0.0,
+            "tokens": 0,
+            "tokens_per_s": 0.0,
+            "feature_cache": None,
+            "final_loss": None,
+            "final_tau_sim": None,
+            "eval_tau": None,
+            "eval_lossless": None,
+            "eval_stopped": False,
+            "stopped_during": during,
+            "export_dir": None,
+            "vllm_speculative_config": None,
+            **fields,
             "run_dir": str(self.run_dir),
         }
         self.emit("run_end", **self.summary)

@@ -1,56 +1,109 @@
 """`dflash.run`: a run on its own event loop (uvloop when installed), with Ctrl-C / SIGTERM
-handled — the first stops cleanly after the current step, the second aborts."""
+handled. The first signal stops the run cleanly, as its phase allows (`Coordinator.stop`):
+set-up ends at its next phase boundary, training after the current step, the end-of-run eval
+at its next decoding step (the export is kept); the run still ends with `run_end` and exit 0.
+The second aborts (exit 130). `hold_signals` takes them from before the event loop exists
+(the CLI calls it first thing), so that no signal ends a run without its `run_end`.
+
+Nothing here imports torch at module level: `hold_signals` must be cheap to reach."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dflash.config import Config
-from dflash.pipeline.coordinator import Coordinator, Record
-from dflash.train.checkpoint import ResumeFrom
+if TYPE_CHECKING:
+    from dflash.config import Config
+    from dflash.pipeline.coordinator import Coordinator, Record
+    from dflash.train.checkpoint import ResumeFrom
 
-__all__ = ["run"]
+__all__ = ["hold_signals", "run"]
+
+# What the first signal does, by the run's phase (`Coordinator.phase`).
+_STOPPING = {
+    "setup": "stopping set-up",
+    "training": "stopping after the current step",
+    "finishing": "training is over: stopping the end-of-run eval, the export is kept",
+}
 
 
-def _install_signals(loop: asyncio.AbstractEventLoop, coord: Coordinator, main: asyncio.Task[Any]) -> None:
-    import signal
-    import sys
+class _Signals:
+    """One run's Ctrl-C / SIGTERM: the first stops it, the second aborts."""
 
-    hits = {"n": 0}
+    def __init__(self) -> None:
+        self.hits = 0
+        self.coord: Coordinator | None = None
+        self.main: asyncio.Task[Any] | None = None  # cancelled by the second signal once the loop runs
 
-    def on_signal(signame: str) -> None:
-        hits["n"] += 1
-        if hits["n"] == 1:
-            print(f"\ndflash: {signame}: stopping after the current step (again to abort)", file=sys.stderr)
+    def hit(self, signame: str) -> None:
+        self.hits += 1
+        if self.hits > 1:
+            if self.main is None:  # before the loop runs: abort from the main thread, where this runs
+                raise KeyboardInterrupt
+            self.main.cancel()
+            return
+        phase = self.coord.phase if self.coord is not None else "setup"
+        print(f"\ndflash: {signame}: {_STOPPING.get(phase, 'stopping')} (again to abort)", file=sys.stderr)
+        if self.coord is not None:
+            self.coord.stop()
+
+    def attach(self, coord: Coordinator) -> None:
+        """The run these signals stop; one taken already (`hold_signals`) stops it before it starts."""
+        self.coord = coord
+        if self.hits:
             coord.stop()
-        else:
-            main.cancel()
+
+    def install(self, loop: asyncio.AbstractEventLoop, main: asyncio.Task[Any]) -> None:
+        self.main = main
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self.hit, sig.name)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / Windows
+                pass
+
+
+_held: _Signals | None = None  # hold_signals(): the signals the next `run` takes over
+
+
+def hold_signals() -> None:
+    """From now on (main thread only), Ctrl-C / SIGTERM are taken, not fatal: the next `run`
+    starts stopped if one came (`run_start`, then `run_end` with reason "stopped") and a second
+    aborts (KeyboardInterrupt). Call it as early as possible; `run` takes over on its loop."""
+    global _held
+    held = _held = _Signals()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        held.hit(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, on_signal, sig.name)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / Windows
-            pass
+        signal.signal(sig, on_signal)
 
 
 def run(config: Config, *, install_signals: bool = True, resume: ResumeFrom | str | Path | None = None) -> Record:
     """Run synchronously (uvloop when installed); Ctrl-C / SIGTERM stop cleanly."""
+    global _held
+    from dflash.pipeline.coordinator import Coordinator
+
     try:
         import uvloop
 
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:
         factory = None
+    signals, _held = _held or _Signals(), None
     coord = Coordinator(config, resume=resume)
+    if install_signals:
+        signals.attach(coord)
 
     async def main() -> Record:
         task = asyncio.current_task()
         assert task is not None
         if install_signals:
-            _install_signals(asyncio.get_running_loop(), coord, task)
+            signals.install(asyncio.get_running_loop(), task)
         return await coord.run()
 
     with asyncio.Runner(loop_factory=factory) as runner:

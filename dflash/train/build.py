@@ -11,11 +11,13 @@ one `LossSpec` here, the step's limits one `StepPlan`: the step's math reads no 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
 from dflash.data.formats import dataset_path
 from dflash.errors import ConfigError, DataError
+from dflash.eval.fit import check_checkpoint_target
 from dflash.eval.prompts import require_eval_prompts
 from dflash.features.cache import FeatureCache
 from dflash.features.files import FeatureMeta, folder_for, seed_cache
@@ -52,7 +55,7 @@ from dflash.train.replicas import DrafterReplica, build_replicas
 from dflash.train.schedule import GlobalBatch, StepPlan, TimeBudget, lr_schedule
 from dflash.train.step import MicroStep, apply_step
 
-__all__ = ["Training", "build_training"]
+__all__ = ["SetupStopped", "Training", "build_training", "stopping_setup"]
 
 
 @dataclass
@@ -72,7 +75,7 @@ class Training:
     tokenizer: Any = None
     data_stats: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    evaluate: Callable[[int], dict[str, Any]] | None = None  # speculative decoding at a step
+    evaluate: Callable[..., dict[str, Any]] | None = None  # evaluate(step, should_stop=None): decoding at a step
     world: World | None = None  # this process's rank among several (torchrun), else None
     cache: FeatureCache | None = None  # data.feature_cache_mb: seeded from feature files beside the data files
     batch: GlobalBatch = field(default_factory=GlobalBatch)  # batches per step over the whole run
@@ -82,6 +85,35 @@ class Training:
     def pin(self) -> bool:
         """Pin collated batches: only worth it when some model lives on a GPU."""
         return any(m.device.type == "cuda" for m in [*self.targets, *self.replicas])
+
+
+class SetupStopped(Exception):
+    """Set-up saw a stop (Ctrl-C / SIGTERM) at one of its phase boundaries and ended there."""
+
+
+# Whether a stop was asked, as set-up sees it (`stopping_setup`). A context variable: it reaches
+# the worker thread set-up runs in (asyncio.to_thread copies the context) and the loaders below
+# without a parameter through each of them.
+_stop_asked: ContextVar[Callable[[], bool] | None] = ContextVar("dflash_setup_stop", default=None)
+
+
+@contextlib.contextmanager
+def stopping_setup(asked: Callable[[], bool]) -> Iterator[None]:
+    """Within the block, set-up ends with `SetupStopped` at its next phase boundary (after the
+    targets load, after the samples, before the eval's models) once `asked()` is true."""
+    token = _stop_asked.set(asked)
+    try:
+        yield
+    finally:
+        _stop_asked.reset(token)
+
+
+def _phase_done() -> None:
+    """A phase boundary: stop here if asked. Only between phases, so that nothing is left
+    half-loaded or half-written (a phase's own files are written atomically)."""
+    asked = _stop_asked.get()
+    if asked is not None and asked():
+        raise SetupStopped
 
 
 def _resume(cfg: Config, resume: ResumeFrom | str | Path | None) -> tuple[ResumeFrom | None, Loaded | None]:
@@ -98,6 +130,7 @@ def _resume(cfg: Config, resume: ResumeFrom | str | Path | None) -> tuple[Resume
     else:
         path = Path(resume.where).expanduser()
     loaded = load_checkpoint(path)
+    check_checkpoint_target(path, cfg)  # another target: its shapes named, before any model loads
     check_resume_config(loaded.config, cfg, path)
     return resume, loaded
 
@@ -182,6 +215,7 @@ def _samples(
             f"drafter.mask_token_id {mask_id} occurs {uses} times in the training data; "
             "an id the data never uses is better"
         )
+    _phase_done()
     return samples, stats
 
 
@@ -208,19 +242,21 @@ def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
     )
 
 
-def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: Any) -> Callable[[int], dict[str, Any]]:
+def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: Any) -> Callable[..., dict[str, Any]]:
     """Speculative decoding with replica 0 against target 0 on the held-out prompts, which
-    are loaded now: missing prompts fail the run before its first step, not after its last."""
+    are loaded now: missing prompts fail the run before its first step, not after its last.
+    `run(step, should_stop)`: `should_stop()` true ends it (`EvalStopped`) at its next decoding step."""
     from dflash.eval import DecodeSettings, eval_prompts, evaluate, stop_ids
 
+    _phase_done()  # before eval_target, which may load a second target
     target = eval_target(cfg, target)
     prompts = eval_prompts(cfg, target, tokenizer, replica.model.spec.mask_token_id)
     stops = stop_ids(target, tokenizer)
 
-    def run(step: int) -> dict[str, Any]:
+    def run(step: int, should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         faults.check(Stage.EVAL)
         model, head = replica.model, replica.head
-        rec = evaluate(target, model, head, prompts, DecodeSettings.of(cfg, stops))
+        rec = evaluate(target, model, head, prompts, DecodeSettings.of(cfg, stops, should_stop))
         return {"step": step, **rec}
 
     return run
@@ -293,7 +329,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
         stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
     if loaded is not None:
-        restore(loaded, replicas)
+        restore(loaded, replicas, cfg)
     micro = _micro_step(cfg, loss, d_devs[0], total)
     writer = world is None or world.is_writer
     evaluate = _evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None
@@ -368,6 +404,7 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
         how = ", ".join(targets[0].logit_transform)
         msg = f"loss.distill: the target transforms its logits ({how}): not supported yet"
         raise ConfigError(msg)
+    _phase_done()
     return targets
 
 

@@ -343,14 +343,21 @@ class Checkpointer:
             await pending
 
 
-def restore(loaded: Loaded, replicas: list[Any]) -> None:
-    """Load a checkpoint's weights, optimizer and schedule into every replica."""
+def restore(loaded: Loaded, replicas: list[Any], cfg: Config | None = None) -> None:
+    """Load a checkpoint's weights, optimizer and schedule into every replica. With this run's
+    `cfg`, a drafter made for another target or shape is first refused in one line naming both
+    shapes and the config keys that differ (`check_checkpoint_fits`)."""
+    from dflash.eval.fit import check_checkpoint_fits
+    from dflash.model.export import weight_mismatches
+
+    if cfg is not None and replicas:
+        check_checkpoint_fits(loaded.path, replicas[0].model.spec, loaded.config, cfg)
     for r in replicas:
-        try:
-            r.model.load_state_dict({k: v.to(r.device) for k, v in loaded.weights.items()})
-        except RuntimeError as err:
-            msg = f"{loaded.path}: drafter weights do not fit this config: {' '.join(str(err).split())[:200]}"
-            raise CheckpointError(msg) from None
+        wrong = weight_mismatches(r.model, loaded.weights)
+        if wrong:
+            msg = f"{loaded.path}: drafter weights do not fit this config: {'; '.join(wrong)}"
+            raise CheckpointError(msg)
+        r.model.load_state_dict({k: v.to(r.device) for k, v in loaded.weights.items()})
         # The kernel choice (fused on a CPU, multi-tensor on CUDA) is this run's, not the
         # checkpoint's: a run resumed on another device kind, or from an older checkpoint,
         # is configured like a fresh one.

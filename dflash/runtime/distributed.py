@@ -85,6 +85,23 @@ class Agreement:
     cursors: list[int]  # per rank: the highest batch index it has consumed
 
 
+def _launch_warnings() -> list[str]:
+    """What in torchrun's settings can hang this job later. With `--max-restarts`, the agents'
+    shared TCPStore (torch's default) keeps the previous round's keys, and a restarted group's
+    rendezvous can read a dead process's address and hang (pytorch/pytorch#135712)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    except ValueError:
+        restarts = 0
+    if shared and restarts > 0:
+        return [
+            "torchrun --max-restarts with the agents' shared TCPStore: a restart can hang joining the new "
+            "group (pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"
+        ]
+    return []
+
+
 class World:
     """This process's place in the process group, and the collectives of a run."""
 
@@ -106,6 +123,7 @@ class World:
         self._closed = False  # after close(): a collective is an error, never the default group
         self._heart = threading.Thread(target=self._heartbeat, name="dflash-heartbeat", daemon=True)
         self._heart.start()
+        self.warnings = _launch_warnings()  # emitted as `warning` records by the run
 
     def __repr__(self) -> str:
         return f"World(rank {self.rank} of {self.size}, {self.backend})"

@@ -308,7 +308,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     if wants_eval:  # what the end of the run needs, before any model loads
         require_eval_prompts(cfg, also=", or set eval.at_end = false")
     loss = LossSpec.from_config(cfg)
-    found: list[str] = []
+    found: list[str] = list(world.warnings) if world is not None else []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = _targets(cfg, t_devs, loss)
     t0 = targets[0]

@@ -107,6 +107,9 @@ def run(
     new_global_batch: bool,
 ) -> None:
     """Train a drafter as CONFIG (TOML) says."""
+    from dflash.pipeline.runner import hold_signals
+
+    hold_signals()  # first: from here on Ctrl-C / SIGTERM end the run with its run_end record
     from dflash import logs
     from dflash.config import load_config
 
@@ -142,7 +145,7 @@ def run(
             f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
             f" ({ {True: 'lossless', False: 'NOT lossless', None: 'sampled'}[summary['eval_lossless']] })"
             if summary["eval_tau"] is not None
-            else ""
+            else "; end-of-run eval stopped" if summary.get("eval_stopped") else ""
         )
         logs.human(
             f"dflash: {summary['reason']} after {summary['steps']} steps in {summary['wall_s']:.1f}s; "
@@ -289,6 +292,10 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
 
     try:
         cfg = load_config(config, list(overrides))
+        if cfg.regen.engine == "vllm":  # before anything loads
+            from dflash.engines.replies import require_vllm_for_regen
+
+            require_vllm_for_regen()
         logs.configure(sys.stdout)
         import structlog
         import torch
@@ -303,8 +310,8 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
             raise ConfigError(msg)
         from dflash.data.prompts import load_prompts
 
-        server = bool(cfg.regen.server)  # a server answers: the target's weights are never loaded here
-        dev = None if server else check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
+        elsewhere = bool(cfg.regen.server) or cfg.regen.engine == "vllm"  # the target's weights never load here
+        dev = None if elsewhere else check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
         with warnings.catch_warnings(record=True) as caught:  # skipped records: warning records, as in a run
             warnings.simplefilter("always")
             prompts = load_prompts(cfg)  # before the model: a bad prompt file fails in a second
@@ -320,13 +327,50 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
             f"({_per_set(stats['generated_per_set'])}{stats['resumed_from']} already there), "
             f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
             + (f" (+ features, {stats['features_mb']} MB)" if stats["features"] else "")
+            + (f"; vLLM's start, {stats['engine_start_s']}s, not in tok/s" if stats.get("engine_start_s") else "")
             + (f"; {stats['too_long']} prompts over regen.max_prompt_tokens skipped" if stats["too_long"] else "")
+            + (f"; {stats['refused']} prompts refused by the server skipped (warning records)"
+               if stats.get("refused") else "")
             + (f"; regen.max_minutes reached with {stats['unanswered']} prompts unanswered (a later regen "
                "answers them)" if stats["unanswered"] else "")
         )  # fmt: skip
     except KeyboardInterrupt:
         click.echo("dflash: regen interrupted; run it again to resume", err=True)
         sys.exit(130)
+
+
+@main.command("features")
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option("--engine", type=click.Choice(["vllm"]), default="vllm", show_default=True,
+              help="vllm: the target served by vLLM's offline API (needs vLLM: make engines)")  # fmt: skip
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="vLLM's tensor_parallel_size")  # fmt: skip
+@click.option("--pipeline-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="vLLM's pipeline_parallel_size")  # fmt: skip
+def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_parallel: int,
+                 pipeline_parallel: int) -> None:  # fmt: skip
+    """Compute the target features of the [data] files' samples in an engine and write them
+    beside each data file (data.jsonl -> data.features/), where `dflash run` with
+    data.feature_cache_mb set takes them instead of running the target (resumable)."""
+    from dflash import logs
+    from dflash.config import load_config
+    from dflash.engines.vllm import require_vllm
+
+    require_vllm()  # before anything loads
+    cfg = load_config(config, list(overrides))
+    logs.configure(sys.stdout)
+    import structlog
+
+    from dflash.engines.extract import EngineSettings, extract_features
+
+    stats = extract_features(cfg, EngineSettings(tensor_parallel, pipeline_parallel))
+    structlog.get_logger("dflash").info("features", **stats)
+    logs.human(
+        f"dflash features ({engine}): {stats['written']} samples written ({stats['tokens']} tokens, "
+        f"{stats['parts']} parts), {stats['already_stored']} already there, {stats['wall_s']}s -> "
+        + ", ".join(stats["folders"])
+    )
 
 
 @main.command()

@@ -9,7 +9,8 @@ generates replies in batches (greedy, or sampled) in a seeded random order, like
 batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended
 batch by batch and flushed: an interrupted regen resumes where it stopped. With
 `regen.server`, an OpenAI-compatible server (vLLM, SGLang, llama.cpp) writes the replies
-instead of the target running here (`_ServerReplier`): same prompts, split, order and records.
+instead of the target running here (`_ServerReplier`); with `regen.engine = "vllm"`, vLLM's
+offline API in this process does (`_VllmReplier`): same prompts, split, order and records.
 """
 
 from __future__ import annotations
@@ -23,26 +24,32 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
+import structlog
 import torch
 
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids, tokenize_many
 from dflash.data.prompts import Messages, Prompts, load_prompts, prompt_key
 from dflash.data.samples import Sample, collate
-from dflash.engines.server import ChatServer
+from dflash.engines import replies
+from dflash.engines.server import ChatServer, RequestPool, ServerError
 from dflash.errors import DataError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
+from dflash.model.loading import model_folder
+from dflash.model.target import resolve_dtype
 from dflash.pipeline.stages import target_forward
 from dflash.store.atomic import atomic_path
 
 __all__ = ["regenerate", "write_jsonl"]
 
 Todo = list[tuple[int, list[int]]]  # prompts to answer: (index among the training prompts, its token ids)
+Asked = Future[tuple[str, int | None]]  # a server's reply to come: its text and token count
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -284,9 +291,12 @@ def regenerate(
     """Generate replies for every training prompt not yet in the output; returns stats.
 
     `progress`: a live line on a terminal; otherwise one line every 30 s on stderr. With
-    `regen.server`, the server answers and `target` may be None (only `tokenizer` is used);
-    a server that does not answer GET /v1/models fails here, before anything is written."""
+    `regen.server` or `regen.engine = "vllm"`, the server or vLLM answers and `target` may be
+    None (only `tokenizer` is used); a server that does not answer GET /v1/models, or a
+    Python without vLLM, fails here, before anything is written."""
     r = cfg.regen
+    if r.engine == "vllm":
+        replies.require_vllm_for_regen()
     server = ChatServer(r.server, r.server_model, r.server_timeout_s).connect() if r.server else None
     with _exclusive(cfg.regen_output):
         return _regenerate(cfg, target, tokenizer, progress, prompts, server)
@@ -396,6 +406,10 @@ class _ProgressLine:
         line = f"regen {self.already + written}/{self.total} prompts, {new_tokens / el:.0f} tok/s, {el:.0f}s"
         print("\r" + line if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
+    def restart(self, now: float) -> None:
+        """The rate counted from `now` (after an engine's start)."""
+        self.t0 = self.last = now
+
     def end(self, any_batch: bool) -> None:
         if self.tty and any_batch:
             print(file=sys.stderr)
@@ -480,54 +494,198 @@ class _Replier:
 class _ServerReplier(_Replier):
     """regen.server: an OpenAI-compatible server writes the replies, `batch_size` requests in
     flight (the prompts in the local loop's order), each written as soon as those before it
-    are; the output is flushed whenever the next reply is still pending, so an error loses no
-    reply received before it. A server's tokens come back as text: the record holds that text,
+    are; the output is flushed whenever the next reply is still pending. An error (a request
+    failing after its tries, anywhere in flight), Ctrl-C or regen.max_minutes ends the regen at
+    once: the replies already back are written, in any order, the requests in flight cancelled
+    (a later regen asks them again). A server's tokens come back as text: the record holds that text,
     stripped, like the local loop's decoded reply (training tokenizes it with the target's chat
     template, as any chat file); its token count is the server's usage.completion_tokens, else
     the text re-tokenized. Greedy is asked as the local loop's raw argmax: temperature 0,
-    repetition_penalty 1 (a server would otherwise apply the model's generation config)."""
+    repetition_penalty 1 (a server would otherwise apply the model's generation config); each
+    request's seed is regen.seed + the prompt's index, so sampled replies do not depend on the
+    requests in flight. A prompt the server refuses (a 4xx about it, e.g. longer than its
+    context) is skipped with a `warning` record; a later regen asks it again."""
 
     def __init__(self, cfg: Config, tokenizer: Any, prompts: Prompts, server: ChatServer) -> None:
         super().__init__(cfg, None, tokenizer, prompts)
         self.server = server
+        self.refused = 0
         r = cfg.regen
         self.options: dict[str, Any] = {
-            "max_tokens": r.max_new_tokens, "temperature": r.temperature, "seed": r.seed, "repetition_penalty": 1.0,
+            "max_tokens": r.max_new_tokens, "temperature": r.temperature, "repetition_penalty": 1.0,
         }  # fmt: skip
         if self.template_kwargs:
             self.options["chat_template_kwargs"] = self.template_kwargs
 
-    def ask(self, i: int) -> tuple[str, int | None]:
-        """Training prompt i's reply from the server (from a worker thread: no tokenizer here)."""
-        return self.server.chat(self.train[i], self.options)
+    def ask(self, pool: RequestPool, i: int) -> Asked:
+        """Training prompt i's reply from the server, asked from a worker thread."""
+        return pool.submit(self.train[i], {**self.options, "seed": self.regen.seed + i})
 
     def answer_all(self, queue: collections.deque[Todo], out: IO[str], deadline: float, line: _ProgressLine) -> None:
         """The queued prompts, until the queue runs out or `deadline` (perf_counter) passes:
-        no request starts after it."""
+        then the requests still pending are cancelled, the replies already back written."""
         items = (i for batch in queue for i, _ in batch)
         ahead = 4 * self.regen.batch_size  # requests queued: the workers never wait on a slow head
-        pending: collections.deque[tuple[int, Future[tuple[str, int | None]]]] = collections.deque()
-        pool = ThreadPoolExecutor(self.regen.batch_size, thread_name_prefix="regen-server")
+        pending: collections.deque[tuple[int, Asked]] = collections.deque()
+        pool = RequestPool(self.server, self.regen.batch_size)
         try:
             while True:
                 while len(pending) < ahead and time.perf_counter() < deadline and (i := next(items, None)) is not None:
-                    pending.append((i, pool.submit(self.ask, i)))
+                    pending.append((i, self.ask(pool, i)))
                 if not pending:
                     return
                 if not pending[0][1].done():
                     out.flush()
+                if not _wait_head(pending, deadline):  # regen.max_minutes: what is back is kept, the rest asked later
+                    self._write_finished(pending, out)
+                    return
                 i, reply = pending.popleft()
-                text, tokens = reply.result()
-                text = text.strip()
-                if tokens is None:
-                    tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-                self.new_tokens += tokens
-                self._write_text(out, i, text)
-                self.written += 1
+                self._take(out, i, reply)
                 line.update(self.written == 1, self.written, self.new_tokens, time.perf_counter())
+        except BaseException:  # an error or Ctrl-C: the replies already back are kept too
+            self._write_finished(pending, out)
+            raise
         finally:
             out.flush()
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.close()
+
+    def _take(self, out: IO[str], i: int, reply: Asked) -> None:
+        """Training prompt i's reply written, or its refusal a warning record."""
+        try:
+            text, tokens = reply.result()
+        except ServerError as err:
+            if not err.refused:
+                raise
+            self._refuse(i, err)
+            return
+        text = text.strip()
+        if tokens is None:
+            tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.new_tokens += tokens
+        self._write_text(out, i, text)
+        self.written += 1
+
+    def _refuse(self, i: int, err: ServerError) -> None:
+        """A warning record naming the prompt and the server's message; but when every
+        prompt asked so far was refused (at least `_REFUSED_FIRST`), the server refuses them
+        all (a request option it does not take, ...): one line."""
+        self.refused += 1
+        if not self.written and self.refused >= _REFUSED_FIRST:
+            msg = f"{err}; the first {self.refused} prompts were all refused: no prompt is answered, stopping"
+            raise ServerError(msg, err.status)
+        words = " ".join(_last_user_text(self.train[i]).split())
+        about = words[:60] + ("..." if len(words) > 60 else "")
+        message = f"regen: prompt {i} ({about!r}) skipped, {err}; a later regen asks it again"
+        structlog.get_logger("dflash").info("warning", message=message, prompt_id=i)
+
+    def _write_finished(self, pending: collections.deque[tuple[int, Asked]], out: IO[str]) -> None:
+        """The replies already back among `pending`, written whatever their order; refusals and
+        failures are left for a later regen."""
+        for i, reply in pending:
+            if reply.done() and not reply.cancelled() and reply.exception() is None:
+                self._take(out, i, reply)
+        pending.clear()
+
+
+_REFUSED_FIRST = 8  # refusals before any reply that stop a server regen
+
+
+def _failed(reply: Asked) -> bool:
+    """A reply that failed for good, not a refusal of its prompt alone."""
+    if not reply.done() or reply.cancelled():
+        return False
+    err = reply.exception()
+    return err is not None and not (isinstance(err, ServerError) and err.refused)
+
+
+def _wait_head(pending: collections.deque[tuple[int, Asked]], deadline: float) -> bool:
+    """Waits for the first pending reply until `deadline` (perf_counter): True when it is back.
+    A request failing for good meanwhile, wherever it is in the queue, raises its error at
+    once (the server is down or broken: no use waiting for the others)."""
+    head = pending[0][1]
+    waiting = []
+    for _, reply in pending:
+        if _failed(reply):
+            reply.result()
+        if not reply.done():
+            waiting.append(reply)
+    while not head.done():
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return False
+        done, not_done = futures.wait(waiting, None if math.isinf(left) else left, futures.FIRST_COMPLETED)
+        for reply in done:
+            if _failed(reply):
+                reply.result()
+        waiting = list(not_done)
+    return True
+
+
+def _last_user_text(messages: Messages) -> str:
+    """The last user message's text (the prompt a warning names)."""
+    for m in reversed(messages):
+        if m.get("role") == "user" and isinstance(m.get("content"), str):
+            return m["content"]
+    return ""
+
+
+class _VllmReplier(_Replier):
+    """regen.engine = "vllm": vLLM's offline API writes the replies (`ReplyEngine`), the prompts
+    fed in the local loop's order as the engine's slots free up, each reply written as soon as
+    it finishes (the output flushed after every engine step that finished one). The reply is
+    the generated token ids cut at the eos, decoded like the local loop's. regen.max_minutes is
+    a deadline from the engine's start (its load is not counted, as the target's is not in the
+    local loop): past the first slots' worth, no prompt starts whose reply would end after it,
+    and those started are answered. An error, Ctrl-C or SIGTERM drops the requests still
+    running and ends the engine's process; a later regen asks them again."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, prompts: Prompts) -> None:
+        super().__init__(cfg, None, tokenizer, prompts)
+        r = cfg.regen
+        self.folder = model_folder(cfg.target, cfg.data.cache_dir)
+        self.dtype = str(resolve_dtype(cfg.target.dtype, torch.device(replies.vllm_device()))).removeprefix("torch.")
+        sampling = replies.hf_sampling(self.folder) if r.temperature > 0 else ()
+        self.settings = replies.ReplySettings(r.max_new_tokens, self.eos, r.temperature, r.seed, sampling)
+        self.start_s = 0.0
+
+    def answer_all(self, queue: collections.deque[Todo], out: IO[str], budget_s: float, line: _ProgressLine) -> None:
+        """The queued prompts, until they are answered or `budget_s` seconds after the engine's start."""
+        items = [item for batch in queue for item in batch]
+        if not items:
+            return
+        max_len = replies.model_len(self.folder, max(len(ids) for _, ids in items), self.regen.max_new_tokens)
+        with replies.sigterm_as_interrupt():
+            t0 = time.perf_counter()
+            engine = replies.ReplyEngine(self.folder, self.dtype, max_len, self.settings)
+            self.start_s = time.perf_counter() - t0
+            line.restart(time.perf_counter())
+            try:
+                self._answer(engine, iter(items), out, time.perf_counter() + budget_s, line)
+            finally:
+                out.flush()
+                engine.close()
+
+    def _answer(self, engine: replies.ReplyEngine, feed: Iterator[tuple[int, list[int]]], out: IO[str], deadline: float,
+                line: _ProgressLine) -> None:  # fmt: skip
+        """The engine's steps until what `feed` holds and the engine takes by `deadline` is answered."""
+        while True:
+            engine.add(itertools.islice(feed, engine.room(deadline)))
+            if not engine.running:
+                return
+            finished = engine.step()
+            for i, generated in finished:
+                self._take_ids(out, i, generated)
+            if finished:
+                out.flush()
+                line.update(self.written == len(finished), self.written, self.new_tokens, time.perf_counter())
+
+    def _take_ids(self, out: IO[str], i: int, generated: list[int]) -> None:
+        """Training prompt i's generated ids, cut at the eos as the local loop cuts them, written."""
+        reply = generated[: self.regen.max_new_tokens]
+        if self.eos in reply:
+            reply = reply[: reply.index(self.eos)]
+        self._write(out, i, reply)
+        self.written += 1
 
 
 def _answer_all(
@@ -547,6 +705,15 @@ def _answer_all(
         first = False
 
 
+def _replier(cfg: Config, target: Any, tokenizer: Any, prompts: Prompts, server: ChatServer | None) -> _Replier:
+    """Who answers: the server, vLLM here, or the target's own loop."""
+    if server is not None:
+        return _ServerReplier(cfg, tokenizer, prompts, server)
+    if cfg.regen.engine == "vllm":
+        return _VllmReplier(cfg, tokenizer, prompts)
+    return _Replier(cfg, target, tokenizer, prompts)
+
+
 def _regenerate(
     cfg: Config,
     target: Any,
@@ -563,7 +730,7 @@ def _regenerate(
     write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(prompts.held)])
     todo, too_long = _unanswered(cfg, tokenizer, prompts.train, done)
     already = len(prompts.train) - len(todo) - too_long
-    replier = _ServerReplier(cfg, tokenizer, prompts, server) if server else _Replier(cfg, target, tokenizer, prompts)
+    replier = _replier(cfg, target, tokenizer, prompts, server)
     t0 = time.perf_counter()
     if cfg.regen.save_features:
         replier.features = _FeatureParts(out_path, target, cfg.regen.temperature == 0)
@@ -573,11 +740,15 @@ def _regenerate(
     with out_path.open("a", encoding="utf-8") as out:
         if isinstance(replier, _ServerReplier):
             replier.answer_all(replier.queue(todo), out, t0 + budget.budget_s, line)
+        elif isinstance(replier, _VllmReplier):
+            replier.answer_all(replier.queue(todo), out, budget.budget_s, line)
         else:
             _answer_all(replier, replier.queue(todo), out, budget, line)
     line.end(bool(todo))
     el = time.perf_counter() - t0
+    start_s = replier.start_s if isinstance(replier, _VllmReplier) else 0.0  # vLLM's load: not in tok/s
     features = replier.features
+    refused = replier.refused if isinstance(replier, _ServerReplier) else 0
     return {
         "output": str(out_path),
         "heldout": str(cfg.regen_heldout),
@@ -585,13 +756,16 @@ def _regenerate(
         "generated": replier.written,
         "generated_per_set": replier.per_set,
         "resumed_from": already,
-        "unanswered": len(todo) - replier.written,
+        "unanswered": len(todo) - replier.written - refused,
+        "refused": refused,
         "too_long": too_long,
-        "target_dtype": target.dtype_name if target is not None else None,
+        "engine": "server" if server is not None else cfg.regen.engine,
+        "target_dtype": replier.dtype if isinstance(replier, _VllmReplier) else getattr(target, "dtype_name", None),
         "server": f"{server.model} at {server.url}" if server is not None else None,
         "features": str(features.folder) if features is not None else None,
         "features_mb": round(features.mb if features is not None else 0.0, 2),
         "new_tokens": replier.new_tokens,
+        "engine_start_s": round(start_s, 2),
         "wall_s": round(el, 2),
-        "tokens_per_s": round(replier.new_tokens / el, 1) if el > 0 else 0.0,
+        "tokens_per_s": round(replier.new_tokens / (el - start_s), 1) if el > start_s else 0.0,
     }

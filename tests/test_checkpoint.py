@@ -116,6 +116,9 @@ def test_resume_refuses_a_grad_accum_that_changes_the_global_batch(tiny_config, 
     changed = _run(two, resume=ResumeFrom(ckpt, new_global_batch=True))
     rec = next(r for r in changed if r["event"] == "resume")
     assert rec["global_batch_changed"] and rec["global_batch"].startswith("4 batches a step")
+    setup = next(r for r in changed if r["event"] == "setup")  # the schedule: the step done, then the rest at 4
+    assert setup["total_steps"] == 1 + -(-(2 * setup["batches_per_epoch"] - 3) // 4)
+    assert next(r for r in changed if r["event"] == "run_end")["steps"] == setup["total_steps"]
 
 
 def test_incomplete_folders_are_never_the_latest(tmp_path):

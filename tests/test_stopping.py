@@ -156,6 +156,7 @@ def test_a_signal_before_the_event_loop_ends_the_run_with_its_run_end(tmp_path: 
     while not _catches_sigterm(proc.pid):
         assert proc.poll() is None and time.monotonic() < deadline, "the process never took SIGTERM"
         time.sleep(0.002)
+    assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text(), "torch loaded: the signal came too late"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 0, err
@@ -163,6 +164,40 @@ def test_a_signal_before_the_event_loop_ends_the_run_with_its_run_end(tmp_path: 
     assert [r["event"] for r in records] == ["run_start", "run_end"], err
     assert records[-1]["reason"] == "stopped" and records[-1]["stopped_during"] == "setup", records[-1]
     _only_the_run_log(tmp_path / "tiny")
+
+
+_SLOW_SETUP = """
+import sys, time
+import dflash.train.build as build
+build.load_target = lambda *a, **k: time.sleep(600)  # a target that takes ten minutes to load
+from dflash.cli import entry
+sys.argv = ["dflash", *sys.argv[1:]]
+entry()
+"""
+
+
+@pytest.mark.slow
+def test_a_second_signal_aborts_even_while_a_worker_thread_is_busy(tmp_path: Path, popen) -> None:
+    """Two SIGINTs while set-up loads a (ten-minute) target in its worker thread: the first
+    asks set-up to stop at its next boundary, the second aborts within the grace period
+    (exit 130) instead of waiting for the thread."""
+    import sys
+
+    proc = popen([sys.executable, "-c", _SLOW_SETUP, *_args(tmp_path)[1:]], **_pipes())
+    assert proc.stdout is not None
+    records_until(proc.stdout, lambda r: r["event"] == "run_start", "run_start")
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the first is taken (two at once may arrive as one)
+        if "stopping set-up" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, err
+    assert took < 60, f"aborted after {took:.0f} s"  # the grace period is seconds; the load, ten minutes
+    assert "aborted" in err, err
 
 
 @pytest.fixture

@@ -504,6 +504,12 @@ class RegenConfig(_Section):
     )  # fmt: skip
     server_model: str = Field("", description="the model the server is asked for ('' = the first it lists)")
     server_timeout_s: float = Field(600.0, gt=0, description="seconds one server request may take")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="who writes the replies here: 'hf', the target's own generate loop in dflash; 'vllm', "
+        "vLLM's offline API in this process (needs vLLM: make engines, then .venv-engines/bin/dflash regen), fed "
+        "the pending prompts as token ids and batching them itself; greedy replies are the same tokens; same "
+        "prompts, split, resume and output",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _server(self) -> RegenConfig:
@@ -512,6 +518,15 @@ class RegenConfig(_Section):
             raise ValueError(msg)
         if self.server and self.save_features:
             msg = "regen.server with regen.save_features: a server sends no target features; unset one of them"
+            raise ValueError(msg)
+        if self.server and self.engine == "vllm":
+            msg = "regen.server with regen.engine = 'vllm': the server writes the replies, or vLLM here; unset one"
+            raise ValueError(msg)
+        if self.engine == "vllm" and self.save_features:
+            msg = (
+                "regen.save_features with regen.engine = 'vllm': vLLM's replies come without target features; "
+                "unset it, and compute them from the replies with `dflash features CONFIG`"
+            )
             raise ValueError(msg)
         return self
 
@@ -549,7 +564,7 @@ class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
     every_minutes: float = Field(
         0.0, ge=0, description="also checkpoint after a step once this many minutes passed since the last "
-        "checkpoint (or the first step), bounding the work a failure loses; 0 = never",
+        "checkpoint (or the start of training), bounding the work a failure loses; 0 = never",
     )
     at_end: bool = Field(True, description="checkpoint when the run ends (also after Ctrl-C / SIGTERM)")
     keep_last: int = Field(2, ge=1, le=10_000, description="complete checkpoints kept in <run>/checkpoints")

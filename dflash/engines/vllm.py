@@ -10,7 +10,9 @@ Facts this module encodes (vLLM 0.32):
   bidirectional in sliding layers), `mask_token_id` and `target_layer_ids`.
 - On CPU its attention takes head dims 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512
   only, for the target too; drafters mixing full and sliding layers need its V2 runner,
-  which needs Triton (none on CPU).
+  which needs Triton (none on CPU), and on a GPU `VLLM_USE_V2_MODEL_RUNNER=1` (`runner_env`).
+- On a GPU it claims `gpu_memory_utilization` of the whole device at start, and refuses to
+  start when less is free: `gpu_share` asks for 0.9 of what is free beside our models.
 
 vLLM is an optional dependency, installed in a venv of its own (`make engines`); the main
 venv's `dflash eval --engine vllm` says so in one line.
@@ -18,9 +20,11 @@ venv's `dflash eval --engine vllm` says so in one line.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,14 @@ __all__ = [
     "CPU_HEAD_DIMS",
     "EngineRun",
     "decode",
+    "engine_device",
+    "gpu_share",
+    "open_engine",
     "problem",
     "require_vllm",
+    "runner_env",
     "serve_command",
+    "shut_down",
     "speculative_config",
 ]  # fmt: skip
 
@@ -74,10 +83,10 @@ def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None
     return None
 
 
-def require_vllm() -> None:
-    """vLLM must be importable here; else one line saying how to get it."""
+def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
+    """vLLM must be importable here; else one line saying how to get it (`what` needs it)."""
     if importlib.util.find_spec("vllm") is None:
-        msg = f"--engine vllm: vLLM is not installed in this Python; {HOW}"
+        msg = f"{what}: vLLM is not installed in this Python; {how}"
         raise ConfigError(msg)
 
 
@@ -99,6 +108,53 @@ class EngineRun:
         return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
 
 
+def engine_device() -> str:
+    """Where vLLM runs in this Python: its platform's device type ("cpu", "cuda", ...)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@contextlib.contextmanager
+def runner_env(spec: DrafterSpec | None, device: str) -> Iterator[None]:
+    """`VLLM_USE_V2_MODEL_RUNNER=1` while vLLM runs a drafter mixing full and sliding layers on
+    a GPU (its V1 runner refuses them), the environment as it was after; one line when it is
+    set to 0 here."""
+    if spec is None or device != "cuda" or len(set(spec.layer_types)) < 2:
+        yield
+        return
+    was = os.environ.get(_V2_RUNNER)
+    if was is not None and was.strip().lower() in ("0", "false"):
+        msg = f"--engine vllm: a drafter mixing full and sliding-window layers needs vLLM's V2 runner ({_V2_RUNNER}=1)"
+        raise ConfigError(msg)
+    os.environ[_V2_RUNNER] = "1"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(_V2_RUNNER, None)
+        else:
+            os.environ[_V2_RUNNER] = was
+
+
+def gpu_share(device: str) -> float | None:
+    """vLLM's `gpu_memory_utilization` on a GPU: 0.9 of the memory free now, as a share of the
+    whole device (vLLM's default, 0.92 of it all, fails to start beside the models loaded
+    here); None elsewhere."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return round(0.9 * free / total, 4)
+
+
 def _counters(metrics: Iterable[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in metrics:
@@ -108,47 +164,88 @@ def _counters(metrics: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
-def _engine(target: Path, drafter: Path | None, spec: DrafterSpec | None, dtype: str, max_len: int) -> Any:
+def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The counters' growth from `before` to `after` (a list counter: per element)."""
+    out: dict[str, Any] = {}
+    for name, value in after.items():
+        was = before.get(name)
+        if isinstance(value, list):
+            old = was if isinstance(was, list) else []
+            out[name] = [v - (old[j] if j < len(old) else 0) for j, v in enumerate(value)]
+        else:
+            out[name] = value - (was if isinstance(was, int | float) else 0)
+    return out
+
+
+def open_engine(target: Path, drafter: Path | None, spec: DrafterSpec | None, dtype: str, max_len: int) -> Any:
+    """vLLM's offline engine for the target folder (token ids in and out: no tokenizer), with the
+    export at `drafter` as its DFlash drafter when given."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
         "model": str(target), "skip_tokenizer_init": True, "dtype": dtype, "enforce_eager": True,
         "max_model_len": max_len, "seed": 0, "disable_log_stats": False,
     }  # fmt: skip
+    share = gpu_share(engine_device())
+    if share is not None:
+        kwargs["gpu_memory_utilization"] = share
     if drafter is not None and spec is not None:
         kwargs["speculative_config"] = speculative_config(drafter, spec)
     return LLM(**kwargs)
 
 
-def decode(
-    target: Path,
-    prompts: Sequence[list[int]],
-    max_new: int,
-    stop_ids: Iterable[int],
-    drafter: Path | None = None,
-    spec: DrafterSpec | None = None,
-    dtype: str = "float32",
-) -> EngineRun:
-    """Greedy decoding of token-id prompts in vLLM's offline API (no tokenizer: the ids are
-    ours), with the drafter at `drafter` as DFlash when given."""
+def shut_down(llm: Any) -> None:
+    """The engine's process ended now (its memory freed), not when the engine is collected."""
+    shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def _generate(llm: Any, params: Any, prompts: Sequence[list[int]], counted: bool) -> EngineRun:
+    """One set's outputs and, when `counted`, the spec-decode counters it added."""
     import time
 
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    max_len = max(len(p) for p in prompts) + max_new + (spec.block_size if spec is not None else 0) + 8
-    llm = _engine(target, drafter, spec, dtype, max_len)
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=sorted(stop_ids), detokenize=False)
+    if not prompts:
+        return EngineRun([])
+    before = _counters(llm.get_metrics()) if counted else {}
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     run = EngineRun([list(o.outputs[0].token_ids) for o in outs], seconds=time.perf_counter() - t0)
-    if drafter is not None:
-        c = _counters(llm.get_metrics())
+    if counted:
+        c = _since(before, _counters(llm.get_metrics()))
         run.drafts = int(c.get("vllm:spec_decode_num_drafts", 0))
         run.draft_tokens = int(c.get("vllm:spec_decode_num_draft_tokens", 0))
         run.accepted = int(c.get("vllm:spec_decode_num_accepted_tokens", 0))
         per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos")
         run.accepted_per_pos = [int(v) for v in per_pos] if isinstance(per_pos, list) else None
-    del llm
-    gc.collect()
     return run
+
+
+def decode(
+    target: Path,
+    prompt_sets: Sequence[Sequence[list[int]]],
+    max_new: int,
+    stop_ids: Iterable[int],
+    drafter: Path | None = None,
+    spec: DrafterSpec | None = None,
+    dtype: str = "float32",
+) -> list[EngineRun]:
+    """Greedy decoding of each set of token-id prompts in one vLLM engine (the offline API, no
+    tokenizer: the ids are ours), with the drafter at `drafter` as DFlash when given; each
+    set's spec-decode counters are its own."""
+    from vllm import SamplingParams
+
+    longest = max((len(p) for prompts in prompt_sets for p in prompts), default=1)
+    max_len = longest + max_new + (spec.block_size if spec is not None else 0) + 8
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=sorted(stop_ids), detokenize=False)
+    with runner_env(spec if drafter is not None else None, engine_device()):
+        llm = open_engine(target, drafter, spec, dtype, max_len)
+        try:
+            runs = [_generate(llm, params, prompts, drafter is not None) for prompts in prompt_sets]
+        finally:
+            shut_down(llm)
+            del llm
+            gc.collect()
+    return runs

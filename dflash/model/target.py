@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import os
 import threading
 import time
@@ -210,14 +209,17 @@ class TargetShape:
             return cls(t.hidden_size, t.vocab_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim)
         if cfg.kind != "hf" or cfg.path is None:
             return None
-        try:
-            raw = json.loads((Path(cfg.path).expanduser() / "config.json").read_text())
-            c = raw.get("text_config") or raw  # a multimodal model: its language model's sizes
-            heads = int(c["num_attention_heads"])
-            kv, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or int(c["hidden_size"]) // heads
-            return cls(int(c["hidden_size"]), int(c["vocab_size"]), int(c["num_hidden_layers"]), heads, int(kv),
+        try:  # transformers' config object, as `Target` reads it (its class fills what the file leaves out)
+            from transformers import AutoConfig
+
+            c = AutoConfig.from_pretrained(Path(cfg.path).expanduser(), local_files_only=True)
+            c = getattr(c, "text_config", None) or c  # a multimodal model: its language model's sizes
+            heads = int(c.num_attention_heads)
+            kv = _config_value(c, "num_key_value_heads", default=heads)
+            head_dim = _config_value(c, "head_dim", default=int(c.hidden_size) // heads)
+            return cls(int(c.hidden_size), int(c.vocab_size), int(c.num_hidden_layers), heads, int(kv),
                        int(head_dim))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except Exception:  # any unreadable config: the check runs after loading instead
             return None
 
 

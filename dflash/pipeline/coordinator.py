@@ -271,7 +271,7 @@ class Coordinator:
 
     async def _fail(self, error: BaseException, checkpointer: Checkpointer, topo: topology.Topology) -> None:
         ckpt = self.config.checkpoint
-        if isinstance(error, Exception) and (ckpt.at_end or ckpt.every_steps):
+        if isinstance(error, Exception) and (ckpt.at_end or ckpt.every_steps or ckpt.every_minutes):
             # The last consistent state (weights, optimizer, cursor of the last finished step).
             try:
                 path = await asyncio.to_thread(checkpointer.emergency, topo.book.progress)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,26 @@ _STOPPING = {
 }
 
 
+ABORT_GRACE_S = 3.0  # after a second signal: how long the loop may wait for its worker threads
+
+
+def _abort_after(seconds: float) -> threading.Timer:
+    """A second signal cancels the run; the loop then waits for its worker threads (a model
+    still loading, an eval between steps), which nothing interrupts. Past `seconds`, end the
+    process: what is on disk is complete (checkpoints and exports are written atomically)."""
+    import os
+
+    def go() -> None:
+        print("\ndflash: aborted (a worker thread was still busy)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+    timer = threading.Timer(seconds, go)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 class _Signals:
     """One run's Ctrl-C / SIGTERM: the first stops it, the second aborts."""
 
@@ -38,6 +59,7 @@ class _Signals:
         self.hits = 0
         self.coord: Coordinator | None = None
         self.main: asyncio.Task[Any] | None = None  # cancelled by the second signal once the loop runs
+        self.abort_timer: threading.Timer | None = None  # ends the process if the cancel is not enough
 
     def hit(self, signame: str) -> None:
         self.hits += 1
@@ -45,6 +67,7 @@ class _Signals:
             if self.main is None:  # before the loop runs: abort from the main thread, where this runs
                 raise KeyboardInterrupt
             self.main.cancel()
+            self.abort_timer = _abort_after(ABORT_GRACE_S)
             return
         phase = self.coord.phase if self.coord is not None else "setup"
         print(f"\ndflash: {signame}: {_STOPPING.get(phase, 'stopping')} (again to abort)", file=sys.stderr)
@@ -106,8 +129,12 @@ def run(config: Config, *, install_signals: bool = True, resume: ResumeFrom | st
             signals.install(asyncio.get_running_loop(), task)
         return await coord.run()
 
-    with asyncio.Runner(loop_factory=factory) as runner:
-        try:
-            return runner.run(main())
-        except asyncio.CancelledError:  # a second Ctrl-C / SIGTERM: abort now
-            raise KeyboardInterrupt from None
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:  # leaving it waits for worker threads
+            try:
+                return runner.run(main())
+            except asyncio.CancelledError:  # a second Ctrl-C / SIGTERM: abort now
+                raise KeyboardInterrupt from None
+    finally:
+        if signals.abort_timer is not None:  # the run ended in time: the caller decides what is next
+            signals.abort_timer.cancel()

@@ -319,7 +319,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
     )
-    total = cfg.train.max_steps or max(1, math.ceil(len(plan) / batch.per_step))
+    total = cfg.train.max_steps or _total_steps(plan, batch, loaded.step if loaded else 0)
     spec = drafter_spec(cfg, t0, mask_id)
     budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
     steps = StepPlan(batch.grad_accum, cfg.train.max_steps, budget)
@@ -354,6 +354,12 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
         batch=batch,
         resumed=resumed,
     )
+
+
+def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
+    """The steps the whole data makes: those done before a resume, then the batches left at
+    this run's global batch (the same count as a fresh run's unless `--new-global-batch`)."""
+    return max(1, done + math.ceil((len(plan) - plan.start_index) / batch.per_step))
 
 
 def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:

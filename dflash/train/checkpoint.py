@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import tomllib
@@ -232,7 +233,9 @@ def resume_grad_accum(loaded: Loaded, cfg: Config, processes: int, new_global_ba
         return want if want != "auto" else max(1, round(saved.per_step / per))
     if saved.per_step % per:
         g = saved.per_step
-        pairs = [(p, r) for r in range(1, g + 1) for p in range(1, g + 1) if g % (p * r) == 0]
+        divisors = [d for d in range(1, math.isqrt(g) + 1) if g % d == 0]
+        divisors = sorted({*divisors, *(g // d for d in divisors)})
+        pairs = [(p, r) for r in divisors for p in divisors if g % (p * r) == 0]
         pairs.sort(key=lambda pr: (pr[1] != replicas, pr[1], pr[0]))  # this run's replica count first
         msg = (
             f"{loaded.path}: its steps took {saved}; {processes} process{'es' if processes != 1 else ''} × "

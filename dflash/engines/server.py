@@ -177,9 +177,9 @@ class ChatServer:
             conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             status, raw = resp.status, resp.read()
-        except TimeoutError:
-            msg = f"{where}: no answer within {self.timeout_s:g} s (regen.server_timeout_s)"
-            raise ServerError(msg, None, True) from None
+        except TimeoutError:  # not retried: the server would generate the same long reply again
+            msg = f"{where}: no answer within {self.timeout_s:g} s (raise regen.server_timeout_s)"
+            raise ServerError(msg, None, False) from None
         except (OSError, http.client.HTTPException) as err:
             msg = f"{where}: connection lost ({type(err).__name__}: {_one_line(str(err))})"
             raise ServerError(msg, None, True) from None

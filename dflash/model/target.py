@@ -201,7 +201,7 @@ class TargetShape:
                    spec.head_dim)  # fmt: skip
 
     @classmethod
-    def from_config(cls, cfg: TargetConfig) -> TargetShape | None:
+    def from_config(cls, cfg: TargetConfig) -> TargetShape | None:  # no-sync: load time
         """Without loading any weights: a tiny target's config, an `hf` folder's config.json.
         None where that is not at hand (a GGUF file, a folder without a readable config)."""
         if cfg.kind == "tiny":

@@ -541,3 +541,15 @@ def test_every_minutes_checkpoints_after_the_step_that_ends_the_interval(tiny_co
 
     asyncio.run(steps())
     assert written == [3, 6, 7, 10]  # by the clock: 31 s, 62 s, 95 s; step 10 by every_steps
+
+
+def test_a_malformed_global_batch_in_state_json_is_one_line(tiny_config):
+    """A hand-edited state.json whose `batch` is not three integers >= 1: a CheckpointError
+    naming the file and the field, not a TypeError."""
+    cfg = tiny_config(**COMMON, **{"train.max_steps": 1})
+    _run(cfg)
+    ckpt = latest_checkpoint(cfg.run_dir)
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "batch": {"processes": "2", "replicas": 1}}))
+    with pytest.raises(CheckpointError, match=r"step_000001: unreadable checkpoint: state.json's batch"):
+        load_checkpoint(ckpt)

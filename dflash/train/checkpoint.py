@@ -144,10 +144,15 @@ class Loaded:
     batch: GlobalBatch | None = None  # what one of its steps took
 
 
-def _saved_batch(state: dict[str, Any], config: dict[str, Any], world_size: int) -> GlobalBatch:
+def _saved_batch(state: dict[str, Any], config: dict[str, Any], world_size: int, path: Path) -> GlobalBatch:
     """The global batch of the run that wrote a checkpoint (older ones: from its config)."""
     if state.get("batch"):
-        return GlobalBatch(**state["batch"])
+        b = state["batch"]
+        keys = ("processes", "replicas", "grad_accum")
+        if not isinstance(b, dict) or set(b) != set(keys) or not all(type(b[k]) is int and b[k] >= 1 for k in keys):
+            msg = f"{path}: unreadable checkpoint: state.json's batch {b!r} is not {', '.join(keys)} as integers >= 1"
+            raise CheckpointError(msg)
+        return GlobalBatch(**b)
     accum = config.get("train", {}).get("grad_accum", 1)
     replicas = len(config.get("pipeline", {}).get("drafter_devices", ["cpu"]))
     return GlobalBatch(world_size, replicas, accum if isinstance(accum, int) else 1)
@@ -183,7 +188,7 @@ def load_checkpoint(path: Path) -> Loaded:
         scheduler=state["scheduler"],
         config=config,
         world_size=int((state.get("world") or {}).get("size", 1)),
-        batch=_saved_batch(state, config, int((state.get("world") or {}).get("size", 1))),
+        batch=_saved_batch(state, config, int((state.get("world") or {}).get("size", 1)), path),
     )
 
 

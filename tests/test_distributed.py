@@ -235,7 +235,7 @@ def test_one_process_resumed_on_two_keeps_the_steps(tmp_path, popen):
 
 
 def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (torchrun starts its workers in sessions of their own)."""
+    """The processes whose parent is `pid` (torchrun gives each worker a Unix process group of its own)."""
     found = []
     for d in Path("/proc").iterdir():
         try:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dflash.config import Config
+from dflash.engines.vllm import shut_down
 from dflash.errors import ConfigError, DFlashError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, write_part
 
@@ -231,11 +232,14 @@ def extract_features(cfg: Config, settings: EngineSettings, seen: Seen | None = 
     longest = max((len(ids) for _, t in todo for ids in t), default=0)
     if longest:
         scratch = Path(tempfile.mkdtemp(prefix="dflash-vllm-hidden-states-"))  # vLLM's files, each read once
+        llm = None
         try:
             llm = _engine(folder, meta, scratch, settings, longest + 8)
             for out, prompts in todo:
                 _write_file(llm, out, prompts, meta, settings, seen, stats)
         finally:
+            if llm is not None:  # now, not at interpreter exit, where vLLM's teardown can abort the process
+                shut_down(llm)
             shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_s"] = round(time.perf_counter() - t0, 2)
     return stats

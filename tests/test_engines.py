@@ -213,3 +213,44 @@ def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     assert again["speculative_config"]["model"] == str((tmp_path / "spec").resolve())
     same = ("tau", "verify_steps", "accepted_tokens", "accept_per_position", "identical_to_vllm_greedy", "lossless")
     assert {k: again[k] for k in same} == {k: record[k] for k in same}
+
+
+def test_a_head_only_target_is_checked_by_vllm_alone(tmp_path, monkeypatch):
+    """`target.load = "head"` (no decoder layers here): `--engine vllm` decodes with vLLM only
+    (over `--tensor-parallel` devices); the record says so with nulls where ours would be, and
+    the plain `dflash` engine is refused in one line."""
+    import torch
+
+    from dflash.cli import _eval_table
+    from dflash.config import TinyTargetConfig, load_config
+    from dflash.errors import ConfigError
+    from dflash.eval.command import run_eval
+    from dflash.eval.engine import evaluate_in_vllm
+    from dflash.eval.tally import DecodeSettings
+    from dflash.model.target import build_tiny
+    from dflash.model.target_head import load_target_head
+
+    build_tiny(TinyTargetConfig(head_dim=32, num_heads=2, num_kv_heads=1, vocab_size=512)).save_pretrained(
+        tmp_path / "model"
+    )
+    sets = [*tiny_overrides(tmp_path), 'target.kind="hf"', f'target.path="{tmp_path / "model"}"', 'target.load="head"']
+    cfg = load_config(ROOT / "configs" / "tiny.toml", sets)
+    with pytest.raises(ConfigError, match="--engine vllm"):
+        run_eval(cfg, tmp_path / "no_export")
+    target = load_target_head(cfg.target, torch.device("cpu"), 1)
+    assert target.model is None
+    calls = []
+
+    def decode(*args, **kwargs):
+        calls.append(kwargs.get("tensor_parallel", args[-1] if len(args) > 6 else None))
+        return [vllm.EngineRun([[5, 6, 7], [8]], drafts=2, accepted=2, accepted_per_pos=[2, 0, 0], seconds=1.0)]
+
+    monkeypatch.setattr(vllm, "decode", decode)
+    monkeypatch.setattr(vllm, "engine_device", lambda: "cpu")
+    drafter = DFlashDrafter(SPEC)
+    prompts = {"heldout": [torch.tensor([1, 2]), torch.tensor([3])]}
+    (record,) = evaluate_in_vllm(cfg, target, drafter, tmp_path, prompts, DecodeSettings.of(cfg, {0}), None, 2)
+    assert calls == [2, 2]
+    assert record["tau"] == 2.0 and record["identical_to_vllm_greedy"] == 2 and record["lossless"]
+    assert record["dflash_tau"] is None and record["identical_to_dflash_greedy"] is None
+    assert "-" in _eval_table([{"prompt_set": "heldout", **record}])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -741,6 +743,58 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     save_file(tensors, str(bad), metadata=header)
     t = build_training(env.cfg("seeded", *base, 'loss.labels="target"'))
     assert t.data_stats["feature_files_samples"] == 4 and "shapes do not fit" in " ".join(t.warnings)
+
+
+def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env, loaded: tuple[Any, Any]) -> None:
+    """`target.load = "head"`: only the config, embeddings and LM head load (no decoder layer);
+    a run whose every sample has stored features trains step for step as with the whole
+    target. What would need the decoder layers is refused in one line before anything loads,
+    and samples without stored features are refused after the seeding, naming the count."""
+    from dflash.model.target_head import TargetHead, load_target_head
+    from dflash.train.build import build_training
+
+    whole_target = loaded[0]
+    _feature_regen(env, loaded, "head")
+    data = f'data.files=[{{path = "{env.run_dir("head") / "regen.jsonl"}"}}]'
+    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "data.feature_cache_mb=16",
+            "train.epochs=2", 'loss.labels="target"')  # fmt: skip
+    cfg = env.cfg("head", *base, 'target.load="head"')
+    t = load_target_head(cfg.target, torch.device("cpu"), cfg.drafter.num_layers, cfg.data.cache_dir)
+    assert t.model is None and t.name == whole_target.name and t.layer_ids == whole_target.layer_ids
+    assert torch.equal(t.embed_weight, whole_target.embed_weight)
+    assert torch.equal(t.lm_head_weight, whole_target.lm_head_weight)
+
+    def losses(records: list[dict[str, Any]]) -> list[float]:
+        (end,) = [r for r in records if r["event"] == "run_end"]
+        assert end["feature_cache"]["misses"] == 0
+        return [r["loss"] for r in records if r["event"] == "train_step"]
+
+    head = run_records(cfg, timeout_s=120)
+    (setup,) = [r for r in head if r["event"] == "setup"]
+    assert setup["target"] == whole_target.name
+    assert losses(head) == losses(run_records(env.cfg("head_whole", *base), timeout_s=120))
+    training = build_training(cfg)
+    assert all(isinstance(tgt, TargetHead) for tgt in training.targets)
+
+    refused = {
+        "eval.at_end=true": "eval.at_end = false",
+        "drafter.init_from_target=true": "drafter.init_from_target = false",
+        "loss.distill=0.5": "loss.distill = 0",
+        "data.feature_cache_mb=0": "data.feature_cache_mb",
+        "data.feature_files=false": "data.feature_files = true",
+    }
+    for override, says in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            build_training(env.cfg("head", *base, 'target.load="head"', override))
+    extra = env.root / "head_extra"  # the same files, and one conversation more without features
+    shutil.copytree(env.run_dir("head") / "regen.features", extra / "regen.features")
+    one_more = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bye"}]})
+    (extra / "regen.jsonl").write_text((env.run_dir("head") / "regen.jsonl").read_text() + one_more + "\n")
+    more = f'data.files=[{{path = "{extra / "regen.jsonl"}"}}]'
+    with pytest.raises(DataError, match="12 of 13 samples"):
+        build_training(env.cfg("head", *base, 'target.load="head"', more))
+    with pytest.raises(ConfigError, match="not the tiny one"):
+        env.cfg("head", 'target.kind="tiny"', 'target.load="head"')
 
 
 def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outliers() -> None:

@@ -150,6 +150,13 @@ class TargetConfig(_Section):
         description="auto: bfloat16 on CUDA, float32 on CPU; fastest: bfloat16 on CUDA, and on a CPU only "
         "where it has bf16 instructions (measured once; elsewhere bf16 is emulated, several times slower)",
     )
+    load: Literal["whole", "head"] = Field(
+        "whole",
+        description="whole: the whole target loads and runs over what the feature files do not cover; head: "
+        "only its config, embeddings and LM head load (a target bigger than the trainer's machine) — every "
+        "sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
+        "(`dflash eval --engine vllm`)",
+    )
     tiny: TinyTargetConfig = TinyTargetConfig()
 
     @field_validator("layer_ids")
@@ -168,6 +175,9 @@ class TargetConfig(_Section):
     def _path(self) -> TargetConfig:
         if self.kind in ("hf", "gguf") and not self.path:
             msg = f"kind = '{self.kind}' needs path = a local model {'folder' if self.kind == 'hf' else 'file'}"
+            raise ValueError(msg)
+        if self.load == "head" and self.kind == "tiny":
+            msg = "load = 'head' needs a target in a folder (kind = 'hf' or 'gguf'), not the tiny one"
             raise ValueError(msg)
         return self
 

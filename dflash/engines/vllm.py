@@ -88,6 +88,8 @@ def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
     if importlib.util.find_spec("vllm") is None:
         msg = f"{what}: vLLM is not installed in this Python; {how}"
         raise ConfigError(msg)
+    # vLLM logs to stdout by default; stdout is for dflash's JSON records (its workers inherit this)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 @dataclass
@@ -177,14 +179,16 @@ def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def open_engine(target: Path, drafter: Path | None, spec: DrafterSpec | None, dtype: str, max_len: int) -> Any:
+def open_engine(
+    target: Path, drafter: Path | None, spec: DrafterSpec | None, dtype: str, max_len: int, tensor_parallel: int = 1
+) -> Any:
     """vLLM's offline engine for the target folder (token ids in and out: no tokenizer), with the
-    export at `drafter` as its DFlash drafter when given."""
+    export at `drafter` as its DFlash drafter when given, over `tensor_parallel` devices."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
         "model": str(target), "skip_tokenizer_init": True, "dtype": dtype, "enforce_eager": True,
-        "max_model_len": max_len, "seed": 0, "disable_log_stats": False,
+        "max_model_len": max_len, "seed": 0, "disable_log_stats": False, "tensor_parallel_size": tensor_parallel,
     }  # fmt: skip
     share = gpu_share(engine_device())
     if share is not None:
@@ -231,6 +235,7 @@ def decode(
     drafter: Path | None = None,
     spec: DrafterSpec | None = None,
     dtype: str = "float32",
+    tensor_parallel: int = 1,
 ) -> list[EngineRun]:
     """Greedy decoding of each set of token-id prompts in one vLLM engine (the offline API, no
     tokenizer: the ids are ours), with the drafter at `drafter` as DFlash when given; each
@@ -241,7 +246,7 @@ def decode(
     max_len = longest + max_new + (spec.block_size if spec is not None else 0) + 8
     params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=sorted(stop_ids), detokenize=False)
     with runner_env(spec if drafter is not None else None, engine_device()):
-        llm = open_engine(target, drafter, spec, dtype, max_len)
+        llm = open_engine(target, drafter, spec, dtype, max_len, tensor_parallel)
         try:
             runs = [_generate(llm, params, prompts, drafter is not None) for prompts in prompt_sets]
         finally:

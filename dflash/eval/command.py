@@ -11,7 +11,7 @@ import torch
 
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids
-from dflash.errors import DataError
+from dflash.errors import ConfigError, DataError
 from dflash.eval.engine import check_vllm_eval, evaluate_in_vllm
 from dflash.eval.fit import check_drafter_fits
 from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
@@ -19,30 +19,42 @@ from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
 from dflash.model.drafter import DFlashDrafter, FrozenHead
 from dflash.model.export import load_drafter
 from dflash.model.loading import load_tokenizer
-from dflash.model.target import Target, TargetShape, load_target
+from dflash.model.target import TargetInfo, TargetShape, load_target
+from dflash.model.target_head import load_target_head
 from dflash.runtime.devices import check_device
 
 __all__ = ["run_eval"]
 
 
-def _load_target(cfg: Config, drafter: DFlashDrafter, device: torch.device) -> tuple[Target, Any]:
+def _load_target(cfg: Config, drafter: DFlashDrafter, device: torch.device) -> tuple[TargetInfo, Any]:
     """The config's target with the layers the drafter reads (in `eval.target_dtype` unless
-    "same"), and its tokenizer (None for a target without one)."""
+    "same"; `target.load = "head"`: its embeddings and LM head only), and its tokenizer (None
+    for a target without one)."""
     tcfg = cfg.target.model_copy(update={"layer_ids": drafter.spec.target_layer_ids})
     if cfg.eval.target_dtype != "same":
         tcfg = tcfg.model_copy(update={"dtype": cfg.eval.target_dtype})
-    target = load_target(tcfg, device, 1, cfg.data.cache_dir)
+    load = load_target_head if cfg.target.load == "head" else load_target
+    target = load(tcfg, device, 1, cfg.data.cache_dir)
     return target, load_tokenizer(cfg.target, cfg.data.cache_dir)
 
 
 def run_eval(
-    cfg: Config, drafter_path: Path, prompt_sets: Sequence[str] = (), limit: int | None = None, engine: str = "dflash"
+    cfg: Config,
+    drafter_path: Path,
+    prompt_sets: Sequence[str] = (),
+    limit: int | None = None,
+    engine: str = "dflash",
+    tensor_parallel: int = 1,
 ) -> list[dict[str, Any]]:
     """`dflash eval`: load the config's target and a drafter (export or checkpoint folder),
     evaluate on each prompt set (`data.prompt_sets`: mtbench, humaneval, heldout, a file;
     none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
     record per set, with `prompt_set`. `limit`: at most this many prompts per set.
-    `engine = "vllm"`: decoded in vLLM instead (`eval/engine.py`; a chat set's first turns)."""
+    `engine = "vllm"`: decoded in vLLM instead (`eval/engine.py`; a chat set's first turns),
+    its target over `tensor_parallel` devices."""
+    if cfg.target.load == "head" and engine != "vllm":
+        msg = "target.load = 'head': the target's decoder layers are not loaded here; decode in vLLM (--engine vllm)"
+        raise ConfigError(msg)
     if engine == "vllm":
         check_vllm_eval(cfg)  # before any model is loaded
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
@@ -61,7 +73,8 @@ def run_eval(
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
         name = "heldout" if reads_chat_prompts(cfg) else "random"
         if engine == "vllm":
-            return evaluate_in_vllm(cfg, target, drafter, drafter_path, {name: prompts}, settings)
+            return evaluate_in_vllm(cfg, target, drafter, drafter_path, {name: prompts}, settings,
+                                    tensor_parallel=tensor_parallel)  # fmt: skip
         return [{"prompt_set": name, **evaluate(target, drafter, head, prompts, settings)}]
     if tokenizer is None:
         msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
@@ -71,7 +84,7 @@ def run_eval(
         firsts = {
             ps.name: [torch.tensor(prompt_ids(tokenizer, p[0], kwargs)) for p in ps.prompts[:limit]] for ps in sets
         }
-        return evaluate_in_vllm(cfg, target, drafter, drafter_path, firsts, settings, kwargs)
+        return evaluate_in_vllm(cfg, target, drafter, drafter_path, firsts, settings, kwargs, tensor_parallel)
     return [
         {"prompt_set": ps.name, **evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], settings, kwargs),
          "chat_template_kwargs": kwargs}

@@ -70,10 +70,13 @@ def evaluate_in_vllm(
     sets: Mapping[str, Sequence[torch.Tensor]],
     settings: DecodeSettings,
     template_kwargs: dict[str, Any] | None = None,
+    tensor_parallel: int = 1,
 ) -> list[dict[str, Any]]:
     """The `eval` records of the export in vLLM, one per prompt set (name → token-id prompts;
     greedy only). `template_kwargs`: the chat template options the prompts were rendered with
-    (a chat set's first turns), kept in each record as our chat eval's are."""
+    (a chat set's first turns), kept in each record as our chat eval's are. A target loaded
+    without its decoder layers (`target.load = "head"`) has no decoding of ours to compare:
+    `dflash_tau` and `identical_to_dflash_greedy` are null, `lossless` is vLLM's against itself."""
     _greedy_only(settings.temperature)
     why = vllm.problem(drafter.spec, target.head_dim, on_cpu=vllm.engine_device() == "cpu")
     if why is not None:
@@ -81,21 +84,26 @@ def evaluate_in_vllm(
     ids = [[p.tolist() for p in prompts] for prompts in sets.values()]
     stops, dtype, path = sorted(settings.stop_ids), target.dtype_name, drafter_path.resolve()
     with target_folder(cfg, target) as folder:
-        spec_runs = vllm.decode(folder, ids, settings.max_new, stops, path, drafter.spec, dtype)
-        plain_runs = vllm.decode(folder, ids, settings.max_new, stops, dtype=dtype)
+        spec_runs = vllm.decode(folder, ids, settings.max_new, stops, path, drafter.spec, dtype, tensor_parallel)
+        plain_runs = vllm.decode(folder, ids, settings.max_new, stops, dtype=dtype, tensor_parallel=tensor_parallel)
     head = FrozenHead(target.embed_weight, target.lm_head_weight).to(target.device, torch.float32)
     chat = {"turns": 1, "chat_template_kwargs": template_kwargs} if template_kwargs is not None else {}
     records = []
     for (name, prompts), spec_run, plain in zip(sets.items(), spec_runs, plain_runs, strict=True):
-        ours = [greedy_generate(target, p, settings.max_new, settings.stop_ids) for p in prompts]
-        mine = evaluate(target, drafter, head, prompts, settings)
+        ours, mine = None, None
+        if target.model is not None:  # our decoding, where the whole target is here
+            ours = [greedy_generate(target, p, settings.max_new, settings.stop_ids) for p in prompts]
+            mine = evaluate(target, drafter, head, prompts, settings)
         records.append({"prompt_set": name, **chat, **_record(spec_run, plain, ours, mine)})
         records[-1]["speculative_config"] = vllm.speculative_config(path, drafter.spec)
     return records
 
 
-def _record(spec_run: vllm.EngineRun, plain: vllm.EngineRun, ours: list[list[int]], mine: dict) -> dict[str, Any]:
-    """One prompt set's numbers: vLLM's with the drafter, against its plain outputs and ours."""
+def _record(
+    spec_run: vllm.EngineRun, plain: vllm.EngineRun, ours: list[list[int]] | None, mine: dict | None
+) -> dict[str, Any]:
+    """One prompt set's numbers: vLLM's with the drafter, against its plain outputs and ours
+    (None: no decoding of ours)."""
     per_pos = spec_run.accepted_per_pos or []
     seconds, steps = spec_run.seconds, spec_run.drafts
     return {
@@ -105,10 +113,12 @@ def _record(spec_run: vllm.EngineRun, plain: vllm.EngineRun, ours: list[list[int
         "verify_steps": steps,
         "accepted_tokens": spec_run.accepted,
         "accept_per_position": [round(a / steps, 4) if steps else 0.0 for a in per_pos],
-        "dflash_tau": mine["tau"],
-        "dflash_verify_steps": mine["verify_steps"],
+        "dflash_tau": mine["tau"] if mine else None,
+        "dflash_verify_steps": mine["verify_steps"] if mine else None,
         "identical_to_vllm_greedy": sum(a == b for a, b in zip(spec_run.outputs, plain.outputs, strict=True)),
-        "identical_to_dflash_greedy": sum(a == b for a, b in zip(spec_run.outputs, ours, strict=True)),
-        "lossless": spec_run.outputs == plain.outputs == ours,
+        "identical_to_dflash_greedy": (
+            None if ours is None else sum(a == b for a, b in zip(spec_run.outputs, ours, strict=True))
+        ),
+        "lossless": spec_run.outputs == plain.outputs and (ours is None or plain.outputs == ours),
         "vllm_tokens_per_s": round(sum(map(len, spec_run.outputs)) / seconds, 1) if seconds else None,
     }

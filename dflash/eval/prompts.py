@@ -177,7 +177,7 @@ def eval_prompts(cfg: Config, target: Target, tokenizer: Any, mask_id: int) -> l
 def stop_ids_of(target: Target) -> set[int]:
     """The target's end-of-sequence ids (generation config, then model config)."""
     ids: set[int] = set()
-    for cfg in (getattr(target.model, "generation_config", None), target.model.config):
+    for cfg in (getattr(target.model, "generation_config", None), getattr(target.model, "config", None)):
         eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
         if isinstance(eos, int):
             ids.add(eos)

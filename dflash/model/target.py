@@ -27,7 +27,16 @@ from torch import nn
 from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.errors import ConfigError
 
-__all__ = ["Target", "TargetShape", "build_tiny", "cpu_bf16_is_fast", "document_mask", "load_target", "resolve_dtype"]
+__all__ = [
+    "Target",
+    "TargetInfo",
+    "TargetShape",
+    "build_tiny",
+    "cpu_bf16_is_fast",
+    "document_mask",
+    "load_target",
+    "resolve_dtype",
+]
 
 
 class _StopForward(Exception):
@@ -190,7 +199,7 @@ class TargetShape:
         return f"hidden {self.hidden_size}, vocab {self.vocab_size}, {self.num_layers} layers, {heads}"
 
     @classmethod
-    def of(cls, target: Target) -> TargetShape:
+    def of(cls, target: TargetInfo) -> TargetShape:
         return cls(target.hidden_size, target.vocab_size, target.num_layers, target.num_heads, target.num_kv_heads,
                    target.head_dim)  # fmt: skip
 
@@ -223,14 +232,16 @@ class TargetShape:
             return None
 
 
-class Target:
-    """A frozen causal LM plus the layer ids whose outputs it hands to the drafter."""
+class TargetInfo:
+    """What the run reads off the target's config: its sizes, RoPE, the chosen layer ids and
+    its name. `Target` (the whole model) and `TargetHead` (its embeddings and LM head only)
+    both describe themselves this way."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:  # no-sync: load time
-        model.eval()
-        model.requires_grad_(False)
-        self.model = model
-        cfg = model.config
+    teacher_topk = 0  # > 0: training forwards also give their top-k next-token logits (labels, distill)
+
+    def __init__(  # no-sync: load time
+        self, cfg: Any, layer_ids: list[int], vocab_size: int, fallback_name: str
+    ) -> None:
         self.num_layers = int(cfg.num_hidden_layers)
         bad = [i for i in layer_ids if i >= self.num_layers]
         if bad:
@@ -241,13 +252,12 @@ class Target:
             raise ConfigError(msg)
         self.layer_ids = list(layer_ids)
         self.hidden_size = int(cfg.hidden_size)
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.vocab_size = vocab_size
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(_config_value(cfg, "num_key_value_heads", default=self.num_heads))
         self.head_dim = int(_config_value(cfg, "head_dim", default=self.hidden_size // self.num_heads))
         self.intermediate_size = int(cfg.intermediate_size)
         self.rms_norm_eps = float(_config_value(cfg, "rms_norm_eps", default=1e-6))
-        self.teacher_topk = 0  # > 0: training forwards also give their top-k next-token logits (labels, distill)
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(_config_value(cfg, "rope_theta", default=rope_params.get("rope_theta", 10000.0)))
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", None) or 32768)
@@ -259,7 +269,27 @@ class Target:
         given = rope_params or getattr(cfg, "rope_scaling", None) or {}
         scaling = {k: v for k, v in given.items() if k != "rope_theta"}
         self.rope_scaling = scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
-        self.name = str(_config_value(cfg, "_name_or_path", default="")) or type(model).__name__
+        self.name = str(_config_value(cfg, "_name_or_path", default="")) or fallback_name
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as the records name it, e.g. "float32"."""
+        return str(self.embed_weight.dtype).removeprefix("torch.")
+
+
+class Target(TargetInfo):
+    """A frozen causal LM plus the layer ids whose outputs it hands to the drafter."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:  # no-sync: load time
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        super().__init__(model.config, layer_ids, vocab, type(model).__name__)
         # Thread-local (what is being captured, and whether to stop after the last layer):
         # eval may run forwards while a pipeline thread captures.
         self._local = threading.local()
@@ -328,11 +358,6 @@ class Target:
     @property
     def embed_weight(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
-
-    @property
-    def dtype_name(self) -> str:
-        """The weights' dtype as the records name it, e.g. "float32"."""
-        return str(self.embed_weight.dtype).removeprefix("torch.")
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

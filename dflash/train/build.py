@@ -35,7 +35,8 @@ from dflash.features.files import FeatureMeta, folder_for, seed_cache
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.loss import LossSpec, LossVocab
-from dflash.model.target import Target, load_target, resolve_dtype
+from dflash.model.target import Target, TargetInfo, load_target, resolve_dtype
+from dflash.model.target_head import load_target_head
 from dflash.runtime import faults
 from dflash.runtime.devices import check_device
 from dflash.runtime.distributed import World
@@ -62,7 +63,7 @@ __all__ = ["SetupStopped", "Training", "build_training", "stopping_setup"]
 class Training:
     """What a run trains with: models, data, and the two compute functions of a step."""
 
-    targets: list[Target]
+    targets: list[TargetInfo]  # `Target`s, or `TargetHead`s (target.load = "head")
     replicas: list[DrafterReplica]
     plan: BatchPlan
     spec: DrafterSpec
@@ -161,7 +162,7 @@ def _global_batch(
     return batch, record
 
 
-def _mask_id(cfg: Config, target: Target, head: FrozenHead, warn: Callable[[str], None]) -> int:
+def _mask_id(cfg: Config, target: TargetInfo, head: FrozenHead, warn: Callable[[str], None]) -> int:
     mask_id = cfg.drafter.mask_token_id
     if mask_id is None:
         if cfg.target.kind != "tiny":
@@ -184,7 +185,7 @@ def _mask_id(cfg: Config, target: Target, head: FrozenHead, warn: Callable[[str]
 
 
 def _samples(
-    cfg: Config, target: Target, tokenizer: Any, mask_id: int, warn: Callable[[str], None]
+    cfg: Config, target: TargetInfo, tokenizer: Any, mask_id: int, warn: Callable[[str], None]
 ) -> tuple[list[Sample], dict[str, Any]]:
     if cfg.data.source != "files":
         from dflash.data.synthetic import random_samples, synthesize
@@ -219,7 +220,7 @@ def _samples(
     return samples, stats
 
 
-def drafter_spec(cfg: Config, t0: Target, mask_id: int) -> DrafterSpec:
+def drafter_spec(cfg: Config, t0: TargetInfo, mask_id: int) -> DrafterSpec:
     return DrafterSpec(
         hidden_size=t0.hidden_size,
         num_layers=cfg.drafter.num_layers,
@@ -275,7 +276,7 @@ def eval_target(cfg: Config, target: Target) -> Target:
 
 
 def _feature_cache(
-    cfg: Config, t0: Target, samples: list[Sample], stats: dict[str, Any], warn: list[str]
+    cfg: Config, t0: TargetInfo, samples: list[Sample], stats: dict[str, Any], warn: list[str]
 ) -> FeatureCache | None:
     """The run's feature cache (data.feature_cache_mb), seeded from the feature files that
     `dflash regen` left beside the data files (`regen.save_features`)."""
@@ -308,6 +309,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     if wants_eval:  # what the end of the run needs, before any model loads
         require_eval_prompts(cfg, also=", or set eval.at_end = false")
     loss = LossSpec.from_config(cfg)
+    _check_head_only(cfg, loss, wants_eval)
     found: list[str] = list(world.warnings) if world is not None else []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = _targets(cfg, t_devs, loss)
@@ -316,6 +318,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     mask_id = _mask_id(cfg, t0, head, found.append)
     samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
     cache = _feature_cache(cfg, t0, samples, stats, found)
+    _check_all_stored(cfg, samples, stats)
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
     )
@@ -400,10 +403,11 @@ def _check_data_files(cfg: Config) -> None:
         dataset_path(f.path, f"data.files[{i}]")
 
 
-def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[Target]:
-    """One target per chain. With target labels or distillation, their forwards also give
-    their top-k next-token logits."""
-    targets = [load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
+def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[TargetInfo]:
+    """One target per chain (`target.load = "head"`: its embeddings and LM head only). With
+    target labels or distillation, their forwards also give their top-k next-token logits."""
+    load = load_target_head if cfg.target.load == "head" else load_target
+    targets = [load(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
     for tgt in targets:
         tgt.teacher_topk = loss.teacher_topk
     if loss.distill > 0 and targets[0].logit_transform:
@@ -412,6 +416,38 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
         raise ConfigError(msg)
     _phase_done()
     return targets
+
+
+def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
+    """`target.load = "head"`: what would need the target's decoder layers is refused before
+    anything loads."""
+    if cfg.target.load != "head":
+        return
+    needs = [
+        (cfg.data.source != "files", "data.source = 'files' (their feature files hold the features)"),
+        (not cfg.data.feature_files, "data.feature_files = true"),
+        (not cfg.data.feature_cache_mb, "data.feature_cache_mb large enough to hold every sample's features"),
+        (wants_eval, "eval.at_end = false and eval.every_steps = 0 (then decode in vLLM: "
+         "`dflash eval CONFIG --drafter RUN/export --engine vllm`)"),
+        (cfg.drafter.init_from_target, "drafter.init_from_target = false"),
+        (loss.teacher_topk > 1, "loss.distill = 0 (feature files hold no top-k logits)"),
+    ]  # fmt: skip
+    for bad, what in needs:
+        if bad:
+            msg = f"target.load = 'head' (no decoder layers) needs {what}"
+            raise ConfigError(msg)
+
+
+def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any]) -> None:
+    """`target.load = "head"`: every sample's features were found in the feature files."""
+    stored = stats.get("feature_files_samples", 0)
+    if cfg.target.load == "head" and stored < len(samples):
+        msg = (
+            f"target.load = 'head': {stored} of {len(samples)} samples have their features in the feature "
+            f"cache (data.feature_cache_mb = {cfg.data.feature_cache_mb}); store the rest with "
+            "`dflash features CONFIG`, or raise data.feature_cache_mb (warning records say which)"
+        )
+        raise DataError(msg)
 
 
 def _loss_vocab(replicas: list[DrafterReplica], samples: list[Sample], negatives: int) -> int:

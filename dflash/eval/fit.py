@@ -17,7 +17,7 @@ from typing import Any
 from dflash.config import Config, moved_keys_mapped
 from dflash.errors import CheckpointError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
-from dflash.model.target import Target, TargetShape
+from dflash.model.target import TargetInfo, TargetShape
 
 __all__ = ["check_checkpoint_fits", "check_checkpoint_target", "check_drafter_fits"]
 
@@ -39,7 +39,10 @@ def _problems(spec: DrafterSpec, shape: TargetShape) -> list[str]:
 
 
 def check_drafter_fits(
-    drafter: DFlashDrafter, target: Target | TargetShape | None, where: Path | None = None, cfg: Config | None = None
+    drafter: DFlashDrafter,
+    target: TargetInfo | TargetShape | None,
+    where: Path | None = None,
+    cfg: Config | None = None,
 ) -> None:
     """A drafter trained for another target must be refused, not silently evaluated.
     `target`: the loaded target, or its sizes from the config (None: not known yet, nothing
@@ -47,7 +50,7 @@ def check_drafter_fits(
     differ from the drafter's run config."""
     if target is None:
         return
-    shape = TargetShape.of(target) if isinstance(target, Target) else target
+    shape = TargetShape.of(target) if isinstance(target, TargetInfo) else target
     spec = drafter.spec
     problems = _problems(spec, shape)
     if problems:

@@ -32,9 +32,10 @@ class TargetHead(TargetInfo):
     model = None  # no decoder layers: nothing to decode with, nothing to initialise a drafter from
 
     def __init__(  # no-sync: load time
-        self, config: Any, embed: torch.Tensor, lm_head: torch.Tensor, layer_ids: list[int]
+        self, config: Any, embed: torch.Tensor, lm_head: torch.Tensor, layer_ids: list[int], name: str
     ) -> None:
-        super().__init__(config, layer_ids, int(embed.shape[0]), type(config).__name__)
+        super().__init__(config, layer_ids, int(embed.shape[0]), name)
+        self.name = name  # the folder, as transformers names a model loaded from it (and `dflash features`)
         self._embed, self._lm_head = embed, lm_head
 
     @property
@@ -67,7 +68,7 @@ def _module_names(config: Any) -> tuple[str, str | None]:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+    except Exception as err:  # any model class transformers cannot build without weights: one line
         msg = f"target.load = 'head': transformers cannot build {type(config).__name__} ({err})".splitlines()[0]
         raise ConfigError(msg) from None
     names = {id(m): n for n, m in model.named_modules()}
@@ -80,7 +81,7 @@ def _module_names(config: Any) -> tuple[str, str | None]:
 
 
 def _shards(folder: Path) -> list[Path]:
-    """The folder's safetensors files, the index's order first."""
+    """The folder's safetensors files: those its index names, else every one there."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -127,6 +128,12 @@ def load_target_head(  # no-sync: load time
     except (OSError, ValueError) as err:
         msg = f"target.path: cannot read the config of {folder}: {err}".splitlines()[0]
         raise ConfigError(msg) from None
+    if config.get_text_config() is not config:  # checkpoints rename a composite model's keys on save
+        msg = (
+            f"target.load = 'head': {type(config).__name__} is a composite (multimodal) model; "
+            "only a plain causal LM's embeddings and LM head are read this way"
+        )
+        raise ConfigError(msg)
     embed_name, head_name = _module_names(config)
     want = [embed_name] if head_name is None else [embed_name, head_name]
     found = _read(folder, want)
@@ -139,6 +146,5 @@ def load_target_head(  # no-sync: load time
     dtype = resolve_dtype(cfg.dtype, device)
     embed = found[embed_name].to(device=device, dtype=dtype)
     head = embed if head_name is None else found[head_name].to(device=device, dtype=dtype)
-    text = config.get_text_config()
-    layer_ids = cfg.layer_ids or default_target_layers(int(text.num_hidden_layers), num_draft_layers)
-    return TargetHead(text, embed, head, layer_ids)
+    layer_ids = cfg.layer_ids or default_target_layers(int(config.num_hidden_layers), num_draft_layers)
+    return TargetHead(config, embed, head, layer_ids, str(folder))

@@ -318,7 +318,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     mask_id = _mask_id(cfg, t0, head, found.append)
     samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
     cache = _feature_cache(cfg, t0, samples, stats, found)
-    _check_all_stored(cfg, samples, stats)
+    _check_all_stored(cfg, samples, stats, found)
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
     )
@@ -428,7 +428,7 @@ def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
         (not cfg.data.feature_files, "data.feature_files = true"),
         (not cfg.data.feature_cache_mb, "data.feature_cache_mb large enough to hold every sample's features"),
         (wants_eval, "eval.at_end = false and eval.every_steps = 0 (then decode in vLLM: "
-         "`dflash eval CONFIG --drafter RUN/export --engine vllm`)"),
+         "`dflash eval CONFIG --drafter RUN/final --engine vllm`)"),
         (cfg.drafter.init_from_target, "drafter.init_from_target = false"),
         (loss.teacher_topk > 1, "loss.distill = 0 (feature files hold no top-k logits)"),
     ]  # fmt: skip
@@ -438,14 +438,17 @@ def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
             raise ConfigError(msg)
 
 
-def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any]) -> None:
-    """`target.load = "head"`: every sample's features were found in the feature files."""
+def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any], warned: list[str]) -> None:
+    """`target.load = "head"`: every sample's features were found in the feature files (else
+    the error says why, with the first warning the seeding gave: a part that could not serve,
+    the cache's budget spent)."""
     stored = stats.get("feature_files_samples", 0)
     if cfg.target.load == "head" and stored < len(samples):
+        why = next((w for w in warned if "feature" in w), "")
         msg = (
             f"target.load = 'head': {stored} of {len(samples)} samples have their features in the feature "
             f"cache (data.feature_cache_mb = {cfg.data.feature_cache_mb}); store the rest with "
-            "`dflash features CONFIG`, or raise data.feature_cache_mb (warning records say which)"
+            "`dflash features CONFIG`, or raise data.feature_cache_mb" + (f" ({why})" if why else "")
         )
         raise DataError(msg)
 

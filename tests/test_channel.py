@@ -444,3 +444,50 @@ def test_mean_depth_is_time_weighted(clock: FakeTime) -> None:
         assert s.mean_depth == (2 * 3 + 1 * 1 + 0 * 4) / 8
 
     asyncio.run(main())
+
+
+def test_ordered_items_leave_in_key_order_whatever_order_they_came_in() -> None:
+    """`order`: two producers putting keys out of order; a consumer sees 0, 1, 2, ... and an
+    early key is not ready (even with room) until the ones before it came."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("ordered", 4, producers=2, order=lambda k: k)
+        await ch.put(1)
+        await ch.put(2)
+        getter = asyncio.ensure_future(ch.get())
+        assert await blocked(getter) and len(ch) == 2  # held: 0 has not come
+        await ch.put(0)
+        assert (await getter)[0] == 0
+        assert [(await ch.get())[0] for _ in range(2)] == [1, 2]
+        ch.close()
+        await ch.put(4)  # the other producer: 3 never comes, 4 is held...
+        ch.close()  # ...until every producer closed: nothing is lost
+        assert (await ch.get())[0] == 4
+        with pytest.raises(EndOfStream):
+            await ch.get()
+
+    asyncio.run(main())
+
+
+def test_a_full_ordered_channel_still_takes_the_next_key() -> None:
+    """Full of early keys, the channel still lets the next expected key in (it frees the
+    others) while a later one waits for room: no deadlock; a key put twice is an error."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("ordered", 2, producers=3, order=lambda k: k)
+        await ch.put(1)
+        await ch.put(2)
+        late = asyncio.ensure_future(ch.put(4))
+        assert await blocked(late)
+        await ch.put(0)  # full, but its turn: in at once
+        assert len(ch) == 3 and await blocked(late)
+        assert [(await ch.get())[0] for _ in range(2)] == [0, 1]
+        await late  # room again: in, held until 3 comes
+        getter = asyncio.ensure_future(asyncio.gather(ch.get(), ch.get()))
+        await ch.put(3)
+        assert [item for item, _ in await getter] == [2, 3]
+        assert (await ch.get())[0] == 4
+        with pytest.raises(RuntimeError, match="key 2 came twice"):
+            await ch.put(2)
+
+    asyncio.run(main())

@@ -68,6 +68,33 @@ def test_two_replicas_stay_bit_identical(tiny_config):
     assert any(not torch.equal(a[k], init[k]) for k in a if "norm" not in k)
 
 
+def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
+    """Target chains finish batches out of order (here every third batch is slow); the drafter
+    still takes them in prefetch's order: three chains give one chain's losses step for step,
+    and a checkpoint's data cursor never passes over a batch still in flight."""
+    import time
+
+    from dflash.pipeline.stages import target_forward
+
+    forward = target_forward.forward
+
+    def uneven(target, batch, teacher_topk=0):
+        if batch.seq % 3 == 0:
+            time.sleep(0.05)
+        return forward(target, batch, teacher_topk)
+
+    monkeypatch.setattr(target_forward, "forward", uneven)
+
+    def losses(chains: int) -> list[float]:
+        devices = json.dumps(["cpu"] * chains)
+        cfg = tiny_config(**{"pipeline.target_devices": f"{devices}", "data.num_samples": 64,
+                             "run.name": f'"chains{chains}"', "eval.at_end": "false"})  # fmt: skip
+        return [r["loss"] for r in run_records(cfg) if r["event"] == "train_step"]
+
+    one = losses(1)
+    assert len(one) == 8 and losses(3) == one
+
+
 def test_max_steps_stops_cleanly(tiny_config):
     """train.max_steps ends the run after that many steps, with reason max_steps."""
     records = run_records(tiny_config(**{"train.max_steps": 3, "data.num_samples": 64}))

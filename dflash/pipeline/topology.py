@@ -76,9 +76,12 @@ def build(
     p = cfg.pipeline
     n_t, n_d = len(training.targets), len(training.replicas)
     batches: Channel[Batch] = Channel("batches", p.batch_queue_depth, consumers=n_t)
+    # Several target chains finish batches out of order: the drafters take them in prefetch's order
+    # (the steps of one chain, and a checkpoint's data cursor never passes over a batch in flight).
     hs: Channel[HostFeatures] = Channel(
-        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready
-    )
+        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready,
+        order=(lambda f: f.batch.seq) if n_t > 1 else None,
+    )  # fmt: skip
     grads: Channel[StepGrads] = Channel("grads", n_d, producers=n_d)
     replies: list[Channel[StepReply]] = [Channel(f"replies{r}", 1) for r in range(n_d)]
     profiler.add_channel(batches)

@@ -9,6 +9,10 @@ linked by this small channel instead:
 - `get` waits until `min_ready` items are buffered (the seed's `hs_min_ready`) or every
   producer has closed, and raises `EndOfStream` once closed and drained.
 - Each producer calls `close()` once when done; each consumer calls `detach()` once.
+- `order` (optional): items carry consecutive keys 0, 1, 2, ... and leave in key order
+  whatever order several producers put them in. An early item waits, held, until the ones
+  before it came; the next expected item is always let in, full or not (it is what frees
+  the others), so the channel holds at most `maxsize + 1` items and never deadlocks.
 - Depth (now / time-weighted mean / max) and the time producers and consumers spent
   waiting are kept per window for the profiler (`snapshot()` reads and resets them).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -62,12 +67,16 @@ class Channel(Generic[T]):
         producers: int = 1,
         consumers: int = 1,
         min_ready: int = 1,
+        order: Callable[[T], int] | None = None,
     ) -> None:
         assert maxsize >= 1 and 1 <= min_ready <= maxsize and producers >= 1 and consumers >= 1
         self.name = name
         self.maxsize = maxsize
         self.min_ready = min_ready
-        self._items: collections.deque[T] = collections.deque()
+        self._items: collections.deque[T] = collections.deque()  # in the order they leave
+        self._order = order
+        self._held: dict[int, T] = {}  # `order`: items that came before their turn, by key
+        self._next = 0  # `order`: the key of the next item to leave
         self._open_producers = producers
         self._open_consumers = consumers
         self._failure: BaseException | None = None
@@ -75,7 +84,7 @@ class Channel(Generic[T]):
         self._reset_window(time.perf_counter())
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._held)
 
     @property
     def closed(self) -> bool:
@@ -99,7 +108,7 @@ class Channel(Generic[T]):
         self._win_start = now
         self._last_change = now
         self._depth_area = 0.0
-        self._max_depth = len(self._items)
+        self._max_depth = len(self)
         self._put_wait = 0.0
         self._get_wait = 0.0
         self._puts = 0
@@ -109,11 +118,11 @@ class Channel(Generic[T]):
         now = time.perf_counter()
         self._depth_area += before * (now - self._last_change)
         self._last_change = now
-        self._max_depth = max(self._max_depth, len(self._items))
+        self._max_depth = max(self._max_depth, len(self))
 
     def snapshot(self, reset: bool = True) -> ChannelStats:
         now = time.perf_counter()
-        depth = len(self._items)
+        depth = len(self)
         area = self._depth_area + depth * (now - self._last_change)
         span = now - self._win_start
         mean_depth = area / span if span > 0 else float(depth)
@@ -141,22 +150,41 @@ class Channel(Generic[T]):
         """Put an item, waiting while full. Returns the seconds spent waiting."""
         self._check_put()
         t0 = time.perf_counter()
-        while len(self._items) >= self.maxsize:
+        key = self._order(item) if self._order is not None else None
+        while len(self) >= self.maxsize and (key is None or key != self._next):
             await self._wait()
             self._check_put()
         waited = time.perf_counter() - t0
         self._put_wait += waited
-        before = len(self._items)
-        self._items.append(item)
+        before = len(self)
+        if key is None:
+            self._items.append(item)
+        else:
+            self._admit(key, item)
         self._puts += 1
         self._depth_changed(before)
         self._wake()
         return waited
 
+    def _admit(self, key: int, item: T) -> None:
+        """`order`: hold `item` until its turn; at its turn it leaves after those before it,
+        then every held item whose turn that makes."""
+        if key < self._next or key in self._held:
+            msg = f"channel {self.name!r}: key {key} came twice (next expected: {self._next})"
+            raise RuntimeError(msg)
+        self._held[key] = item
+        while self._next in self._held:
+            self._items.append(self._held.pop(self._next))
+            self._next += 1
+
     def close(self) -> None:
-        """One producer is done. When all are, consumers drain what is left, then end."""
+        """One producer is done. When all are, consumers drain what is left, then end (items
+        still held for a key that never came leave too, in key order: nothing is lost)."""
         if self._open_producers > 0:
             self._open_producers -= 1
+        if self._open_producers == 0 and self._held:
+            self._items.extend(self._held[k] for k in sorted(self._held))
+            self._held.clear()
         self._wake()
 
     # -- consumer side ------------------------------------------------------------------
@@ -174,7 +202,7 @@ class Channel(Generic[T]):
             await self._wait()
         waited = time.perf_counter() - t0
         self._get_wait += waited
-        before = len(self._items)
+        before = len(self)
         item = self._items.popleft()
         self._gets += 1
         self._depth_changed(before)
@@ -188,8 +216,9 @@ class Channel(Generic[T]):
         if self._open_consumers > 0:
             self._open_consumers -= 1
         if self._open_consumers == 0 or self._failure is not None:
-            before = len(self._items)
+            before = len(self)
             self._items.clear()  # nobody will read them; free the memory now
+            self._held.clear()
             self._depth_changed(before)
         self._wake()
 

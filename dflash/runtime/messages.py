@@ -26,6 +26,8 @@ class Batch:
     num_tokens: int  # non-padding tokens
     num_samples: int
     packed: bool  # some row holds several documents (known on the host: no sync to find out)
+    seq: int = 0  # this process's count of batches before it (prefetch's order): several target chains hand
+    # their features to the drafters in this order, the order one chain would
 
 
 # The target's next-token distribution at every position, for distillation: top-k logits

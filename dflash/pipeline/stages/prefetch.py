@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Iterator
 
 from dflash.data.batching import BatchPlan, collate
@@ -48,8 +49,10 @@ async def run(
     """With a `world`, this rank's shard of the plan (`distributed.shard`)."""
     batches = iter(plan) if world is None else shard(plan, world.rank, world.size)
     with linked([], [outbox]):
-        while not stop.is_set():
+        for seq in itertools.count():
+            if stop.is_set():
+                break
             batch, _ = await device.run(Stage.PREFETCH, next_batch, batches, pin)
             if batch is None:
                 break
-            await outbox.put(batch)
+            await outbox.put(dataclasses.replace(batch, seq=seq))

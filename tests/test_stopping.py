@@ -110,6 +110,35 @@ def test_a_signal_after_the_last_step_stops_the_end_of_run_eval_and_keeps_the_ex
     assert load_drafter(end["export_dir"]).spec.block_size == 8
 
 
+def test_a_stop_ends_a_mid_run_eval_at_its_next_decoding_step(tiny_config) -> None:
+    """A stop asked while an `eval.every_steps` eval decodes (64 prompts: over a minute if it
+    ran on) ends that eval at its next decoding step, with a warning record, and the run stops
+    after that step as after any other: reason "stopped", no `eval` record."""
+    from dflash import Coordinator
+
+    cfg = tiny_config(**{"eval.every_steps": 2, "eval.num_prompts": 64, "eval.max_new_tokens": 48,
+                         "eval.at_end": "false", "data.num_samples": 256})  # fmt: skip
+    coord = Coordinator(cfg, log=False)
+    records: list[dict[str, Any]] = []
+
+    def on(record: dict[str, Any]) -> None:
+        records.append(record)
+        if record["event"] == "train_step" and record["step"] == 2:  # the eval at step 2 is next
+            coord.stop()
+
+    coord.subscribe(on)
+    t0 = time.perf_counter()
+    import asyncio
+
+    asyncio.run(asyncio.wait_for(coord.run(), 120))
+    took = time.perf_counter() - t0
+    assert "eval" not in {r["event"] for r in records}
+    assert len([r for r in records if r["event"] == "warning" and "eval at step 2 stopped" in r["message"]]) == 1
+    end = records[-1]
+    assert end["event"] == "run_end" and end["reason"] == "stopped" and end["steps"] == 2, end
+    assert took < 60, took
+
+
 # -- set-up ---------------------------------------------------------------------------------
 
 

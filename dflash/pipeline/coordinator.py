@@ -179,7 +179,7 @@ class Coordinator:
         )
         hooks: list[StepHook] = []
         if training.evaluate is not None and cfg.eval.every_steps:
-            hooks.append(EvalHook(cfg.eval.every_steps, training.evaluate, self.emit))
+            hooks.append(EvalHook(cfg.eval.every_steps, training.evaluate, self.emit, self._stop_requested.is_set))
         hooks.append(checkpointer)
         if self.world is not None and cfg.distributed.check_every:
             hooks.append(distributed.SameWeights(self.world, training.replicas[0].params, cfg.distributed.check_every))

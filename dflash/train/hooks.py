@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from dflash.eval.decode import EvalStopped
 from dflash.runtime.devices import Device, host_sync, named_sync, set_sync_debug
 from dflash.runtime.profiler import Profiler, Stage
 
@@ -213,17 +214,30 @@ class SyncDebugHook:
 
 
 class EvalHook:
-    """Speculative-decoding eval every `every` steps (`eval.every_steps`), between steps."""
+    """Speculative-decoding eval every `every` steps (`eval.every_steps`), between steps. A stop
+    (`should_stop()` true) ends one in progress at its next decoding step, with a warning record."""
 
-    def __init__(self, every: int, evaluate: Callable[[int], Record], emit: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        every: int,
+        evaluate: Callable[..., Record],
+        emit: Callable[..., None],
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.every = every
         self.evaluate = evaluate
         self.emit = emit
+        self.should_stop = should_stop
 
     async def after_step(self, ctx: StepContext) -> None:
-        if self.every and ctx.step % self.every == 0:
-            record = await ctx.read(Stage.EVAL, self.evaluate, ctx.step)
-            self.emit("eval", **record)
+        if not self.every or ctx.step % self.every:
+            return
+        try:
+            record = await ctx.read(Stage.EVAL, self.evaluate, ctx.step, self.should_stop)
+        except EvalStopped:
+            self.emit("warning", message=f"the eval at step {ctx.step} stopped: a stop was asked")
+            return
+        self.emit("eval", **record)
 
     async def at_end(self, ctx: StepContext) -> None:
         return None

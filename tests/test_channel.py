@@ -491,3 +491,20 @@ def test_a_full_ordered_channel_still_takes_the_next_key() -> None:
             await ch.put(2)
 
     asyncio.run(main())
+
+
+def test_an_ordered_channel_keeps_its_back_pressure() -> None:
+    """In-order keys with nobody taking: the producer waits at `maxsize`, as without `order`
+    (only a channel whose consumers can take nothing lets the next key past full)."""
+
+    async def main() -> None:
+        ch: Channel[int] = Channel("ordered", 2, producers=2, order=lambda k: k)
+        await ch.put(0)
+        await ch.put(1)
+        third = asyncio.ensure_future(ch.put(2))
+        assert await blocked(third) and len(ch) == 2
+        assert (await ch.get())[0] == 0
+        await third
+        assert len(ch) == 2
+
+    asyncio.run(main())

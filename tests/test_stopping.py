@@ -114,6 +114,8 @@ def test_a_stop_ends_a_mid_run_eval_at_its_next_decoding_step(tiny_config) -> No
     """A stop asked while an `eval.every_steps` eval decodes (64 prompts: over a minute if it
     ran on) ends that eval at its next decoding step, with a warning record, and the run stops
     after that step as after any other: reason "stopped", no `eval` record."""
+    import threading
+
     from dflash import Coordinator
 
     cfg = tiny_config(**{"eval.every_steps": 2, "eval.num_prompts": 64, "eval.max_new_tokens": 48,
@@ -123,8 +125,8 @@ def test_a_stop_ends_a_mid_run_eval_at_its_next_decoding_step(tiny_config) -> No
 
     def on(record: dict[str, Any]) -> None:
         records.append(record)
-        if record["event"] == "train_step" and record["step"] == 2:  # the eval at step 2 is next
-            coord.stop()
+        if record["event"] == "train_step" and record["step"] == 2:  # the eval at step 2 is next:
+            threading.Timer(1.0, coord.stop).start()  # stopped while it decodes
 
     coord.subscribe(on)
     t0 = time.perf_counter()

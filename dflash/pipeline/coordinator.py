@@ -179,7 +179,9 @@ class Coordinator:
         )
         hooks: list[StepHook] = []
         if training.evaluate is not None and cfg.eval.every_steps:
-            hooks.append(EvalHook(cfg.eval.every_steps, training.evaluate, self.emit, self._stop_requested.is_set))
+            # a stop asked here, or agreed with another rank (`stop`): both end an eval in progress
+            asked = lambda: self._stop_requested.is_set() or stop.is_set()  # noqa: E731
+            hooks.append(EvalHook(cfg.eval.every_steps, training.evaluate, self.emit, asked))
         hooks.append(checkpointer)
         if self.world is not None and cfg.distributed.check_every:
             hooks.append(distributed.SameWeights(self.world, training.replicas[0].params, cfg.distributed.check_every))

@@ -123,11 +123,12 @@ def _target_chain(
     feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
     packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
     # Features stay on the GPU when every replica is there and no cache wants them on
-    # the host; else D2H into reused pinned buffers: enough for a full channel, two
-    # per replica (one taken ahead) and the one being filled.
+    # the host; else D2H into reused pinned buffers: enough for a full channel (in order, with
+    # several chains: up to hs_min_ready more), two per replica (one taken ahead) and the one
+    # being filled.
     keep = cache is None and dev.accelerated and {d.gpu for d in drafters} == {dev.gpu}
     all_gpus = dev.accelerated and all(d.accelerated for d in drafters)
-    size = p.hs_queue_depth + 2 * len(training.replicas) + 2
+    size = p.hs_queue_depth + 2 * len(training.replicas) + 2 + (p.hs_min_ready if len(training.targets) > 1 else 0)
     pool = PinnedPool(size, alloc=lambda n: dev.pinned((n,), torch.uint8)) if all_gpus and not keep else None
     return [
         (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),

@@ -11,8 +11,9 @@ linked by this small channel instead:
 - Each producer calls `close()` once when done; each consumer calls `detach()` once.
 - `order` (optional): items carry consecutive keys 0, 1, 2, ... and leave in key order
   whatever order several producers put them in. An early item waits, held, until the ones
-  before it came; the next expected item is always let in, full or not (it is what frees
-  the others), so the channel holds at most `maxsize + 1` items and never deadlocks.
+  before it came. A full channel still lets the next expected item in when consumers cannot
+  take anything yet (fewer than `min_ready` items may leave): it is what frees the others.
+  So the channel holds at most `maxsize + min_ready` items and never deadlocks.
 - Depth (now / time-weighted mean / max) and the time producers and consumers spent
   waiting are kept per window for the profiler (`snapshot()` reads and resets them).
 """
@@ -151,7 +152,7 @@ class Channel(Generic[T]):
         self._check_put()
         t0 = time.perf_counter()
         key = self._order(item) if self._order is not None else None
-        while len(self) >= self.maxsize and (key is None or key != self._next):
+        while len(self) >= self.maxsize and (key != self._next or len(self._items) >= self.min_ready):
             await self._wait()
             self._check_put()
         waited = time.perf_counter() - t0

@@ -185,30 +185,20 @@ def _cut(popen: Popen, n: int, out: Path, extra: dict) -> int:
     return ends[0]["steps"]
 
 
-RESUME_EXTRA = {"data.num_samples": 128, "train.epochs": 2, "checkpoint.keep_last": 5}
-
-
-@pytest.fixture(scope="module")
-def resume_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run both resume tests end like: one process, grad_accum 2 (the global
-    batch of two processes of one replica each)."""
-    return _single(tmp_path_factory.mktemp("resume_ref"), 1, **RESUME_EXTRA, **{"train.grad_accum": 2})
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # two runs of two processes and one of one: ~25 s on two cores, more under load
-def test_sigterm_stops_every_rank_at_one_step_and_resume_on_one_process_keeps_the_steps(
-    tmp_path, popen, resume_reference
-):
+@pytest.mark.timeout(600)  # three runs of two processes and one of one: ~80 s on two cores, more under load
+def test_sigterm_stops_every_rank_at_one_step_and_resume_on_one_process_keeps_the_steps(tmp_path, popen):
     """SIGTERM to rank 0 of two: both ranks stop cleanly (exit 0, run_end "stopped") after
     the same step, one checkpoint of that step holds both ranks' data cursors. `--resume auto`
     on one process (grad_accum "auto" becomes 2: the same global batch) ends with the per-step
-    losses and the weights of an uninterrupted run of that global batch (`resume_reference`,
-    which two processes give to float-sum order), to float-sum order."""
-    extra, full = RESUME_EXTRA, resume_reference
+    losses and the weights of the uninterrupted two-process run, to float-sum order."""
+    extra = {"data.num_samples": 128, "train.epochs": 2, "checkpoint.keep_last": 5}
+    full = tmp_path / "full"
+    for rc, _, err in _finish(_launch(popen, 2, _args(full, **extra))):
+        assert rc == 0, err[-2000:]
     out = tmp_path / "cut"
     stopped = _cut(popen, 2, out, extra)
-    total = len(_steps(full / "records.jsonl"))
+    total = len(_steps(full / "tiny" / "records.jsonl"))
     assert 2 <= stopped < total
     ckpts = sorted((out / "tiny" / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == [f"step_{stopped:06d}"]
@@ -222,16 +212,17 @@ def test_sigterm_stops_every_rank_at_one_step_and_resume_on_one_process_keeps_th
     assert p.returncode == 0, p.stderr[-2000:]
     rec = next(r for r in _records(out / "tiny" / "records.jsonl") if r["event"] == "resume")
     assert rec["step"] == stopped and not rec["global_batch_changed"] and "grad_accum 2" in rec["global_batch"]
-    assert _same_steps(out / "tiny" / "records.jsonl", full / "records.jsonl")
-    assert _close(_weights(out / "tiny"), _weights(full))
+    assert _same_steps(out / "tiny" / "records.jsonl", full / "tiny" / "records.jsonl")
+    assert _close(_weights(out / "tiny"), _weights(full / "tiny"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_one_process_resumed_on_two_keeps_the_steps(tmp_path, popen, resume_reference):
+def test_one_process_resumed_on_two_keeps_the_steps(tmp_path, popen):
     """One process with grad_accum 2, stopped after step 2, resumed by two processes (grad_accum
     "auto" becomes 1): the losses and weights of the uninterrupted one-process run."""
-    extra, full = RESUME_EXTRA, resume_reference
+    extra = {"data.num_samples": 128, "train.epochs": 2, "checkpoint.keep_last": 5}
+    full = _single(tmp_path / "full", 1, **extra, **{"train.grad_accum": 2})
     out = tmp_path / "cut"
     stopped = _cut(popen, 1, out, {**extra, "train.grad_accum": 2})
     assert 2 <= stopped < len(_steps(full / "records.jsonl"))

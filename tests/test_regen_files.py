@@ -116,6 +116,26 @@ def _tokenizer() -> Any:
     return hf
 
 
+def regen_setup(root: Path, model: Any, tok: Any, batch_size: int) -> Path:
+    """`model` and `tok` saved as a local HF folder under `root`, the conversations as a prompt
+    file, and a regen config over them; returns the config's path."""
+    import tomli_w
+
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in _conversations()), encoding="utf-8")
+    config = {
+        "run": {"name": "main", "output_dir": str(root / "runs"), "seed": 0},
+        "target": {"kind": "hf", "path": str(root / "model"), "stop_token": "<|im_end|>"},
+        "regen": {"prompts": str(prompts), "holdout": HOLDOUT, "max_new_tokens": 12, "batch_size": batch_size},
+        "data": {"cache_dir": str(root / "cache")},
+    }
+    path = root / "regen.toml"
+    path.write_text(tomli_w.dumps(config), encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="session")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     """A local HF folder (random tiny Qwen3 + ChatML tokenizer), a prompt JSONL, a config."""

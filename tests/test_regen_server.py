@@ -29,7 +29,7 @@ from dflash.data.prompts import load_prompts
 from dflash.engines.server import ChatServer
 from dflash.errors import ConfigError, DFlashError
 from dflash.regen import regenerate
-from tests.test_regen_files import HOLDOUT, NUM_TRAIN, _conversations, _tokenizer
+from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "fake-model"
@@ -134,26 +134,13 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     """A tiny HF folder (its tokenizer is all a server run uses), a prompt file, a config."""
-    import tomli_w
-
     from dflash.config import TinyTargetConfig
     from dflash.model.loading import load_tokenizer
     from dflash.model.target import build_tiny
 
     root = tmp_path_factory.mktemp("regen_server")
     tok = _tokenizer()
-    build_tiny(TinyTargetConfig(vocab_size=len(tok))).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(c) + "\n" for c in _conversations()), encoding="utf-8")
-    config = {
-        "run": {"name": "main", "output_dir": str(root / "runs"), "seed": 0},
-        "target": {"kind": "hf", "path": str(root / "model"), "stop_token": "<|im_end|>"},
-        "regen": {"prompts": str(prompts), "holdout": HOLDOUT, "max_new_tokens": 12, "batch_size": 3},
-        "data": {"cache_dir": str(root / "cache")},
-    }
-    path = root / "regen.toml"
-    path.write_text(tomli_w.dumps(config), encoding="utf-8")
+    path = regen_setup(root, build_tiny(TinyTargetConfig(vocab_size=len(tok))), tok, batch_size=3)
     cfg = load_config(path)
     return Env(root, path, load_tokenizer(cfg.target, cfg.data.cache_dir))
 

@@ -21,7 +21,7 @@ from dflash.config import Config, load_config
 from dflash.engines.replies import ReplySettings, hf_sampling, model_len, sampling_options
 from dflash.errors import ConfigError
 from tests.conftest import ROOT, dflash
-from tests.test_regen_files import HOLDOUT, NUM_TRAIN, _conversations, _tokenizer
+from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 
@@ -74,7 +74,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     """A tiny HF folder vLLM on CPU can run (head dim 32), a prompt file, a config. Its linear
     layers are redrawn with std 0.2 (not 0.02): then its greedy replies differ from prompt to
     prompt (19 of the 20) and some stop at the eos (6), so that both are compared."""
-    import tomli_w
     import torch
 
     from dflash.config import TinyTargetConfig
@@ -88,19 +87,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
         for layer in model.modules():
             if isinstance(layer, torch.nn.Linear):
                 layer.weight.copy_(torch.randn(layer.weight.shape, generator=draw) * 0.2)
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(c) + "\n" for c in _conversations()), encoding="utf-8")
-    config = {
-        "run": {"name": "main", "output_dir": str(root / "runs"), "seed": 0},
-        "target": {"kind": "hf", "path": str(root / "model"), "stop_token": "<|im_end|>"},
-        "regen": {"prompts": str(prompts), "holdout": HOLDOUT, "max_new_tokens": 12, "batch_size": 8},
-        "data": {"cache_dir": str(root / "cache")},
-    }
-    path = root / "regen.toml"
-    path.write_text(tomli_w.dumps(config), encoding="utf-8")
-    return Env(root, path)
+    return Env(root, regen_setup(root, model, tok, batch_size=8))
 
 
 def test_without_vllm_one_line_says_how_to_get_it_before_anything_loads(env, monkeypatch):

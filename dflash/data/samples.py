@@ -34,8 +34,8 @@ class Sample:
 Rows = list[list[Sample]]
 
 
-def collate(rows: Sequence[Sample] | Sequence[Sequence[Sample]], index: int, epoch: int) -> Batch:
-    """Pad `rows` into one Batch of shape (R, T), T = the longest row.
+def collate(rows: Sequence[Sample] | Sequence[Sequence[Sample]], index: int, epoch: int, seq: int = 0) -> Batch:
+    """Pad `rows` into one Batch of shape (R, T), T = the longest row (`seq`: `Batch.seq`).
 
     `rows` is either a list of rows, each a list of documents packed back to back, or (the
     older form) a list of samples, one per row. Per token, `doc_ids` is the document's
@@ -84,6 +84,7 @@ def collate(rows: Sequence[Sample] | Sequence[Sequence[Sample]], index: int, epo
         num_tokens=N,
         num_samples=len(docs),
         packed=len(docs) > R,  # every row holds at least one document
+        seq=seq,
     )
 
 

@@ -72,21 +72,15 @@ def vllm_layer_ids(layer_ids: Sequence[int]) -> tuple[list[int], list[int]]:
 def target_meta(cfg: Config) -> tuple[Path, FeatureMeta]:
     """The target's folder and the metadata training's target will have (its name, dtype on
     its device, layer ids as training resolves them, feature width)."""
-    from transformers import AutoConfig
-
     from dflash.model.drafter import default_target_layers
-    from dflash.model.loading import model_folder
+    from dflash.model.loading import model_config, model_folder
     from dflash.model.target import resolve_dtype
 
     if cfg.target.kind == "tiny":
         msg = "dflash features: needs a target in a folder (target.kind = 'hf' or 'gguf'), not the tiny one"
         raise ConfigError(msg)
     folder = model_folder(cfg.target, cfg.data.cache_dir)
-    try:
-        hf = AutoConfig.from_pretrained(folder, local_files_only=True).get_text_config()
-    except (OSError, ValueError) as err:
-        msg = f"target.path: cannot read the config of {folder}: {err}".splitlines()[0]
-        raise ConfigError(msg) from None
+    hf = model_config(folder).get_text_config()
     n_layers, hidden = int(hf.num_hidden_layers), int(hf.hidden_size)
     layer_ids = list(cfg.target.layer_ids or default_target_layers(n_layers, cfg.drafter.num_layers))
     if max(layer_ids) >= n_layers:

@@ -102,13 +102,9 @@ def model_len(folder: Path, longest_prompt: int, max_new: int) -> int:
     """vLLM's `max_model_len` for these prompts and replies: the longest prompt and its reply
     (and a margin), within the model's max_position_embeddings; one line when even the longest
     prompt and its reply exceed that (vLLM would refuse the prompt, or cut its reply short)."""
-    from transformers import AutoConfig
+    from dflash.model.loading import model_config
 
-    try:
-        cfg = AutoConfig.from_pretrained(folder, local_files_only=True).get_text_config()
-    except (OSError, ValueError) as err:
-        msg = f"target.path: cannot read the config of {folder}: {err}".splitlines()[0]
-        raise ConfigError(msg) from None
+    cfg = model_config(folder).get_text_config()
     n = getattr(cfg, "max_position_embeddings", None)
     limit = n if isinstance(n, int) and n > 0 else math.inf
     if longest_prompt + max_new > limit:

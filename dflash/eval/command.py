@@ -67,7 +67,7 @@ def run_eval(
         require_eval_prompts(cfg)
     target, tokenizer = _load_target(cfg, drafter, t_dev)
     check_drafter_fits(drafter, target, drafter_path, cfg)
-    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
+    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32) if engine != "vllm" else None
     settings = DecodeSettings.of(cfg, stop_ids(target, tokenizer))
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]

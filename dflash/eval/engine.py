@@ -86,12 +86,13 @@ def evaluate_in_vllm(
     with target_folder(cfg, target) as folder:
         spec_runs = vllm.decode(folder, ids, settings.max_new, stops, path, drafter.spec, dtype, tensor_parallel)
         plain_runs = vllm.decode(folder, ids, settings.max_new, stops, dtype=dtype, tensor_parallel=tensor_parallel)
-    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(target.device, torch.float32)
+    ours_too = target.model is not None  # our decoding, where the whole target is here
+    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(target.device, torch.float32) if ours_too else None
     chat = {"turns": 1, "chat_template_kwargs": template_kwargs} if template_kwargs is not None else {}
     records = []
     for (name, prompts), spec_run, plain in zip(sets.items(), spec_runs, plain_runs, strict=True):
         ours, mine = None, None
-        if target.model is not None:  # our decoding, where the whole target is here
+        if ours_too:
             ours = [greedy_generate(target, p, settings.max_new, settings.stop_ids) for p in prompts]
             mine = evaluate(target, drafter, head, prompts, settings)
         records.append({"prompt_set": name, **chat, **_record(spec_run, plain, ours, mine)})

@@ -21,7 +21,7 @@ from dflash.errors import ConfigError
 from dflash.store.atomic import atomic_path
 from dflash.store.packages import PREFIX, local_path
 
-__all__ = ["cache_root", "load_tokenizer", "model_folder", "resolve_gguf"]
+__all__ = ["cache_root", "load_tokenizer", "model_config", "model_folder", "resolve_gguf"]
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -87,6 +87,19 @@ def model_folder(cfg: TargetConfig, cache_dir: str = "") -> Path:
               file=__import__("sys").stderr)  # fmt: skip
         _convert_gguf(file, out)
     return out
+
+
+def model_config(folder: Path) -> Any:
+    """transformers' config of the model in `folder` (no weights read); one line naming the
+    folder when it cannot be read."""
+    _quiet_transformers()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as err:
+        msg = f"target.path: cannot read the config of {folder}: {err}".splitlines()[0]
+        raise ConfigError(msg) from None
 
 
 def load_tokenizer(cfg: TargetConfig, cache_dir: str = "") -> Any:

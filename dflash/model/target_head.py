@@ -116,18 +116,11 @@ def load_target_head(  # no-sync: load time
     cfg: TargetConfig, device: torch.device, num_draft_layers: int, cache_dir: str = ""
 ) -> TargetHead:
     """The config, embeddings and LM head of an `hf` / `gguf` target on `device`, in its dtype."""
-    from transformers import AutoConfig
-
     from dflash.model.drafter import default_target_layers
-    from dflash.model.loading import _quiet_transformers, model_folder
+    from dflash.model.loading import model_config, model_folder
 
     folder = model_folder(cfg, cache_dir)
-    _quiet_transformers()
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as err:
-        msg = f"target.path: cannot read the config of {folder}: {err}".splitlines()[0]
-        raise ConfigError(msg) from None
+    config = model_config(folder)
     if config.get_text_config() is not config:  # checkpoints rename a composite model's keys on save
         msg = (
             f"target.load = 'head': {type(config).__name__} is a composite (multimodal) model; "

@@ -25,14 +25,14 @@ from dflash.runtime.profiler import Stage
 __all__ = ["next_batch", "run"]
 
 
-def next_batch(plan: Iterator[tuple[int, int, list]], pin: bool) -> Batch | None:
-    """The plan's next batch, collated; None when the plan is done."""
+def next_batch(plan: Iterator[tuple[int, int, list]], pin: bool, seq: int = 0) -> Batch | None:
+    """The plan's next batch, collated, numbered `seq` (`Batch.seq`); None when the plan is done."""
     item = next(plan, None)
     if item is None:
         return None
     faults.check(Stage.PREFETCH)
     index, epoch, rows = item
-    batch = collate(rows, index, epoch)
+    batch = collate(rows, index, epoch, seq)
     if pin:  # pinned host memory makes the target's H2D copy asynchronous
         batch = dataclasses.replace(
             batch,
@@ -52,7 +52,7 @@ async def run(
         for seq in itertools.count():
             if stop.is_set():
                 break
-            batch, _ = await device.run(Stage.PREFETCH, next_batch, batches, pin)
+            batch, _ = await device.run(Stage.PREFETCH, next_batch, batches, pin, seq)
             if batch is None:
                 break
-            await outbox.put(dataclasses.replace(batch, seq=seq))
+            await outbox.put(batch)

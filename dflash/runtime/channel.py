@@ -76,7 +76,7 @@ class Channel(Generic[T]):
         self.min_ready = min_ready
         self._items: collections.deque[T] = collections.deque()  # in the order they leave
         self._order = order
-        self._held: dict[int, T] = {}  # `order`: items that came before their turn, by key
+        self._held: dict[int, T] = {}  # `order`: items that came early (keys before theirs missing), by key
         self._next = 0  # `order`: the key of the next item to leave
         self._open_producers = producers
         self._open_consumers = consumers
@@ -168,8 +168,8 @@ class Channel(Generic[T]):
         return waited
 
     def _admit(self, key: int, item: T) -> None:
-        """`order`: hold `item` until its turn; at its turn it leaves after those before it,
-        then every held item whose turn that makes."""
+        """`order`: hold `item` until every key before it came; then it leaves after them,
+        followed by every held item that now has no gap before it."""
         if key < self._next or key in self._held:
             msg = f"channel {self.name!r}: key {key} came twice (next expected: {self._next})"
             raise RuntimeError(msg)

@@ -322,8 +322,8 @@ class Probe:
         import dflash.features.cache as feature_cache
         import dflash.model.drafter as drafter
         import dflash.model.masks as masks
-        import dflash.pipeline.stages.transfer as transfer
         import dflash.runtime.devices as devices
+        import dflash.stages.transfer as transfer
         import dflash.train.step as train_step
 
         def count(d: dict[str, int], key: str, n: int = 1) -> None:
@@ -792,7 +792,7 @@ def bench_batch(ctx: Context, t: Any, rows: int, length: int) -> Any:
     """One collated batch of `rows` documents of `length` random tokens, the second half
     supervised (no mask token), through the prefetch stage's own function (pinned on CUDA)."""
     from dflash.data.samples import Sample
-    from dflash.pipeline.stages.prefetch import next_batch
+    from dflash.stages.prefetch import next_batch
 
     g = torch.Generator().manual_seed(1)
     mask_id, vocab = t.spec.mask_token_id, t.targets[0].vocab_size
@@ -805,8 +805,8 @@ def bench_batch(ctx: Context, t: Any, rows: int, length: int) -> Any:
 
 
 def measure_target_forward(ctx: Context) -> tuple[dict[str, Any], str]:
-    from dflash.pipeline.stages.pack import pack
-    from dflash.pipeline.stages.target_forward import forward
+    from dflash.stages.pack import pack
+    from dflash.stages.target_forward import forward
 
     if "bench" not in ctx.state:
         raise CheckFailed("no bench set-up (bench_setup failed)")

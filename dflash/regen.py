@@ -43,7 +43,6 @@ from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_inde
 from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
 from dflash.model.loading import model_folder
 from dflash.model.target import resolve_dtype
-from dflash.pipeline.stages import target_forward
 from dflash.store.atomic import atomic_path
 
 __all__ = ["regenerate", "write_jsonl"]
@@ -153,7 +152,7 @@ def _feature_entries(
         entries[r] = Entry(torch.tensor(ids), x, nxt)
     if redo:  # the training tokenization itself through the target: the training forward
         rows = [Sample(j, torch.tensor(ids), torch.ones(len(ids), dtype=torch.bool)) for j, (_, ids) in enumerate(redo)]
-        layers, top = target_forward.forward(target, collate(rows, 0, 0), 1 if greedy else 0)
+        layers, top = target.of_batch(collate(rows, 0, 0), 1 if greedy else 0)
         x_all = torch.cat(layers, dim=-1).cpu()
         for j, (r, ids) in enumerate(redo):
             n = len(ids)

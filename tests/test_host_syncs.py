@@ -21,7 +21,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 HOT = [
-    *sorted((ROOT / "dflash" / "pipeline" / "stages").glob("*.py")),
+    *sorted((ROOT / "dflash" / "stages").glob("*.py")),
     *sorted(p for p in (ROOT / "dflash" / "model").glob("*.py") if p.name != "export.py"),  # export: off the hot path
     ROOT / "dflash" / "runtime" / "devices.py",
     ROOT / "dflash" / "train" / "hooks.py",

@@ -2,9 +2,11 @@
 way only. A module may import its own layer and any layer below it, never one above:
 
     top        dflash (the public face), cli, report, regen
-    pipeline   the asyncio coordinator, topology, the serial loop and the stages
+    pipeline   the asyncio coordinator, topology, runner and the serial loop
+    stages     one module per stage of the pipeline (prefetch … optimizer)
     train      building a run, the step's math, replicas, schedule, hooks, checkpoints
     eval       speculative decoding, tallies, prompt sets
+    engines    serving engines at both ends (vLLM, an OpenAI-compatible server)
     features   the feature cache and regen's feature files
     data       samples, formats, tokenizing, batching, prompt sets' files
     model      target, drafter, masks, loss, export
@@ -12,8 +14,8 @@ way only. A module may import its own layer and any layer below it, never one ab
     base       config, errors, logs, store (atomic writes, package files)
 
 So the step's math (`train`) never imports the pipeline that drives it, and nothing but the
-top imports the pipeline. Imports inside functions count too: a lazy import is still a
-dependency.
+top imports the pipeline; nothing in the package but the pipeline imports a stage.
+Imports inside functions count too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ PACKAGE = ROOT / "dflash"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("top", ("dflash", "dflash.__main__", "dflash.cli", "dflash.report", "dflash.regen")),
     ("pipeline", ("dflash.pipeline",)),
+    ("stages", ("dflash.stages",)),
     ("train", ("dflash.train",)),
     ("eval", ("dflash.eval",)),
     ("engines", ("dflash.engines",)),
@@ -163,3 +166,37 @@ def test_no_circular_import():
     """No module needs, while it loads, a module that needs it back."""
     assert cycles(module_level_graph()) == []
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # and the search does see one
+
+
+# The design card's stages, one module each in dflash/stages/.
+CARD_STAGES = {"prefetch", "target_forward", "pack", "transfer", "drafter_step", "optimizer"}
+
+
+def test_the_card_stages_live_in_dflash_stages():
+    """`dflash/stages/` holds one module per stage of the design card, and nothing else but
+    their shared links."""
+    modules = {p.stem for p in (PACKAGE / "stages").glob("*.py")} - {"__init__", "_link"}
+    assert modules == CARD_STAGES
+
+
+def stage_importers(root: Path = PACKAGE) -> list[str]:
+    """Every import of a stage by a package module outside `dflash/pipeline/` and
+    `dflash/stages/` (tests and bench/ drive the stages directly and are not scanned)."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        me = module_name(path)
+        if me.startswith(("dflash.pipeline", "dflash.stages")):
+            continue
+        for line, mod in dflash_imports(path):
+            if mod == "dflash.stages" or mod.startswith("dflash.stages."):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {me} imports {mod}")
+    return bad
+
+
+def test_only_the_pipeline_imports_the_stages(tmp_path, monkeypatch):
+    assert stage_importers() == []
+    top = tmp_path / "dflash"
+    top.mkdir()
+    (top / "regen.py").write_text("from dflash.stages import target_forward\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert stage_importers(top) == ["dflash/regen.py:1: dflash.regen imports dflash.stages"]

@@ -74,7 +74,7 @@ def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
     and a checkpoint's data cursor never passes over a batch still in flight."""
     import time
 
-    from dflash.pipeline.stages import target_forward
+    from dflash.stages import target_forward
 
     forward = target_forward.forward
 

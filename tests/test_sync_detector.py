@@ -17,7 +17,7 @@ from checked_run import checked_run
 from dflash.config import TinyTargetConfig
 from dflash.errors import StageError
 from dflash.model.target import Target, build_tiny
-from dflash.pipeline.stages import pack
+from dflash.stages import pack
 
 
 @pytest.fixture(scope="module")

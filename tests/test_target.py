@@ -112,10 +112,10 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
     On self-distilled data (the target's own greedy replies) its top-1 is the label itself."""
     import math
 
-    from dflash.pipeline.stages import drafter_step, target_forward
-    from dflash.pipeline.stages.prefetch import next_batch
     from dflash.runtime.devices import Device
     from dflash.runtime.messages import HostFeatures
+    from dflash.stages import drafter_step, target_forward
+    from dflash.stages.prefetch import next_batch
     from dflash.train.build import build_training
 
     cfg = tiny_config(**{"loss.distill": 0.5, "loss.distill_topk": 4, "data.num_samples": 16})
@@ -146,10 +146,10 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
 def _prepared_first_batch(cfg: Any) -> tuple[Any, Any]:
     """The first batch of a run and what the drafter step prepares from it (features and
     top-k straight from the target)."""
-    from dflash.pipeline.stages import drafter_step, target_forward
-    from dflash.pipeline.stages.prefetch import next_batch
     from dflash.runtime.devices import Device
     from dflash.runtime.messages import HostFeatures
+    from dflash.stages import drafter_step, target_forward
+    from dflash.stages.prefetch import next_batch
     from dflash.train.build import build_training
 
     t = build_training(cfg)

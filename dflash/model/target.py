@@ -26,6 +26,8 @@ from torch import nn
 
 from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.errors import ConfigError
+from dflash.runtime.devices import upload
+from dflash.runtime.messages import Batch, Teacher
 
 __all__ = [
     "Target",
@@ -362,6 +364,14 @@ class Target(TargetInfo):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    def of_batch(self, batch: Batch, teacher_topk: int = 0) -> tuple[list[torch.Tensor], Teacher | None]:
+        """A collated batch's features, its ids uploaded to the target's device: `capture`'s
+        layers, or with `teacher_topk` (target labels, distillation) `teacher`'s."""
+        ids, docs, pos = (upload(t, self.device) for t in (batch.input_ids, batch.doc_ids, batch.positions))
+        if teacher_topk:
+            return self.teacher(ids, docs, pos, batch.packed, teacher_topk)
+        return self.capture(ids, docs, pos, packed=batch.packed), None  # k × (R, T, H)
 
     @torch.no_grad()
     def teacher(

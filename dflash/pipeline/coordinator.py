@@ -33,11 +33,11 @@ from dflash.eval.decode import EvalStopped
 from dflash.logs import ProgressLine, RunLog
 from dflash.model.export import export_drafter
 from dflash.pipeline import topology
-from dflash.pipeline.stages._link import root_error, stage_task
 from dflash.runtime import distributed, faults
 from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Profiler, Trace
+from dflash.stages._link import root_error, stage_task
 from dflash.train.build import SetupStopped, Training, build_training, stopping_setup
 from dflash.train.checkpoint import Checkpointer, ResumeFrom
 from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from dflash.pipeline.stages import pack, prefetch, target_forward, transfer
-from dflash.pipeline.stages.drafter_step import run_prepare
 from dflash.runtime.devices import Device
 from dflash.runtime.messages import StepGrads
 from dflash.runtime.profiler import Profiler, Stage
+from dflash.stages import pack, prefetch, target_forward, transfer
+from dflash.stages.drafter_step import run_prepare
 from dflash.train.build import Training
 from dflash.train.hooks import StepBook
 from dflash.train.step import Accumulator

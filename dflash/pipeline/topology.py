@@ -25,11 +25,11 @@ import torch
 from dflash.config import Config, PipelineConfig
 from dflash.features.cache import FeatureCache
 from dflash.pipeline import serial
-from dflash.pipeline.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
 from dflash.runtime.channel import Channel
 from dflash.runtime.devices import Device, DeviceFactory, PinnedPool
 from dflash.runtime.messages import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
 from dflash.runtime.profiler import Profiler, Stage
+from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
 from dflash.train.build import Training
 from dflash.train.hooks import StepBook, StepHook
 

@@ -4,7 +4,7 @@ and batch), then the update (once per step, over every replica).
 Every setting of the loss comes in one `LossSpec` (dflash/model/loss.py). How the replicas'
 gradients meet on one device and go back (streams, events, ranks) is `reduce.py`; the
 learning-rate and noise schedules are `schedule.py`. The pipeline's stages
-(`pipeline/stages/drafter_step.py`, `optimizer.py`) and the serial loop call these same
+(`stages/drafter_step.py`, `optimizer.py`) and the serial loop call these same
 functions; they never touch a channel or an event loop.
 """
 

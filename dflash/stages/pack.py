@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from dflash.pipeline.stages._link import relay
 from dflash.runtime import faults
 from dflash.runtime.channel import Channel
 from dflash.runtime.devices import Device
 from dflash.runtime.messages import PackedFeatures, TargetFeatures
 from dflash.runtime.profiler import Stage
+from dflash.stages._link import relay
 
 __all__ = ["pack", "run"]
 

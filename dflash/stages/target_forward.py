@@ -11,26 +11,21 @@ import torch
 
 from dflash.features.cache import FeatureCache
 from dflash.model.target import Target
-from dflash.pipeline.stages._link import relay
 from dflash.runtime import faults
 from dflash.runtime.channel import Channel
-from dflash.runtime.devices import Device, upload
+from dflash.runtime.devices import Device
 from dflash.runtime.messages import Batch, TargetFeatures, Teacher
 from dflash.runtime.profiler import Profiler, Stage
+from dflash.stages._link import relay
 
 __all__ = ["forward", "run"]
 
 
 def forward(target: Target, batch: Batch, teacher_topk: int = 0) -> tuple[list[torch.Tensor], Teacher | None]:
     """The target up to its last chosen layer (in the target's worker thread); with
-    `teacher_topk` (target labels, distillation) the whole target, and its top-k next-token
-    logits."""
+    `teacher_topk` the whole target and its top-k next-token logits (`Target.of_batch`)."""
     faults.check(Stage.TARGET_FORWARD)
-    dev = target.device
-    ids, docs, pos = (upload(t, dev) for t in (batch.input_ids, batch.doc_ids, batch.positions))  # (R, T) each
-    if teacher_topk:
-        return target.teacher(ids, docs, pos, batch.packed, teacher_topk)
-    return target.capture(ids, docs, pos, packed=batch.packed), None  # k × (R, T, H)
+    return target.of_batch(batch, teacher_topk)
 
 
 async def features(

@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from dflash.pipeline.stages._link import linked
 from dflash.runtime.channel import Channel, EndOfStream
 from dflash.runtime.devices import Device
 from dflash.runtime.distributed import World
 from dflash.runtime.messages import StepGrads, StepReply
+from dflash.stages._link import linked
 from dflash.train.hooks import StepBook, StepResult
 from dflash.train.schedule import StepPlan
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from dflash.features.cache import FeatureCache
-from dflash.pipeline.stages._link import linked
 from dflash.runtime import faults
 from dflash.runtime.channel import Channel
 from dflash.runtime.devices import Device, PinnedPool
 from dflash.runtime.messages import HostFeatures, PackedFeatures, Teacher
 from dflash.runtime.profiler import Profiler, Stage
+from dflash.stages._link import linked
 
 __all__ = ["host_features", "run", "to_host"]
 

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.pipeline.stages._link import linked
 from dflash.runtime.channel import Channel, EndOfStream
 from dflash.runtime.devices import Device
 from dflash.runtime.messages import HostFeatures, StepGrads, StepReply
 from dflash.runtime.profiler import Profiler, Stage
+from dflash.stages._link import linked
 from dflash.train.replicas import DrafterReplica
 from dflash.train.step import Accumulator, MicroStep, PreparedBatch
 

@@ -14,13 +14,13 @@ import itertools
 from collections.abc import Iterator
 
 from dflash.data.batching import BatchPlan, collate
-from dflash.pipeline.stages._link import linked
 from dflash.runtime import faults
 from dflash.runtime.channel import Channel
 from dflash.runtime.devices import Device
 from dflash.runtime.distributed import World, shard
 from dflash.runtime.messages import Batch
 from dflash.runtime.profiler import Stage
+from dflash.stages._link import linked
 
 __all__ = ["next_batch", "run"]
 

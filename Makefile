@@ -97,7 +97,7 @@ lint: $(STAMP)
 # its python lacks, pinned to the versions in .venv, each without its dependencies (the list is
 # complete). bench/gpu_check.sh installs from wheels/ with --no-deps; carry wheels/ along.
 # Then bench/gpu_ready.sh checks that pip would install every one on cp312 x86-64.
-GPU_WHEELS := structlog pydantic pydantic-core annotated-types typing-inspection tomli-w
+GPU_WHEELS := structlog pydantic pydantic-core annotated-types typing-inspection tomli-w psutil tenacity
 GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_12_x86_64 manylinux2010_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
 gpu-wheels: $(STAMP)
 	rm -rf wheels && mkdir -p wheels

@@ -16,6 +16,10 @@ setup(
         "click>=8.1",
         "pydantic>=2.7",
         "tomli-w>=1.0",
+        "tqdm>=4.60",
+        "psutil>=5.9",
+        "httpx>=0.27",
+        "tenacity>=8.2",
         "uvloop>=0.19; sys_platform != 'win32'",
     ],
     extras_require={

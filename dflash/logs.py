@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import structlog
 
-__all__ = ["ProgressLine", "RunLog", "configure", "human"]
+__all__ = ["ProgressLine", "RunLog", "configure", "human", "progress"]
 
 
 class _JSONLines:
@@ -55,6 +55,17 @@ def configure(stream: IO[str] | None = sys.stdout, log_file: IO[str] | None = No
         logger_factory=lambda *_: _JSONLines(sinks),
         cache_logger_on_first_use=True,
     )
+
+
+def progress(
+    desc: str, total: int | None = None, unit: str = "it", initial: int = 0, stream: IO[str] | None = None
+) -> Any:
+    """A tqdm bar on stderr for people: live on a terminal, off otherwise (the JSON records
+    on stdout carry the same progress, and a log file stays free of `\\r`)."""
+    from tqdm import tqdm
+
+    out = stream if stream is not None else sys.stderr
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=out, disable=not out.isatty(), leave=False)
 
 
 def human(message: str, **_: Any) -> None:

@@ -159,9 +159,9 @@ class SyntheticTarget:
         self.layer_ids = [0]
         self.teacher_topk = 0  # no distillation
 
-    def capture(self, ids: torch.Tensor, docs: torch.Tensor, pos: torch.Tensor, packed: bool) -> list[torch.Tensor]:
+    def of_batch(self, batch: Any, teacher_topk: int = 0) -> tuple[list[torch.Tensor], None]:
         work(self.cost)
-        return [torch.zeros(ids.shape[0], ids.shape[1], 1)]
+        return [torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1], 1)], None
 
 
 @dataclass
@@ -183,7 +183,13 @@ class SimDevice(Device):
         self.timeline = Timeline()
 
     def _call(
-        self, stage: str | None, fn: Any, args: tuple[Any, ...], wait_for: Sequence[Any], uses: Sequence[Any] = ()
+        self,
+        stage: str | None,
+        fn: Any,
+        args: tuple[Any, ...],
+        wait_for: Sequence[Any],
+        uses: Sequence[Any] = (),
+        stream_name: str | None = None,
     ) -> tuple[Any, Any]:
         self.hold(stage, uses, None)
         with self.timeline.launching(wait_for), self.span(stage):

@@ -21,32 +21,95 @@ ONE_GPU = (0,)
 TWO_GPUS = (0, 1)
 
 
+# The design card's stages on a GPU, each as the work the checker sees run (a stage's name, or
+# the function a stage runs when that times its own parts). Prefetch runs on the host: it
+# collates into pinned memory and the target forward's stream uploads it.
+CARD = {
+    "target forward": "target.model_forward",
+    "pack": "target.pack_hidden",
+    "D2H copy": "target.d2h_copy",
+    "drafter prepare (H2D)": "MicroStep.prepare",
+    "drafter forward/backward": "Accumulator.compute",
+    "grad norm / optimizer": "apply_step",
+}
+
+
+def card_streams(rules: Rules) -> dict[str, set[str]]:
+    """Per card stage, the streams its work ran on."""
+    return {stage: {s for s, work in rules.work_on.items() if w in work} for stage, w in CARD.items()}
+
+
+def shared_streams(rules: Rules) -> list[str]:
+    """Every stream on which the work of two card stages ran."""
+    return sorted(s for s, work in rules.work_on.items() if len(work & set(CARD.values())) > 1)
+
+
+EXPECTED = {
+    ONE_GPU: {  # features stay on the GPU: no D2H copy
+        "target forward": {"target0/target.model_forward@gpu0"},
+        "pack": {"target0/target.pack_hidden@gpu0"},
+        "D2H copy": set(),
+        "drafter prepare (H2D)": {"drafter0/drafter.prepare@gpu0"},
+        "drafter forward/backward": {"drafter0/drafter.forward@gpu0"},
+        "grad norm / optimizer": {"optimizer/drafter.optimizer_step@gpu0"},
+    },
+    TWO_GPUS: {
+        "target forward": {"target0/target.model_forward@gpu0"},
+        "pack": {"target0/target.pack_hidden@gpu0"},
+        "D2H copy": {"target0/target.d2h_copy@gpu0"},
+        "drafter prepare (H2D)": {"drafter0/drafter.prepare@gpu0", "drafter1/drafter.prepare@gpu1"},
+        "drafter forward/backward": {"drafter0/drafter.forward@gpu0", "drafter1/drafter.forward@gpu1"},
+        "grad norm / optimizer": {"optimizer/drafter.optimizer_step@gpu0"},
+    },
+}
+
+
 @pytest.mark.parametrize("gpus", [ONE_GPU, TWO_GPUS], ids=["one_gpu", "two_gpus"])
-def test_the_real_code_keeps_every_rule(tiny_config, gpus):
+def test_the_real_code_keeps_every_rule_each_stage_on_its_own_stream(tiny_config, gpus):
     records, rules = checked_run(tiny_config, gpus)
     steps = [r for r in records if r["event"] == "train_step"]
     assert len(steps) == 4 and all(r["loss"] is not None for r in steps)
     assert rules.ops > 1000  # the work ran on virtual GPUs, op by op
-    streams = rules.stream_names
-    assert "target0/target.pack_hidden@gpu0" in streams
-    if gpus == TWO_GPUS:  # the D2H path and the optimizer's stream on the second GPU
-        assert {"target0/target.d2h_copy@gpu0", "optimizer/drafter.optimizer_step@gpu1"} <= streams
+    assert card_streams(rules) == EXPECTED[gpus]
+    assert shared_streams(rules) == []
+    if gpus == TWO_GPUS:  # the optimizer's own stream on the second GPU, for that replica's update
+        assert "optimizer/drafter.optimizer_step@gpu1" in rules.stream_names
 
 
-# (topology, work whose wait or hold is dropped, "wait_for" | "hold", what the failure names)
+def test_prepare_ahead_prepares_on_its_own_stream_while_the_optimizer_steps(tiny_config):
+    """With `prepare_ahead` the next batch's uploads go on the prepare stream, apart from the
+    forward/backward, and every rule still holds."""
+    records, rules = checked_run(tiny_config, ONE_GPU, **{"pipeline.prepare_ahead": "true"})
+    assert len([r for r in records if r["event"] == "train_step"]) == 4
+    assert card_streams(rules) == EXPECTED[ONE_GPU] and shared_streams(rules) == []
+
+
+def test_two_card_stages_on_one_stream_are_caught(tiny_config, monkeypatch):
+    """The check can fail: prepare sent to the forward's stream is reported as shared."""
+    from dflash.runtime.profiler import Stage
+
+    monkeypatch.setattr(Stage, "DRAFTER_PREPARE", Stage.DRAFTER_FORWARD)
+    _, rules = checked_run(tiny_config, ONE_GPU)
+    assert shared_streams(rules) == ["drafter0/drafter.forward@gpu0"]
+
+
+# (topology, work whose wait or hold is dropped, "wait_for" (all, or "@" only on some streams) | "hold",
+# what the failure names). Target labels: prepare reads the target's top-k on the device.
 MUTATIONS = [
     (ONE_GPU, "target.pack_hidden", "wait_for", "unordered read: aten.cat.default on target0/target.pack_hidden"),
     (ONE_GPU, "target.pack_hidden", "hold", "no hold: aten.cat.default on target0/target.pack_hidden"),
-    (ONE_GPU, "MicroStep.prepare", "wait_for", "last written on target0/target.pack_hidden@gpu0, not waited for"),
-    (ONE_GPU, "MicroStep.prepare", "hold", "allocated on target0/target.pack_hidden@gpu0 without Device.hold"),
-    (ONE_GPU, "Accumulator.compute", "wait_for", "last written on optimizer/default@gpu0, not waited for"),
-    (ONE_GPU, "apply_step", "wait_for", "last written on drafter0/default@gpu0, not waited for"),
-    (ONE_GPU, "drafter.grad_reduce", "hold", "allocated on drafter0/default@gpu0 without Device.hold"),
+    (ONE_GPU, "MicroStep.prepare", "wait_for", "last written on target0/target.model_forward@gpu0, not waited for"),
+    (ONE_GPU, "MicroStep.prepare", "hold", "allocated on target0/target.model_forward@gpu0 without Device.hold"),
+    (ONE_GPU, "Accumulator.compute", "hold", "allocated on drafter0/drafter.prepare@gpu0 without Device.hold"),
+    (ONE_GPU, "Accumulator.compute", "wait_for@prepare", "last written on drafter0/drafter.prepare@gpu0, not waited"),
+    (ONE_GPU, "Accumulator.compute", "wait_for@optimizer", "written on optimizer/drafter.optimizer_step@gpu0, not"),
+    (ONE_GPU, "apply_step", "wait_for", "last written on drafter0/drafter.forward@gpu0, not waited for"),
+    (ONE_GPU, "drafter.grad_reduce", "hold", "allocated on drafter0/drafter.forward@gpu0 without Device.hold"),
     (ONE_GPU, "metrics.sync", "wait_for", "optimizer metrics.sync: unordered read"),
     (ONE_GPU, "metrics.sync", "hold", "optimizer metrics.sync: no hold"),
     (TWO_GPUS, "target.d2h_copy", "wait_for", "target0 target.d2h_copy: unordered read"),
     (TWO_GPUS, "target.d2h_copy", "hold", "target0 target.d2h_copy: no hold"),
-    (TWO_GPUS, "drafter.optimizer_step", "wait_for", "last written on drafter1/default@gpu1, not waited for"),
+    (TWO_GPUS, "drafter.optimizer_step", "wait_for", "last written on drafter1/drafter.forward@gpu1, not waited for"),
 ]
 
 
@@ -55,8 +118,9 @@ MUTATIONS = [
     ("gpus", "work", "kind", "named"), MUTATIONS, ids=[f"{len(m[0])}gpu-{m[1]}-{m[2]}" for m in MUTATIONS]
 )
 def test_a_removed_wait_or_hold_fails_naming_stage_and_tensor(tiny_config, gpus, work, kind, named):
+    labels = {"loss.labels": '"target"'} if work == "MicroStep.prepare" else {}
     with pytest.raises(StageError) as err:
-        checked_run(tiny_config, gpus, drop={(work, kind)})
+        checked_run(tiny_config, gpus, drop={(work, kind)}, **labels)
     msg = str(err.value)
     assert "CudaRuleError" in msg and named in msg, msg
     assert "float32[" in msg or "int64[" in msg  # the tensor: its dtype and shape

@@ -127,7 +127,7 @@ def test_distillation_reads_the_targets_prediction_for_each_label(tiny_config):
         batch.input_ids, batch.doc_ids, batch.positions, batch.packed), -1))  # fmt: skip
     feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
     dev = Device("cpu", "d")
-    p = asyncio.run(drafter_step.run_prepare(t.replicas[0], t.micro, dev, feats, 0))
+    p = asyncio.run(drafter_step.prepare(t.replicas[0], t.micro, dev, feats, 0)).batch
     dev.close()
     vals, ids = p.targets.teacher
     assert ids.shape == (p.targets.labels.shape[0], 4) and bool((vals[:, 0] >= vals[:, 1]).all())
@@ -158,7 +158,7 @@ def _prepared_first_batch(cfg: Any) -> tuple[Any, Any]:
     feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
     dev = Device("cpu", "d")
     try:
-        return batch, asyncio.run(drafter_step.run_prepare(t.replicas[0], t.micro, dev, feats, 0))
+        return batch, asyncio.run(drafter_step.prepare(t.replicas[0], t.micro, dev, feats, 0)).batch
     finally:
         dev.close()
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dflash.runtime.devices import Device
 from dflash.runtime.messages import StepGrads
 from dflash.runtime.profiler import Profiler, Stage
-from dflash.stages import pack, prefetch, target_forward, transfer
-from dflash.stages.drafter_step import run_prepare
+from dflash.stages import drafter_step, pack, prefetch, target_forward, transfer
+from dflash.stages import optimizer as optimizer_stage
 from dflash.train.build import Training
 from dflash.train.hooks import StepBook
 from dflash.train.step import Accumulator
@@ -55,24 +55,14 @@ async def train(
                 feats = await target_forward.features(training.targets[0], target, batch, profiler, cache)
                 packed = await pack.packed(target, feats)
                 host = await transfer.host_features(target, packed, 0, cache)
-                ready_batch = await run_prepare(rep, training.micro, dev, host, step)
-                _, ready = await dev.run(
-                    None, acc.compute, training.micro, rep, dev, ready_batch, wait_for=[updated, own.get(rep.index)]
-                )
+                prepared = await drafter_step.prepare(rep, training.micro, dev, host, step)
+                after = [updated, own.get(rep.index)]  # the last update, and on its own GPU this replica's
+                ready = await drafter_step.compute(acc, rep, training.micro, dev, prepared, after)
                 profiler.count("drafter_tokens", batch.num_tokens)
             if acc.n:
                 contribs.append(acc.grads(rep.index, step, ready))
         if not contribs:
             break
-        result, updated = await optimizer.run(
-            None,
-            training.apply,
-            contribs,
-            optimizer,
-            book.next_step,
-            book.progress,
-            wait_for=[c.ready for c in contribs],
-        )
-        await book.end(result, updated)
+        result, updated = await optimizer_stage.update(training.apply, optimizer, contribs, book)
     await book.close()
     return book.progress.step

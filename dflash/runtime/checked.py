@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dflash.runtime.devices import Device, DeviceFactory, in_named_sync
+from dflash.runtime.devices import Device, DeviceFactory, in_named_sync, stream_of
 from dflash.runtime.profiler import Profiler
 
 __all__ = ["CheckedDevice", "CudaRuleError", "Rules"]
@@ -143,8 +143,8 @@ class VEvent:
     host has waited for it (or for something after it): the model never finishes work on
     its own, so every wait the code relies on must be in it."""
 
-    def __init__(self, rules: Rules, clock: Clock) -> None:
-        self.rules, self.clock = rules, dict(clock)
+    def __init__(self, rules: Rules, clock: Clock, stream: str = "") -> None:
+        self.rules, self.clock, self.stream = rules, dict(clock), stream
 
     def query(self) -> bool:
         host = _host()
@@ -194,8 +194,10 @@ class Rules:
         self.mem: dict[int, Mem] = {}
         self._streams: dict[tuple[str, int], VStream] = {}
         self.ops = 0  # ops seen on virtual GPUs
+        self.work_on: dict[str, set[str]] = {}  # per stream name: the work (stage or function) that ran on it
         # Mutation tests: (work, "wait_for" | "hold") pairs whose waits or holds are dropped, as
         # if the code did not pass them; work is a stage name or a function's qualified name.
+        # ("wait_for@NAME": only its waits on events recorded on streams whose name has NAME.)
         self.drop: set[tuple[str, str]] = set()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -287,7 +289,7 @@ class Rules:
 
     def record(self, stream: VStream) -> VEvent:
         with self.lock:
-            ev = VEvent(self, stream.clock)
+            ev = VEvent(self, stream.clock, stream.name)
             stream.clock[stream.name] += 1  # what the stream does next is after the event
             return ev
 
@@ -624,14 +626,14 @@ class CheckedDevice(Device):
 
     def hold(self, stage: str | None, uses: Iterable[torch.Tensor], stream: Any) -> None:
         n = 0
-        if (stage or "default", "hold") in self.rules.drop:
+        if (stage or "untimed", "hold") in self.rules.drop:
             uses = ()
         for t in uses:
             if isinstance(stream, VStream):
                 self.rules.hold(t, stream)
             n += 1
         if n:
-            self.held[stage or "default"] += n
+            self.held[stage or "untimed"] += n
 
     async def run(
         self,
@@ -640,13 +642,15 @@ class CheckedDevice(Device):
         *args: Any,
         wait_for: Sequence[Any] = (),
         uses: Sequence[torch.Tensor] = (),
+        stream: str | None = None,
     ) -> tuple[Any, Any]:
         """`Device.run`, passing host clocks through the event loop, as the code's own
         happens-before goes: the work knows what the loop knew when it was sent, and the loop
         learns what the work's thread waited for when it returns."""
         sent = dict(_host())
         loop = asyncio.get_running_loop()
-        out, ready, seen = await loop.run_in_executor(self._executor, self._sent, sent, stage, fn, args, wait_for, uses)
+        call = (stage, fn, args, wait_for, uses, stream)
+        out, ready, seen = await loop.run_in_executor(self._executor, self._sent, sent, *call)
         _join(_host(), seen)
         return out, ready
 
@@ -667,13 +671,20 @@ class CheckedDevice(Device):
         args: tuple[Any, ...],
         wait_for: Sequence[Any],
         uses: Sequence[torch.Tensor] = (),
+        stream_name: str | None = None,
     ) -> tuple[Any, Any]:
         name = stage or _name(fn)
+        if self._gpu is not None:
+            with self.rules.lock:
+                self.rules.work_on.setdefault(self.stream(stream_of(stage, stream_name)).name, set()).add(name)
         if (name, "wait_for") in self.rules.drop:
             wait_for = ()
+        for work, kind in self.rules.drop:
+            if work == name and kind.startswith("wait_for@"):
+                wait_for = [ev for ev in wait_for if not (isinstance(ev, VEvent) and kind[9:] in ev.stream)]
         if (name, "hold") in self.rules.drop:
             uses = ()
-        stream = self.stream(stage or "default") if self._gpu is not None else None
+        stream = self.stream(stream_of(stage, stream_name)) if self._gpu is not None else None
         with self.rules.working(f"{self.name} {name}", stream, wait_for):
             if stream is not None:
                 self.hold(stage, uses, stream)

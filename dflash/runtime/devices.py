@@ -56,7 +56,7 @@ from dflash.runtime.profiler import Profiler
 
 __all__ = [
     "Device", "DeviceFactory", "PinnedPool", "check_device", "host_sync", "in_named_sync", "named_sync", "on_device",
-    "set_sync_debug", "upload",
+    "set_sync_debug", "stream_of", "upload",
 ]  # fmt: skip
 
 R = TypeVar("R")
@@ -221,6 +221,15 @@ def _wait(ready: Any) -> None:
     ready.synchronize()  # sync: named by the caller's span or record
 
 
+def stream_of(stage: str | None, stream: str | None) -> str:
+    """The name of the stream a piece of work runs on: its own, else its stage's."""
+    name = stream or stage
+    if name is None:
+        msg = "device work needs a stage or a stream name"
+        raise ValueError(msg)
+    return name
+
+
 # How the pipeline makes its devices: `(spec, name, profiler) -> Device`. `Device` itself by
 # default; a `Device` subclass plugs in here to run the real stages on other semantics (the
 # orchestration benchmarks' simulated device queue, `bench/simulated.py`). Passed as
@@ -332,7 +341,7 @@ class Device:
                 t.record_stream(stream)
             n += 1
         if n:
-            self.held[stage or "default"] += n
+            self.held[stage or "untimed"] += n
 
     @contextlib.contextmanager
     def span(self, stage: str | None) -> Iterator[None]:
@@ -363,6 +372,7 @@ class Device:
         args: tuple[Any, ...],
         wait_for: Sequence[Any],
         uses: Sequence[torch.Tensor] = (),
+        stream_name: str | None = None,
     ) -> tuple[R, Any]:
         if not self.is_cuda:
             self.hold(stage, uses, None)
@@ -371,7 +381,7 @@ class Device:
             return out, None
         # Current device and stream are thread-local: set them inside the worker thread.
         torch.cuda.set_device(self.device)
-        stream = self.stream(stage or "default")
+        stream = self.stream(stream_of(stage, stream_name))
         with torch.cuda.stream(stream):
             for ev in wait_for:
                 if ev is not None:
@@ -390,11 +400,13 @@ class Device:
         *args: Any,
         wait_for: Sequence[Any] = (),
         uses: Sequence[torch.Tensor] = (),
+        stream: str | None = None,
     ) -> tuple[R, Any]:
         """`wait_for`: events of the work that produced what `fn` reads; `uses`: the device
-        tensors it reads from other streams (the hand-off rule of the module docstring)."""
+        tensors it reads from other streams (the hand-off rule of the module docstring);
+        `stream`: the stream's name when it is not `stage` (work that times its own parts)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, stage, fn, args, wait_for, uses)
+        return await loop.run_in_executor(self._executor, self._call, stage, fn, args, wait_for, uses, stream)
 
     async def synchronize(self, ready: Any) -> None:
         """Wait (off the loop, GIL released) until the CUDA work behind `ready` is done: the

@@ -2,21 +2,25 @@
 
 Per optimizer step a replica takes `grad_accum` batches from the hidden-state channel
 (waiting there is `drafter.queue_wait`: starved by the targets) and runs each in two
-phases: *prepare* (H2D, anchors, labels, block ids, masks — no weights touched) and
-*compute* (forward + loss, backward; gradients accumulate in .grad). It sends its
-StepGrads to the optimizer and waits for the optimizer's reply (`drafter.step_wait`)
-before touching its weights again — meanwhile it takes and prepares the next batch, so
-the compute after the reply waits only on the weight update. It ends when the optimizer says stop or the channel
-ends (it then sends a last StepGrads with 0 micro-batches).
+phases on two streams: *prepare* (H2D, anchors, labels, block ids, masks; no weights
+touched) on `drafter.prepare`, and *compute* (forward + loss, backward; gradients
+accumulate in .grad) on `drafter.forward`, after the prepare's event. It sends its
+StepGrads to the optimizer and waits for the reply (`drafter.step_wait`) before touching
+its weights again. With `lookahead` the next batch is taken and prepared meanwhile
+(`Lookahead`), so the compute after the reply waits only on the weight update. It ends
+when the optimizer says stop or the channel ends (then it sends a last StepGrads with 0
+micro-batches).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dflash.runtime.channel import Channel, EndOfStream
 from dflash.runtime.devices import Device
@@ -26,7 +30,7 @@ from dflash.stages._link import linked
 from dflash.train.replicas import DrafterReplica
 from dflash.train.step import Accumulator, MicroStep, PreparedBatch
 
-__all__ = ["ReplicaWork", "run", "run_prepare"]
+__all__ = ["Lookahead", "Prepared", "ReplicaWork", "compute", "prepare", "run"]
 
 
 @dataclass(frozen=True)
@@ -44,38 +48,95 @@ class ReplicaWork:
     lookahead: bool = False
 
 
-async def _take(
-    rep: DrafterReplica,
-    micro: MicroStep,
-    device: Device,
-    inbox: Channel[HostFeatures],
-    profiler: Profiler,
-    step: int,
-    early: bool = False,
-) -> tuple[PreparedBatch | None, float]:
-    """The next batch, prepared (None at the end of the stream), and when it arrived.
-    `early`: taken while the optimizer steps (its wait is counted after the reply)."""
-    try:
-        feats, waited = await inbox.get()
-    except EndOfStream:
-        return None, time.perf_counter()
-    arrived = time.perf_counter()
-    if not early:  # waited for in the step itself: starved by the targets
-        profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-    return await run_prepare(rep, micro, device, feats, step), arrived
+@dataclass(frozen=True)
+class Prepared:
+    """A batch after its prepare phase: what the compute reads, the event that ends the
+    prepare work (None on CPU), and the device tensors it made on the prepare stream."""
+
+    batch: PreparedBatch
+    ready: Any
+    tensors: tuple[Any, ...] = ()
 
 
-async def run_prepare(
-    rep: DrafterReplica, micro: MicroStep, device: Device, feats: HostFeatures, step: int
-) -> PreparedBatch:
-    """The prepare phase of one batch: after the features' event when they are still on the
-    target's GPU (and holding their memory for this stream); a pooled pinned buffer goes
-    back to its pool with the event after its upload."""
+async def prepare(rep: DrafterReplica, micro: MicroStep, device: Device, feats: HostFeatures, step: int) -> Prepared:
+    """The prepare phase of one batch on the prepare stream: after the features' event when
+    they are still on the target's GPU (holding their memory for this stream); a pooled
+    pinned buffer goes back to its pool with the event after its upload."""
     on_device = [t for t in (feats.hidden, *(feats.teacher or ())) if device.on_device(t)]
-    out, ready = await device.run(None, micro.prepare, rep, device, feats, step, wait_for=[feats.ready], uses=on_device)
+    out, ready = await device.run(
+        None, micro.prepare, rep, device, feats, step,
+        wait_for=[feats.ready], uses=on_device, stream=Stage.DRAFTER_PREPARE,
+    )  # fmt: skip
     if feats.release is not None:  # (after a failure it stays out: the pool makes another)
         feats.release(ready)
+    made = tuple(t for t in device_tensors(out) if device.on_device(t)) if device.accelerated else ()
+    return Prepared(out, ready, made)
+
+
+async def compute(
+    acc: Accumulator, rep: DrafterReplica, micro: MicroStep, device: Device, prepared: Prepared, updated: Sequence[Any]
+) -> Any:
+    """Forward and backward of a prepared batch on the forward stream, after its prepare and
+    after `updated` (the events of the last update of these weights); the event of its end."""
+    _, ready = await device.run(
+        None, acc.compute, micro, rep, device, prepared.batch,
+        wait_for=[prepared.ready, *updated], uses=prepared.tensors, stream=Stage.DRAFTER_FORWARD,
+    )  # fmt: skip
+    return ready
+
+
+def device_tensors(obj: Any) -> list[Any]:
+    """Every tensor inside a prepared batch (dataclasses, dicts, tuples, a flex BlockMask)."""
+    out: list[Any] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack += x.values()
+        elif isinstance(x, (list, tuple)):
+            stack += x
+        elif hasattr(x, "__dataclass_fields__"):
+            stack += [getattr(x, f) for f in x.__dataclass_fields__]
+        elif hasattr(x, "as_tuple"):  # flex attention's BlockMask
+            stack += [t for t in x.as_tuple() if isinstance(t, torch.Tensor)]
     return out
+
+
+class Lookahead:
+    """At most one batch taken and prepared while the optimizer steps. Its wait counts as
+    `drafter.queue_wait` only for the part after the optimizer's reply: before it, the
+    replica had nothing else to do."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[tuple[Prepared | None, float]] | None = None
+
+    def start(self, take: Any) -> None:
+        self._task = asyncio.ensure_future(take)
+
+    async def take(self, replied: float, profiler: Profiler, worker: str) -> Prepared | None:
+        """The batch taken ahead, once the reply came at `replied` (perf_counter)."""
+        assert self._task is not None
+        task, self._task = self._task, None
+        batch, arrived = await asyncio.shield(task)
+        profiler.record(Stage.DRAFTER_QUEUE_WAIT, max(0.0, arrived - replied), worker=worker)
+        return batch
+
+    @property
+    def pending(self) -> bool:
+        return self._task is not None
+
+    async def drop(self) -> None:
+        """A batch taken ahead and never computed is dropped, like queued ones."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the stage is ending either way
 
 
 async def run(
@@ -90,27 +151,37 @@ async def run(
     """Forward and backward of `work.grad_accum` batches a step until the optimizer says
     stop or the inbox ends."""
     micro, step = work.micro, work.start_step
-    wait_for: list[Any] = []  # CUDA: the last update must land before the next forward
-    ahead: asyncio.Task[tuple[PreparedBatch | None, float]] | None = None
-    take = functools.partial(_take, rep, micro, device, inbox, profiler)
+    updated: list[Any] = []  # the last update's event: the next forward reads those weights
+    ahead = Lookahead()
+
+    async def take(step: int, early: bool = False) -> tuple[Prepared | None, float]:
+        """The next batch, prepared (None at the end of the stream), and when it arrived.
+        `early`: taken while the optimizer steps (`Lookahead` counts its wait)."""
+        try:
+            feats, waited = await inbox.get()
+        except EndOfStream:
+            return None, time.perf_counter()
+        arrived = time.perf_counter()
+        if not early:  # waited for within the step: starved by the targets
+            profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
+        return await prepare(rep, micro, device, feats, step), arrived
 
     with linked([inbox, replies], [outbox]):
         try:
+            taken: list[Prepared | None] = []  # the batch taken ahead, when there is one
             while True:
-                acc = Accumulator()
-                ready = None
+                acc, ready = Accumulator(), None
                 for _ in range(work.grad_accum):
-                    batch, _ = await (ahead if ahead is not None else take(step))
-                    ahead = None
+                    batch = taken.pop() if taken else (await take(step))[0]
                     if batch is None:
                         break
-                    _, ready = await device.run(None, acc.compute, micro, rep, device, batch, wait_for=wait_for)
-                    profiler.count("drafter_tokens", batch.batch.num_tokens)
+                    ready = await compute(acc, rep, micro, device, batch, updated)
+                    profiler.count("drafter_tokens", batch.batch.batch.num_tokens)
                 await outbox.put(acc.grads(rep.index, step, ready))
                 if acc.n == 0:
                     return
-                if work.lookahead:  # prepared while the optimizer steps: after the reply, only the forward is left
-                    ahead = asyncio.ensure_future(take(step + 1, early=True))
+                if work.lookahead:
+                    ahead.start(take(step + 1, early=True))
                 try:
                     reply, waited = await replies.get()
                 except EndOfStream:
@@ -118,16 +189,8 @@ async def run(
                 profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
                 if reply.stop:
                     return
-                if ahead is not None:  # starved only for the part of its wait after the reply
-                    replied = time.perf_counter()
-                    _, arrived = await asyncio.shield(ahead)
-                    profiler.record(Stage.DRAFTER_QUEUE_WAIT, max(0.0, arrived - replied), worker=device.name)
-                wait_for = [reply.ready]
-                step = reply.step
+                if ahead.pending:
+                    taken.append(await ahead.take(time.perf_counter(), profiler, device.name))
+                updated, step = [reply.ready], reply.step
         finally:
-            if ahead is not None:  # a batch taken ahead is dropped, like queued ones
-                if not ahead.done():
-                    ahead.cancel()
-                    await asyncio.wait([ahead])
-                if not ahead.cancelled():
-                    ahead.exception()  # retrieved: the stage is ending either way
+            await ahead.drop()

@@ -64,7 +64,7 @@ async def host_features(
     )
     await device.synchronize(ready)  # sync: the host must not read the buffer before the copy lands
     if cache is not None:
-        await device.run(None, cache.put, f.batch, host, teacher)
+        await device.run(None, cache.put, f.batch, host, teacher, stream=Stage.TARGET_D2H)
     return HostFeatures(f.batch, host, source, release=release, teacher=teacher)  # type: ignore[arg-type]
 
 

@@ -78,7 +78,7 @@ class StepContext:
 
         # On the optimizer's own stream, in order after the update: it may read any state the
         # update made (AdamW's moments) with no hand-off to another stream.
-        out, _ = await self.device.run(None, named, wait_for=[self.ready])
+        out, _ = await self.device.run(None, named, wait_for=[self.ready], stream=Stage.OPTIMIZER_STEP)
         return out
 
 

@@ -284,8 +284,12 @@ def export_cmd(checkpoint: Path, out_dir: Path, fmt: str) -> None:
 
     out = export_checkpoint(source, out_dir, fmt)
     spec_cfg = speculative_config(out.resolve(), load_drafter(out).spec)
-    record = {"event": "export", "checkpoint": str(source), "path": str(out), "vllm_speculative_config": spec_cfg}
-    click.echo(json.dumps(record))
+    logs.configure(sys.stdout)
+    import structlog
+
+    structlog.get_logger("dflash").info(
+        "export", checkpoint=str(source), path=str(out), vllm_speculative_config=spec_cfg
+    )
     logs.human(f"dflash export: {source} -> {out}; in vLLM: speculative_config = {json.dumps(spec_cfg)}")
 
 
@@ -417,10 +421,11 @@ def config() -> None:
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 def config_show(config_file: Path, overrides: tuple[str, ...]) -> None:
-    """Print CONFIG_FILE resolved (defaults filled in, overrides applied) as TOML."""
-    from dflash.config import dump_toml, load_config
+    """Print CONFIG_FILE resolved (overrides applied) as TOML: every key of the schema, each
+    under a comment with its meaning and default; keys left unset are commented out."""
+    from dflash.config import annotated_toml, load_config
 
-    click.echo(dump_toml(load_config(config_file, list(overrides))), nl=False)
+    click.echo(annotated_toml(load_config(config_file, list(overrides))), nl=False)
 
 
 def entry() -> None:

@@ -2,14 +2,15 @@
 
 Configured once, by the entry point (`configure`). A program that embeds the Coordinator
 may configure structlog its own way, or subscribe to records with `Coordinator.subscribe`.
-Two subscribers every run has: `RunLog` (the run folder's own `records.jsonl`, whatever
-structlog does) and `ProgressLine` (one updating line on stderr when it is a terminal).
+Every record, wherever it lands, is rendered by one processor chain (`render`): the same
+fields (`event`, `level`, `timestamp`, and `rank` where the run has ranks) on stdout, in the
+log file and in the run folder. Two subscribers every run has: `RunLog` (the run folder's own
+`records.jsonl`, whatever structlog does) and `ProgressLine` (a bar on stderr when it is a
+terminal).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import sys
 import threading
 import time
@@ -17,8 +18,27 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
+from structlog.typing import Processor
+from tqdm import tqdm
 
-__all__ = ["ProgressLine", "RunLog", "configure", "human", "progress"]
+__all__ = ["ProgressLine", "RunLog", "configure", "human", "progress", "render"]
+
+# The one chain: `configure` hands it to structlog, `render` runs it without structlog's config.
+_PROCESSORS: tuple[Processor, ...] = (
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+    structlog.processors.JSONRenderer(default=str),
+)
+
+
+def render(record: dict[str, Any], method: str = "info") -> str:
+    """`{"event": ..., **fields}` as the JSON line a configured structlog logger writes for it."""
+    fields = {k: v for k, v in record.items() if k != "event"}
+    event_dict: Any = {**fields, "event": record["event"]}  # structlog puts `event` after the fields
+    for proc in _PROCESSORS:
+        event_dict = proc(None, method, event_dict)
+    return event_dict
 
 
 class _JSONLines:
@@ -45,16 +65,18 @@ def configure(stream: IO[str] | None = sys.stdout, log_file: IO[str] | None = No
         sinks.append(log_file)
     structlog.reset_defaults()
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
-        ],
+        processors=list(_PROCESSORS),
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=lambda *_: _JSONLines(sinks),
         cache_logger_on_first_use=True,
     )
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
 
 
 def progress(
@@ -62,10 +84,9 @@ def progress(
 ) -> Any:
     """A tqdm bar on stderr for people: live on a terminal, off otherwise (the JSON records
     on stdout carry the same progress, and a log file stays free of `\\r`)."""
-    from tqdm import tqdm
-
     out = stream if stream is not None else sys.stderr
-    return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=out, disable=not out.isatty(), leave=False)
+    off = not _is_terminal(out)
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=out, disable=off, leave=False)
 
 
 def human(message: str, **_: Any) -> None:
@@ -74,7 +95,8 @@ def human(message: str, **_: Any) -> None:
 
 
 class RunLog:
-    """Appends every record to a JSON-lines file (a resumed run continues the same file)."""
+    """Appends every record to a JSON-lines file (a resumed run continues the same file),
+    rendered as stdout renders it (`render`), whatever structlog's configuration."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -83,8 +105,7 @@ class RunLog:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
             return
-        now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
-        self._f.write(json.dumps({**record, "level": "info", "timestamp": now}, default=str) + "\n")
+        self._f.write(render(record) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -94,35 +115,24 @@ class RunLog:
 
 
 class ProgressLine:
-    """`step 40/605 loss 2.1 tau_sim 1.3 812 tok/s ETA 3.1 min` on stderr, for people; only
-    when stderr is a terminal (stdout stays pure JSON, and logs stay free of `\\r`)."""
+    """The training bar on stderr, for people: steps with tqdm's rate and ETA, and the last
+    `train_step`'s loss, tau_sim and tokens/s; only when stderr is a terminal."""
 
     def __init__(self, total_steps: int, start_step: int = 0, stream: IO[str] | None = None) -> None:
-        self.total = total_steps
-        self.start_step = start_step
-        self.stream = stream if stream is not None else sys.stderr
-        self.on = self.stream.isatty()
+        self.bar = progress("train", total=total_steps, unit="step", initial=start_step, stream=stream)
         self.tokens = 0
         self.t0 = time.perf_counter()
-        self.shown = False
 
     def __call__(self, record: dict[str, Any]) -> None:
-        if not self.on or record.get("event") != "train_step":
+        if self.bar.disable or record.get("event") != "train_step":
             return
         self.tokens += record["tokens"]
         elapsed = time.perf_counter() - self.t0
-        done = record["step"] - self.start_step
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        left = (self.total - record["step"]) * elapsed / done if done > 0 else 0.0
         loss = f"{record['loss']:.4f}" if record["loss"] is not None else "nan"
-        self.stream.write(
-            f"\rstep {record['step']}/{self.total} loss {loss} tau_sim {record['tau_sim']:.2f} "
-            f"{rate:.0f} tok/s ETA {left / 60:.1f} min   "
-        )
-        self.stream.flush()
-        self.shown = True
+        self.bar.update(record["step"] - self.bar.n)
+        # records come every train.log_every steps: each is shown as it comes
+        self.bar.set_postfix_str(f"loss {loss} tau_sim {record['tau_sim']:.2f} {rate:.0f} tok/s")
 
     def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.close()

@@ -54,6 +54,24 @@ def test_config_show_prints_resolved_toml_with_overrides() -> None:
     assert parse_config(data) == load_config(TINY, ["drafter.num_layers=2"])
 
 
+def test_config_show_prints_every_key_with_its_default_and_meaning(tmp_path: Path) -> None:
+    """`config show` lists every key of the schema under a comment with its meaning and default
+    (unset keys commented out), and what it prints is a config file that loads back the same."""
+    from dflash.config import Config, DrafterConfig
+
+    proc = dflash("config", "show", str(TINY), "--set", "drafter.num_layers=3")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = lines.index("num_layers = 3")
+    assert lines[at - 1] == f"# {DrafterConfig.model_fields['num_layers'].description} (default: 1)"
+    assert "# gamma =" in lines and "# max_steps =" in lines  # unset: commented out
+    for section in Config.model_fields:
+        assert f"[{section}]" in lines
+    shown = tmp_path / "shown.toml"
+    shown.write_text(proc.stdout, encoding="utf-8")
+    assert load_config(shown) == load_config(TINY, ["drafter.num_layers=3"])
+
+
 # -- misuse: one line on stderr, exit 2 ----------------------------------------------------
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
-from dflash.config import Config, apply_overrides, dump_toml, load_config, parse_config
+from dflash.config import Config, annotated_toml, apply_overrides, dump_toml, load_config, parse_config
+from dflash.config._load import _section_type
 from dflash.errors import ConfigError, DFlashError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -445,6 +448,101 @@ def test_dump_toml_fills_defaults_and_omits_none() -> None:
     assert data["drafter"]["num_layers"] == 1
     assert "max_steps" not in data["train"]
     assert "gamma" not in data["drafter"]
+
+
+def _sections(model: type[BaseModel], path: str = "") -> dict[str, dict[str, Any]]:
+    """Every table of the schema ('data.files' for a list of sections) and its keys' fields."""
+    out: dict[str, dict[str, Any]] = {path: {}} if path else {}
+    for name, field in model.model_fields.items():
+        sub = _section_type(field.annotation)
+        if sub is not None:
+            out.update(_sections(sub, f"{path}.{name}" if path else name))
+        else:
+            out[path][name] = field
+    return out
+
+
+_HEADER = re.compile(r"^(?:# )?\[\[?([a-z_.]+)\]\]?$")
+_KEY_LINE = re.compile(r"^(# )?([a-z_]+) =( .+)?$")
+
+
+def _shown_keys(text: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """table -> key -> (its comment line, its key line), read from annotated_toml's output, whose
+    tables list their keys as pairs of lines: the comment, then the key (commented out when unset)."""
+    shown: dict[str, dict[str, tuple[str, str]]] = {}
+    table = None
+    lines = [ln for ln in text.splitlines()[1:] if ln]
+    i = 0
+    while i < len(lines):
+        header = _HEADER.match(lines[i + 1]) if i + 1 < len(lines) else None
+        if header:  # a table: its comment, then its header
+            table = header.group(1)
+            shown.setdefault(table, {})
+            i += 2
+            continue
+        key = _KEY_LINE.match(lines[i + 1])
+        assert table is not None and lines[i].startswith("# ") and key, lines[i : i + 2]
+        shown[table][key.group(2)] = (lines[i], lines[i + 1])
+        i += 2
+    return shown
+
+
+def test_every_schema_key_has_a_one_line_description() -> None:
+    """config show gives every key a meaning: each field of the schema has a one-line description."""
+    for table, fields in _sections(Config).items():
+        for name, field in {**fields, **Config.model_fields}.items():
+            assert field.description and "\n" not in field.description, f"{table}.{name}"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["drafter.num_layers=3", "train.max_steps=7", "target.layer_ids=[1, 2]", "drafter.gamma=2.5"],
+        [
+            "data.source='files'",
+            "data.files=[{path = 'a.jsonl', weight = 2.0}, {path = 'b.parquet', max_records = 5}]",
+            "data.chat_template_kwargs={enable_thinking = false, \"odd key\" = 'x'}",
+            "target.kind='hf'",
+            "target.path='/models/x \"q\"'",
+            "pipeline.target_devices=['cuda:0', 'cuda:1']",
+        ],
+    ],
+)
+def test_annotated_toml_shows_every_key_with_default_and_meaning_and_reads_back(
+    overrides: list[str], tmp_path: Path
+) -> None:
+    """Every key of the schema, in its table, under a comment with its meaning and default; a
+    key left unset is commented out; the text loads back as the same config."""
+    cfg = load_config(TINY, overrides)
+    text = annotated_toml(cfg)
+    path = tmp_path / "shown.toml"
+    path.write_text(text, encoding="utf-8")
+    assert load_config(path) == cfg
+    shown = _shown_keys(text)
+    sections = _sections(Config)
+    assert set(shown) == set(sections)
+    values = cfg.model_dump(mode="json")
+    for table, fields in sections.items():
+        assert set(shown[table]) == set(fields), table
+        node = values
+        for part in table.split("."):
+            node = node[part]
+        for name, field in fields.items():
+            comment, line = shown[table][name]
+            assert comment.startswith(f"# {field.description} (default: "), comment
+            if isinstance(node, dict):  # a list of sections shows one of them only
+                assert (line == f"# {name} =") == (node[name] is None), (table, line)
+
+
+def test_annotated_toml_shows_overrides_and_the_defaults_beside_them() -> None:
+    """A value changed by --set shows as set, the schema default in its comment; unset keys commented out."""
+    text = annotated_toml(load_config(TINY, ["drafter.num_layers=3", "train.max_steps=7"]))
+    drafter = _shown_keys(text)["drafter"]
+    assert drafter["num_layers"] == ("# draft decoder layers (default: 1)", "num_layers = 3")
+    assert drafter["gamma"][1] == "# gamma ="
+    assert _shown_keys(text)["train"]["max_steps"][1] == "max_steps = 7"
+    assert "# [[data.files]]" in text.splitlines()  # no files: the table commented out, with its keys
 
 
 # -- file errors ---------------------------------------------------------------------------

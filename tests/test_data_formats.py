@@ -614,19 +614,6 @@ def test_progress_only_on_a_terminal(word_tok: Any, tmp_path: Path, monkeypatch,
     assert "tokenizing" in tty.getvalue()
 
 
-def test_progress_without_tqdm_prints_plain_lines(word_tok: Any, tmp_path: Path, monkeypatch) -> None:
-    """Without tqdm, a terminal gets a plain 'tokenizing FILE: N records' line every N records."""
-    import dflash.data.tokenize as tokenize_mod
-
-    path = write_jsonl(tmp_path / "c.jsonl", GOOD)
-    tty = _FakeTTY()
-    monkeypatch.setattr(sys, "stderr", tty)
-    monkeypatch.setitem(sys.modules, "tqdm", None)
-    monkeypatch.setattr(tokenize_mod, "_PLAIN_PROGRESS_EVERY", 2)
-    load_samples(data_cfg(path), word_tok, cache_dir=tmp_path / "c", progress=True)
-    assert tty.getvalue().splitlines() == [f"tokenizing {path}: 2 records", f"tokenizing {path}: 4 records"]
-
-
 def test_chat_template_options_reach_the_template_and_the_cache_key(word_tok: Any, tmp_path: Path) -> None:
     """`data.chat_template_kwargs` (e.g. a thinking switch) is passed to the template when
     rendering — here an option that adds a system preamble — and is part of the

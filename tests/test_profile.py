@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dflash.runtime.profiler import Profiler, _percentile
+from dflash.runtime.profiler import Profiler, _p50_p95, _rss_mb
 from tests.conftest import run_records
 
 
@@ -39,12 +39,20 @@ def test_window_stats_are_exact_on_known_durations():
     assert p.window_record()["stages"] == {} and p.window_record()["window"] == 2
 
 
-def test_percentile_matches_linear_interpolation():
-    """p50 / p95 interpolate linearly between order statistics (numpy's default)."""
-    vals = sorted([5.0, 1.0, 9.0, 3.0, 7.0, 2.0])
-    assert _percentile(vals, 0.5) == 4.0
-    assert _percentile(vals, 0.95) == pytest.approx(8.5)
-    assert _percentile([], 0.5) == 0.0
+def test_percentiles_interpolate_linearly():
+    """p50 / p95 interpolate linearly between order statistics (numpy's default), in any input order."""
+    p50, p95 = _p50_p95([5.0, 1.0, 9.0, 3.0, 7.0, 2.0])
+    assert p50 == 4.0
+    assert p95 == pytest.approx(8.5)
+    assert _p50_p95([0.25]) == (0.25, 0.25)
+
+
+def test_host_rss_is_this_process_resident_memory():
+    """host_rss_mb is the current resident set (MiB), and grows with memory the process touches."""
+    before = _rss_mb()
+    block = b"x" * (64 * 2**20)  # written, so every page is resident
+    assert 0 < before < _rss_mb() and _rss_mb() - before > 32
+    del block
 
 
 def test_warmup_flag_until_marked():

@@ -1,12 +1,13 @@
 """The typed, strict config schema: TOML in, validated tree out, `--set` overrides.
 
 Every section forbids unknown keys; every error names the key path and what is allowed.
-The resolved config (defaults filled in) is what `config show` prints and what each run
-writes to its output folder. The tree is `_schema.py`; reading, overriding and writing it
-is `_load.py`; the names below are the public ones.
+The resolved config (defaults filled in) is what each run writes to its output folder
+(`dump_toml`); `config show` prints it with every key's meaning and default
+(`annotated_toml`). The tree is `_schema.py`; reading, overriding and writing it is
+`_load.py`; the names below are the public ones.
 """
 
-from dflash.config._load import apply_overrides, dump_toml, load_config, moved_keys_mapped, parse_config
+from dflash.config._load import annotated_toml, apply_overrides, dump_toml, load_config, moved_keys_mapped, parse_config
 from dflash.config._schema import (
     CheckpointConfig,
     Config,
@@ -45,6 +46,7 @@ __all__ = [
     "TargetConfig",
     "TinyTargetConfig",
     "TrainConfig",
+    "annotated_toml",
     "apply_overrides",
     "dump_toml",
     "load_config",

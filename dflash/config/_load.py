@@ -10,6 +10,8 @@ from typing import Any, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from dflash.config._schema import MOVED, Config
 from dflash.errors import ConfigError
@@ -168,3 +170,64 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def dump_toml(cfg: Config) -> str:
     """The resolved config as TOML (keys left unset, i.e. None, are omitted)."""
     return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+
+
+def _inline(value: Any) -> str:
+    """A TOML value on one line (tomli_w spreads arrays over several)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(_pair(k, v) for k, v in value.items()) + " }" if value else "{}"
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip("\n")
+
+
+def _pair(key: str, value: Any) -> str:
+    return tomli_w.dumps({key: 0}).removesuffix(" = 0\n") + " = " + _inline(value)
+
+
+def _default_value(field: FieldInfo) -> Any:
+    return None if field.is_required() else to_jsonable_python(field.get_default(call_default_factory=True))
+
+
+def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = _default_value(field)
+    return "unset" if value is None else _inline(value)
+
+
+def _table(out: list[str], path: str, model: type[BaseModel], field: FieldInfo, values: dict[str, Any] | None,
+           *, array: bool = False) -> None:  # fmt: skip
+    """One section: its keys, then its sub-sections. `values` None: an empty list of sections,
+    shown commented out with each key's default."""
+    mark = "" if values is not None else "# "
+    out += ["", f"# {field.description}", f"{mark}[[{path}]]" if array else f"{mark}[{path}]"]
+    subs = []
+    for name, f in model.model_fields.items():
+        sub = _section_type(f.annotation)
+        if sub is not None:
+            subs.append((name, f, sub))
+            continue
+        value = values[name] if values is not None else _default_value(f)
+        out.append(f"# {f.description} (default: {_default(f)})")
+        out.append(f"# {name} =" if value is None else mark + _pair(name, value))
+    for name, f, sub in subs:
+        value = values[name] if values is not None else None
+        if get_origin(f.annotation) is list:
+            for item in value or [None]:
+                _table(out, f"{path}.{name}", sub, f, item, array=True)
+        else:
+            _table(out, f"{path}.{name}", sub, f, value)
+
+
+def annotated_toml(cfg: Config) -> str:
+    """The resolved config as TOML with every key of the schema, each under a comment giving
+    its meaning and default; a key left unset (None) is a commented-out line. It reads back
+    as the same config."""
+    values = cfg.model_dump(mode="json")
+    out = ["# dflash config: every key, with its meaning and default; unset keys are commented out"]
+    for name, field in Config.model_fields.items():
+        sub = _section_type(field.annotation)
+        assert sub is not None  # the root holds sections only
+        _table(out, name, sub, field, values[name])
+    return "\n".join(out) + "\n"

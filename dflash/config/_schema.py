@@ -67,7 +67,9 @@ class DataConfig(_Section):
     )
     num_buckets: int = Field(1, ge=1, le=64, description="length buckets (sequences of like length batch together)")
     pack: bool = Field(False, description="pack several documents into one row (document ids keep them apart)")
-    shuffle: bool = True
+    shuffle: bool = Field(
+        True, description="shuffle the order of samples and batches each epoch (seeded by run.seed and the epoch)"
+    )
     feature_cache_mb: int = Field(
         0, ge=0, description="keep target features of seen samples in memory (MiB); later epochs skip the target"
     )
@@ -109,15 +111,15 @@ class DataConfig(_Section):
 class TinyTargetConfig(_Section):
     """A random Qwen3 built from a config: for tests and configs/tiny.toml."""
 
-    vocab_size: int = Field(512, ge=16, le=1_000_000)
-    hidden_size: int = Field(64, ge=8, le=65_536)
-    num_layers: int = Field(4, ge=1, le=256)
-    num_heads: int = Field(4, ge=1, le=1024)
-    num_kv_heads: int = Field(2, ge=1, le=1024)
-    head_dim: int = Field(16, ge=2, le=1024)
-    intermediate_size: int = Field(128, ge=1, le=1_000_000)
-    rope_theta: float = Field(10_000.0, gt=0)
-    seed: int = Field(0, ge=0)
+    vocab_size: int = Field(512, ge=16, le=1_000_000, description="vocabulary size")
+    hidden_size: int = Field(64, ge=8, le=65_536, description="hidden size")
+    num_layers: int = Field(4, ge=1, le=256, description="decoder layers")
+    num_heads: int = Field(4, ge=1, le=1024, description="attention heads")
+    num_kv_heads: int = Field(2, ge=1, le=1024, description="key/value heads (grouped-query attention)")
+    head_dim: int = Field(16, ge=2, le=1024, description="size of one attention head (even: RoPE)")
+    intermediate_size: int = Field(128, ge=1, le=1_000_000, description="MLP width")
+    rope_theta: float = Field(10_000.0, gt=0, description="RoPE base")
+    seed: int = Field(0, ge=0, description="seeds the random weights")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyTargetConfig:
@@ -158,7 +160,7 @@ class TargetConfig(_Section):
         "sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
         "(`dflash eval --engine vllm`)",
     )
-    tiny: TinyTargetConfig = TinyTargetConfig()
+    tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="kind = 'tiny': the random Qwen3's shape")
 
     @field_validator("layer_ids")
     @classmethod
@@ -189,7 +191,7 @@ class TargetConfig(_Section):
 
 
 class DrafterConfig(_Section):
-    num_layers: int = Field(1, ge=1, le=64)
+    num_layers: int = Field(1, ge=1, le=64, description="draft decoder layers")
     block_size: int = Field(16, ge=2, le=256, description="B: anchor + B-1 predicted tokens")
     gamma: float | None = Field(None, gt=0, description="loss decay w_k = exp(-(k-1)/gamma); default 7 for B=16")
     max_anchors: int = Field(512, ge=1, le=65_536, description="blocks per document per step")
@@ -197,7 +199,9 @@ class DrafterConfig(_Section):
         None, ge=0, description="token id at block positions 1..B-1; default vocab_size-1 (tiny)"
     )
     layer_types: list[LayerType] | None = Field(None, description="per draft layer; default all full_attention")
-    sliding_window: int = Field(2048, ge=1, le=1_048_576)
+    sliding_window: int = Field(
+        2048, ge=1, le=1_048_576, description="window of the sliding_attention layers, in tokens"
+    )
     sliding_causal_block: bool = Field(
         True,
         description="sliding layers: causal inside a block, as vLLM, SGLang and SpecForge run them (the "
@@ -250,7 +254,7 @@ class TrainConfig(_Section):
         "end as at the end of the data (checkpoint, export, eval); the LR schedule follows whichever of the "
         "steps and the time is further along, so a run cut by its budget ends decayed. One process only",
     )  # fmt: skip
-    epochs: int = Field(1, ge=1, le=10_000)
+    epochs: int = Field(1, ge=1, le=10_000, description="passes over the data")
     grad_accum: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
         "auto", description="micro-batches per replica per step; \"auto\": 1 on a fresh run, and on resume what "
         "keeps the checkpoint's global batch (processes × replicas × grad_accum) on this number of processes",
@@ -276,8 +280,8 @@ class OptimizerConfig(_Section):
     """AdamW over the drafter's weights, the same on every replica."""
 
     lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate (after warmup)")
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's (beta1, beta2)")
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
 
     @field_validator("betas", mode="before")
@@ -476,8 +480,8 @@ class RegenConfig(_Section):
     output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
     max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
     holdout: int = Field(32, ge=0, description="prompts kept out of training, for eval")
-    max_new_tokens: int = Field(64, ge=1, le=65_536)
-    batch_size: int = Field(32, ge=1, le=4096)
+    max_new_tokens: int = Field(64, ge=1, le=65_536, description="longest reply, in tokens")
+    batch_size: int = Field(32, ge=1, le=4096, description="prompts generated at once (server: requests in flight)")
     temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
     seed: int = Field(0, ge=0, description="order of the prompts, and sampling")
     max_minutes: float = Field(
@@ -558,7 +562,7 @@ class EvalConfig(_Section):
         "one-token decoding round differently, so near-ties can flip and the lossless check fails on numerics "
         "alone: float32 makes it exact (training may still run the target in bf16)",
     )
-    max_new_tokens: int = Field(64, ge=1, le=65_536)
+    max_new_tokens: int = Field(64, ge=1, le=65_536, description="tokens generated per prompt")
     temperature: float = Field(
         0.0, ge=0.0, le=100.0,
         description="0: greedy, checked lossless against the target; > 0: sampled, verified by speculative "
@@ -600,20 +604,22 @@ class DistributedConfig(_Section):
 
 
 class Config(_Section):
-    run: RunConfig = RunConfig()
-    data: DataConfig = DataConfig()
-    target: TargetConfig = TargetConfig()
-    drafter: DrafterConfig = DrafterConfig()
-    train: TrainConfig = TrainConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    schedule: ScheduleConfig = ScheduleConfig()
-    loss: LossConfig = LossConfig()
-    pipeline: PipelineConfig = PipelineConfig()
-    profile: ProfileConfig = ProfileConfig()
-    regen: RegenConfig = RegenConfig()
-    eval: EvalConfig = EvalConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    distributed: DistributedConfig = DistributedConfig()
+    run: RunConfig = Field(RunConfig(), description="the run's name, output folder and seed")
+    data: DataConfig = Field(DataConfig(), description="the training samples: where they come from, lengths, batches")
+    target: TargetConfig = Field(TargetConfig(), description="the target model whose features the drafter learns from")
+    drafter: DrafterConfig = Field(DrafterConfig(), description="the drafter's shape and attention")
+    train: TrainConfig = Field(TrainConfig(), description="how long training runs and what one optimizer step takes")
+    optimizer: OptimizerConfig = Field(OptimizerConfig(), description="AdamW over the drafter's weights")
+    schedule: ScheduleConfig = Field(ScheduleConfig(), description="the learning rate over the run")
+    loss: LossConfig = Field(LossConfig(), description="what each block slot learns and how much it counts")
+    pipeline: PipelineConfig = Field(PipelineConfig(), description="devices, queues and how the stages run")
+    profile: ProfileConfig = Field(ProfileConfig(), description="stage timing: profile records and the trace")
+    regen: RegenConfig = Field(RegenConfig(), description="`dflash regen`: the target writes the assistant turns")
+    eval: EvalConfig = Field(EvalConfig(), description="speculative decoding on held-out prompts")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="checkpoints and the final export")
+    distributed: DistributedConfig = Field(
+        DistributedConfig(), description="several processes (torchrun): timeouts, weight checks, all-reduce"
+    )
 
     @property
     def run_dir(self) -> Path:

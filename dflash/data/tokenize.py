@@ -29,14 +29,14 @@ file came from the cache.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from dflash import logs
 from dflash.config import DataConfig, DataFile
 from dflash.data.chat_template import tokenize_conversation, tokenize_many
 from dflash.data.conversation import Conversation, InvalidRecord
@@ -58,39 +58,9 @@ if TYPE_CHECKING:
 __all__ = ["CACHE_VERSION", "load_samples", "tokenize_conversation", "weighted_indices"]
 
 _CHUNK = 256  # conversations rendered and encoded together (one batched tokenizer call)
-_PLAIN_PROGRESS_EVERY = 1000  # records between progress lines when tqdm is not installed
 
 
 # --- one file ----------------------------------------------------------------------------
-
-
-class _Progress:
-    """tqdm on a terminal; plain stderr lines every N records without tqdm; else nothing."""
-
-    def __init__(self, enabled: bool, label: str, total: int | None) -> None:
-        self._bar: Any = None
-        self._plain = False
-        self._label = label
-        self._n = 0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._plain = True
-            return
-        self._bar = tqdm(total=total, desc=f"tokenizing {label}", unit=" rec", file=sys.stderr, leave=False)
-
-    def update(self) -> None:
-        self._n += 1
-        if self._bar is not None:
-            self._bar.update(1)
-        elif self._plain and self._n % _PLAIN_PROGRESS_EVERY == 0:
-            print(f"tokenizing {self._label}: {self._n} records", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 class _FileTokens:
@@ -165,23 +135,19 @@ class _FileTokens:
 
 def _tokenize_file(file: DataFile, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, progress: bool) -> FileSamples:
     tokens = _FileTokens(cfg, tokenizer)
-    show = progress and _stderr_is_tty()
-    bar = _Progress(show, file.path, count_records(file) if show else None)
+    bar = logs.progress(f"tokenizing {file.path}", unit=" rec") if progress else None
+    if bar is not None and not bar.disable:  # counting reads the file: only for a bar that shows
+        bar.reset(total=count_records(file))
     try:
         for item in iter_records(file):
-            bar.update()
+            if bar is not None:
+                bar.update()
             tokens.add(item)
         tokens.flush()
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     return tokens.samples()
-
-
-def _stderr_is_tty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed stderr
-        return False
 
 
 # --- mixing and the entry point ------------------------------------------------------------

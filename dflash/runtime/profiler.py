@@ -11,13 +11,14 @@ per queue depth and waits, tokens/s, memory.
 from __future__ import annotations
 
 import asyncio
-import math
-import os
+import statistics
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
+
+import psutil
 
 from dflash.runtime.channel import Channel
 from dflash.store.atomic import atomic_path
@@ -36,6 +37,7 @@ class Stage:
     TARGET_D2H = "target.d2h_copy"
     TARGET_QUEUE_PUT = "target.queue_put_wait"
     DRAFTER_QUEUE_WAIT = "drafter.queue_wait"
+    DRAFTER_PREPARE = "drafter.prepare"  # a stream: its work is timed as the three spans below
     DRAFTER_H2D = "drafter.h2d_copy"
     DRAFTER_ANCHORS = "drafter.anchors"
     DRAFTER_MASK = "dflash.create_block_mask"
@@ -54,42 +56,35 @@ class Stage:
     WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})
 
 
-def _percentile(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
-        return 0.0
-    k = (len(sorted_vals) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
+def _p50_p95(vals: list[float]) -> tuple[float, float]:
+    """Median and 95th percentile, interpolated linearly between order statistics (numpy's
+    default, `statistics.quantiles`' inclusive method)."""
+    if len(vals) < 2:  # quantiles needs two points
+        return vals[0], vals[0]
+    cuts = statistics.quantiles(vals, n=20, method="inclusive")  # every 5 %
+    return cuts[9], cuts[18]
 
 
 def _rss_mb() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):  # not Linux: peak RSS instead
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def _stage_stats(host: list[float], device: list[float] | None, wall: float) -> dict[str, float]:
     """One stage's window: host-time statistics, and device time where CUDA events gave it."""
-    vals = sorted(host)
-    total = sum(vals)
+    total = sum(host)
+    p50, p95 = _p50_p95(host)
     entry = {
-        "count": len(vals),
+        "count": len(host),
         "total_s": round(total, 6),
-        "mean_ms": round(1000 * total / len(vals), 3),
-        "max_ms": round(1000 * vals[-1], 3),
-        "p50_ms": round(1000 * _percentile(vals, 0.5), 3),
-        "p95_ms": round(1000 * _percentile(vals, 0.95), 3),
+        "mean_ms": round(1000 * total / len(host), 3),
+        "max_ms": round(1000 * max(host), 3),
+        "p50_ms": round(1000 * p50, 3),
+        "p95_ms": round(1000 * p95, 3),
         "busy_frac": round(total / wall, 4) if wall > 0 else 0.0,
     }
     if device:
-        dv = sorted(device)
-        entry["device_mean_ms"] = round(1000 * sum(dv) / len(dv), 3)
-        entry["device_max_ms"] = round(1000 * dv[-1], 3)
+        entry["device_mean_ms"] = round(1000 * sum(device) / len(device), 3)
+        entry["device_max_ms"] = round(1000 * max(device), 3)
     return entry
 
 

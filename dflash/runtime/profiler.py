@@ -54,6 +54,14 @@ class Stage:
 
     # Waits are idle time, not work: the report keeps them apart from busy stages.
     WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})
+    # Names of streams only: their work is timed as other stages' spans.
+    STREAMS_ONLY = frozenset({DRAFTER_PREPARE})
+
+    @classmethod
+    def timed(cls) -> list[str]:
+        """Every stage a `profile` record can time, in the order above."""
+        names = [v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str)]
+        return [n for n in names if n not in cls.STREAMS_ONLY]
 
 
 def _p50_p95(vals: list[float]) -> tuple[float, float]:

@@ -340,7 +340,7 @@ class Probe:
             def wrapper(dev: Any, stage: str | None, uses: Any, stream: Any) -> Any:
                 uses = list(uses)
                 if stream is not None and uses:
-                    count(self.held, stage or "default", len(uses))
+                    count(self.held, stage or "untimed", len(uses))
                 return orig(dev, stage, uses, stream)
 
             return wrapper
@@ -454,6 +454,9 @@ class Probe:
         tgt = {s for d, s in self.streams if d.startswith("target")}
         if not {Stage.TARGET_FORWARD, Stage.TARGET_PACK} <= tgt:
             bad.append(f"target stages not on streams of their own ({sorted(tgt)})")
+        drf = {s for d, s in self.streams if d.startswith("drafter")}
+        if not {Stage.DRAFTER_PREPARE, Stage.DRAFTER_FORWARD} <= drf:
+            bad.append(f"drafter prepare and forward/backward not on streams of their own ({sorted(drf)})")
         n_events = self.events.get("Event", 0)
         if not n_events or set(self.events) - {"Event"}:
             bad.append(f"ready events: {self.events}")

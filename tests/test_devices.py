@@ -5,7 +5,9 @@ only after their last reader, and the sync debug mode is off exactly during name
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 import torch
 
 from dflash import Coordinator
@@ -123,39 +125,78 @@ def test_upload_leaves_a_tensor_already_there():
     assert devices.upload(t, torch.device("cpu")) is t
 
 
-def test_multi_gpu_reduce_takes_every_replica_even_without_gradients(monkeypatch):
-    """Replicas on distinct GPUs (faked on CPU): torch's reduce gets one input per replica —
-    zeros for one that sent nothing (reduce_add needs an input on the destination; a rank
-    with no data still all-reduces a whole gradient) — and the result goes back to all."""
-    from types import SimpleNamespace
+def test_the_reduce_sums_the_contributions_and_every_replica_gets_the_sum():
+    """`reduce_step` over three CPU replicas, of which replica 0 sent nothing this step (its
+    leftover gradient must not count) and replica 2 has a parameter without a gradient: each
+    gradient is the sum of the contributions', on the first replica's device, in replica
+    order, and Σ w, Σ loss and the per-slot tallies are theirs; every gradient and sum read
+    is held for the optimizer (`Device.hold`). With no contribution at all the gradient is
+    still whole, zeros (what a rank without data all-reduces). `update_everywhere` hands the
+    first replica the sum itself and every other one a copy of it."""
+    from dflash.train.reduce import reduce_step, update_everywhere
+    from tests import reduce_ranks
 
-    from dflash.train import reduce as optimizer
+    reps = reduce_ranks.replicas(3)
+    reduce_ranks.fill_grads(reps[0], 100.0)
+    reduce_ranks.fill_grads(reps[1], 1.0)
+    reduce_ranks.fill_grads(reps[2], 2.0)
+    reps[2].params[0].grad = None
+    contribs = [reduce_ranks.contribution(reps[1], 0), reduce_ranks.contribution(reps[2], 1)]
+    device = devices.Device("cpu", "optimizer")
+    try:
+        sums = reduce_step(device, reps, contribs, None)
+        held = device.held[Stage.GRAD_REDUCE]
+        none = reduce_step(device, reps, [], None)
+        got: dict[int, list[torch.Tensor]] = {}
+        events = update_everywhere(device, reps, sums.grads, lambda r, g: got.setdefault(r.index, g))
+    finally:
+        device.close()
+    params = reps[0].params
+    assert len(sums.grads) == len(params)
+    for i, (g, p) in enumerate(zip(sums.grads, params, strict=True)):
+        want = reduce_ranks.grad(p, 1.0) + (reduce_ranks.grad(p, 2.0) if i > 0 else 0)
+        assert torch.equal(g, want) and g.device == reps[0].device, i
+    assert sums.weight == 3.0 + 4.0 and torch.equal(sums.loss, torch.tensor(30.0))
+    assert torch.equal(sums.correct, 2 * torch.arange(4.0) + 1) and sums.count.tolist() == [5, 5, 5, 5]
+    assert sums.read(torch.tensor(True)) == (True, 7.0) and not sums.ranks
+    assert held == len(params) + (2 * len(params) - 1) + 2 * 2  # replica 0's leftovers too, though not summed
+    assert len(none.grads) == len(params) and all(not g.any() for g in none.grads)
+    assert none.weight == 0 and none.count.tolist() == [0, 0, 0, 0]
+    assert events == {} and sorted(got) == [0, 1, 2]
+    assert all(a is b for a, b in zip(got[0], sums.grads, strict=True))
+    for r in (1, 2):
+        assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(got[r], sums.grads, strict=True))
 
-    calls: list[int] = []
 
-    class FakeComm:
-        @staticmethod
-        def reduce_add_coalesced(inputs, destination):  # type: ignore[no-untyped-def]
-            calls.append(len(inputs))
-            assert len({len(x) for x in inputs}) == 1
-            return tuple(sum(ts) for ts in zip(*inputs, strict=True))
+@pytest.mark.slow
+def test_a_rank_without_data_still_all_reduces_a_whole_gradient(tmp_path):
+    """Two processes in a real gloo group, two CPU replicas each: rank 0's both contribute,
+    rank 1 has no data this step (leftover gradients in its replicas). `reduce_step` with the
+    `World` gives both ranks the same step: rank 0's gradient sum (in several buckets), the
+    global Σ w with the per-slot counts from the step's one host read, Σ loss and tallies."""
+    import torch.multiprocessing as mp
 
-        @staticmethod
-        def broadcast_coalesced(tensors, devices):  # type: ignore[no-untyped-def]
-            return [list(tensors)] + [[t.clone() for t in tensors] for _ in devices[1:]]
+    from tests import reduce_ranks
+    from tests.conftest import CLI_TIMEOUT_S
 
-    monkeypatch.setattr(optimizer, "comm", FakeComm)
-    monkeypatch.setattr(optimizer, "_multi_gpu", lambda replicas: True)
-    cpu = torch.device("cpu")
-    def replica(i: int) -> SimpleNamespace:
-        return SimpleNamespace(index=i, device=cpu, params=[torch.nn.Parameter(torch.zeros(3)) for _ in range(2)])
-
-    reps = [replica(i) for i in range(3)]
-    reps[1].params[0].grad = torch.ones(3)
-    reps[2].params[1].grad = torch.full((3,), 2.0)
-    got = optimizer._reduced(reps, {1, 2}, torch.device("cpu"))  # replica 0 sent nothing
-    assert calls == [3] and torch.equal(got[0], torch.ones(3)) and torch.equal(got[1], torch.full((3,), 2.0))
-    none = optimizer._reduced(reps, set(), torch.device("cpu"))  # no replica of this rank has data
-    assert len(none) == 2 and all(torch.equal(g, torch.zeros(3)) for g in none)
-    spread = optimizer._spread(devices.Device("cpu", "optimizer"), reps, got)
-    assert len(spread) == 3 and all(torch.equal(s[1], got[1]) for s in spread)
+    ctx = mp.start_processes(
+        reduce_ranks.rank_main, args=(2, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # raises if a rank failed
+            assert time.monotonic() < deadline, "the ranks did not finish"  # a hang guard only
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    params = reduce_ranks.replicas(1)[0].params
+    for got in ranks:
+        assert len(got["grads"]) == len(params)
+        for g, p in zip(got["grads"], params, strict=True):
+            assert torch.equal(g, reduce_ranks.grad(p, 1.0) + reduce_ranks.grad(p, 2.0))
+        assert got["ok"] and got["weight"] == 7.0 and got["count"].tolist() == [5, 5, 5, 5]
+        assert got["loss"].item() == 30.0 and torch.equal(got["correct"], 2 * torch.arange(4.0) + 1)
+        assert got["scale"].item() == pytest.approx(1 / 7) and got["buckets"] > 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 import torch
 
 from dflash.data.batching import Sample, collate
@@ -72,18 +75,45 @@ def test_seeded_features_serve_a_batch_and_respect_the_budget():
     assert cache.get(collate([s[2]], 1, 0), torch.float32) is None
 
 
-def test_later_epochs_hit_the_cache(tiny_config):
+@pytest.mark.parametrize("mode", ["pipeline", "serial"])
+def test_later_epochs_hit_the_cache(tiny_config, monkeypatch, mode):
     """With data.feature_cache_mb, every batch is looked up once; a hit skips the target
-    (it runs once per miss), and epochs after the first hit the cache."""
-    cfg = tiny_config(
-        **{"train.epochs": 3, "data.feature_cache_mb": 16, "eval.at_end": "false", "data.source": '"random"'}
-    )
-    records = run_records(cfg)
+    (it runs once per miss). Once the first epoch's features are stored, every later batch
+    hits: the second epoch's lookups wait for that here (the pipeline's target may otherwise
+    run ahead of the stage that stores them; the serial loop stores before it looks up)."""
+    from dflash.stages import target_forward, transfer
+
+    features, host_features = target_forward.features, transfer.host_features
+    per_epoch = 4  # 32 samples, batch 8
+    stored = asyncio.Event()  # every batch of the first epoch is in the cache
+    stored_epoch0 = 0
+    waited: list[int] = []  # Batch.index of the lookups that had to wait
+
+    async def after_first_epoch(target, device, batch, *args, **kwargs):
+        if batch.epoch > 0 and not stored.is_set():
+            waited.append(batch.index)
+            await asyncio.wait_for(stored.wait(), 60)  # a hang guard only
+        return await features(target, device, batch, *args, **kwargs)
+
+    async def counted(*args, **kwargs):
+        nonlocal stored_epoch0
+        out = await host_features(*args, **kwargs)
+        if out.batch.epoch == 0:
+            stored_epoch0 += 1
+            if stored_epoch0 == per_epoch:
+                stored.set()
+        return out
+
+    monkeypatch.setattr(target_forward, "features", after_first_epoch)
+    monkeypatch.setattr(transfer, "host_features", counted)
+    cfg = tiny_config(**{"train.epochs": 3, "data.feature_cache_mb": 16, "eval.at_end": "false",
+                         "data.source": '"random"', "pipeline.mode": f'"{mode}"'})  # fmt: skip
+    records = run_records(cfg, timeout_s=120)
     stats = records[-1]["feature_cache"]
     profiles = [r for r in records if r["event"] == "profile"]
     forwards = sum(p["stages"].get("target.model_forward", {}).get("count", 0) for p in profiles)
-    assert stats["samples"] == 32 and stats["hits"] + stats["misses"] == 3 * 4  # 32 samples, batch 8
-    assert forwards == stats["misses"] >= 4  # epoch 1 runs the target for every batch
-    # The target may run a batch or two ahead of the stage that stores features, so the start
-    # of epoch 2 can miss; epoch 3 comes long after epoch 1 was stored: 4 hits at the least.
-    assert stats["hits"] >= 4
+    assert stats["samples"] == 32
+    assert (stats["misses"], stats["hits"]) == (per_epoch, 2 * per_epoch)  # the first epoch's batches miss
+    assert forwards == stats["misses"]
+    if mode == "serial":
+        assert waited == []

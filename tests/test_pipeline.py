@@ -69,30 +69,53 @@ def test_two_replicas_stay_bit_identical(tiny_config):
 
 
 def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
-    """Target chains finish batches out of order (here every third batch is slow); the drafter
-    still takes them in prefetch's order: three chains give one chain's losses step for step,
-    and a checkpoint's data cursor never passes over a batch still in flight."""
-    import time
-
+    """Target chains finish batches out of order (here batch 3k's forward waits until batch
+    3k+1's, in another chain, is done); the drafter still takes them in prefetch's order, so
+    every step's batches are the ones before it: three chains give one chain's losses step
+    for step."""
+    from dflash.runtime.channel import Channel
     from dflash.stages import target_forward
 
-    forward = target_forward.forward
+    one = _chain_losses(tiny_config, 1)
+    batches = len(one)  # one replica, no accumulation: a step per batch
+    assert batches == 8
 
-    def uneven(target, batch, teacher_topk=0):
-        if batch.seq % 3 == 0:
-            time.sleep(0.05)
-        return forward(target, batch, teacher_topk)
+    forward, get = target_forward.forward, Channel.get
+    ended = [threading.Event() for _ in range(batches)]
+    finished: list[int] = []  # Batch.seq, in the order the target forwards ended
+    taken: list[int] = []  # Batch.seq, in the order the drafter took them
+    lock = threading.Lock()  # the chains' worker threads append concurrently
 
-    monkeypatch.setattr(target_forward, "forward", uneven)
+    def reordered(target, batch, teacher_topk=0):
+        if batch.seq % 3 == 0 and batch.seq + 1 < batches:
+            assert ended[batch.seq + 1].wait(60), f"batch {batch.seq + 1} never ended"  # a hang guard only
+        out = forward(target, batch, teacher_topk)
+        with lock:
+            finished.append(batch.seq)
+        ended[batch.seq].set()
+        return out
 
-    def losses(chains: int) -> list[float]:
-        devices = json.dumps(["cpu"] * chains)
-        cfg = tiny_config(**{"pipeline.target_devices": f"{devices}", "data.num_samples": 64,
-                             "run.name": f'"chains{chains}"', "eval.at_end": "false"})  # fmt: skip
-        return [r["loss"] for r in run_records(cfg) if r["event"] == "train_step"]
+    async def recorded(self, *args, **kwargs):
+        item, waited = await get(self, *args, **kwargs)
+        if self.name == "hidden_states":
+            taken.append(item.batch.seq)
+        return item, waited
 
-    one = losses(1)
-    assert len(one) == 8 and losses(3) == one
+    monkeypatch.setattr(target_forward, "forward", reordered)
+    monkeypatch.setattr(Channel, "get", recorded)
+    three = _chain_losses(tiny_config, 3)
+    assert sorted(finished) == list(range(batches))
+    assert all(finished.index(k + 1) < finished.index(k) for k in range(0, batches - 1, 3)), finished
+    assert taken == list(range(batches))
+    assert three == one
+
+
+def _chain_losses(tiny_config, chains: int) -> list[float]:
+    """The train_step losses of a 64-sample tiny run over `chains` target chains."""
+    devices = json.dumps(["cpu"] * chains)
+    cfg = tiny_config(**{"pipeline.target_devices": f"{devices}", "data.num_samples": 64,
+                         "run.name": f'"chains{chains}"', "eval.at_end": "false"})  # fmt: skip
+    return [r["loss"] for r in run_records(cfg, timeout_s=120) if r["event"] == "train_step"]
 
 
 def test_max_steps_stops_cleanly(tiny_config):

@@ -247,17 +247,19 @@ def own_signals():
 def test_a_held_signal_starts_the_run_stopped_and_a_second_aborts(tiny_config, own_signals) -> None:
     """`hold_signals` (what the CLI calls first): one signal before `run` makes the run end at
     once with its records; a second one before the loop runs aborts (KeyboardInterrupt)."""
+    from dflash.pipeline import runner
     from dflash.pipeline.runner import hold_signals, run
 
+    # raise_signal: delivered to this (the main) thread, its Python handler run before the call returns
     hold_signals()
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
+    assert runner._held is not None and runner._held.hits == 1
     summary = run(tiny_config())
     assert summary["reason"] == "stopped" and summary["stopped_during"] == "setup" and summary["steps"] == 0
     hold_signals()
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)  # the handler runs on the main thread at the next bytecode
+        signal.raise_signal(signal.SIGINT)
 
 
 # -- a drafter for another target ---------------------------------------------------------

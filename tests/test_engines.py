@@ -237,17 +237,23 @@ def test_a_head_only_target_is_checked_by_vllm_alone(tmp_path, monkeypatch):
     assert target.model is None
     calls = []
 
-    def decode(*args, **kwargs):
-        calls.append(kwargs.get("tensor_parallel", args[-1] if len(args) > 6 else None))
-        return [vllm.EngineRun([[5, 6, 7], [8]], drafts=2, accepted=2, accepted_per_pos=[2, 0, 0], seconds=1.0)]
+    def decode(*args, **kwargs):  # vLLM's runs stood in for: with the drafter (its path given), then plain
+        drafted = len(args) > 4
+        calls.append((drafted, kwargs.get("tensor_parallel", args[-1] if drafted else None)))
+        if not drafted:
+            return [vllm.EngineRun([[5, 6, 7], [8]], seconds=1.0)]
+        return [vllm.EngineRun([[5, 6, 7], [8]], drafts=4, accepted=6, accepted_per_pos=[4, 2, 0], seconds=1.0)]
 
     monkeypatch.setattr(vllm, "decode", decode)
     monkeypatch.setattr(vllm, "engine_device", lambda: "cpu")
     drafter = DFlashDrafter(SPEC)
     prompts = {"heldout": [torch.tensor([1, 2]), torch.tensor([3])]}
     (record,) = evaluate_in_vllm(cfg, target, drafter, tmp_path, prompts, DecodeSettings.of(cfg, {0}), None, 2)
-    assert calls == [2, 2]
-    assert record["tau"] == 2.0 and record["identical_to_vllm_greedy"] == 2 and record["lossless"]
+    assert calls == [(True, 2), (False, 2)]
+    # The record's numbers from the drafted run's counters: τ = 1 + accepted / verify steps
+    assert (record["tau"], record["verify_steps"], record["accepted_tokens"]) == (2.5, 4, 6)
+    assert record["accept_per_position"] == [1.0, 0.5, 0.0]
+    assert record["identical_to_vllm_greedy"] == 2 and record["lossless"]
     assert record["dflash_tau"] is None and record["identical_to_dflash_greedy"] is None
     assert "-" in _eval_table([{"prompt_set": "heldout", **record}])
     from dflash.errors import CheckpointError

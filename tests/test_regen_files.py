@@ -681,7 +681,7 @@ def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple
     made wrong on purpose) gets its features and labels from a target forward over the
     training tokenization; a matching one keeps what generation computed."""
     from dflash.data.chat_template import tokenize_conversation
-    from dflash.regen import _feature_entries
+    from dflash.engines.local import feature_entries
 
     target, tokenizer = loaded
     conv = [{"role": "user", "content": "tell me about the cat"}, {"role": "assistant", "content": "the red dog"}]
@@ -689,7 +689,7 @@ def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple
     T, W = len(ids), target.hidden_size
     generated = torch.randn(T - 2, W)
     wrong = [*ids[: T - 4], ids[0], ids[0]]  # the last two reply tokens differ from the re-tokenization
-    good, redone = _feature_entries(
+    good, redone = feature_entries(
         target, tokenizer, [conv, conv], [ids[: T - 2], wrong], [7, 7], [generated, generated], {}, greedy=True
     )
     assert good is not None and redone is not None
@@ -860,7 +860,7 @@ def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outli
 def test_regen_fits_its_last_batch_into_the_budget() -> None:
     """The batch that would end past `regen.max_minutes` is cut to the rows that fit (a batch
     costs a quarter fixed, three quarters per row), or skipped under 8 rows."""
-    from dflash.regen import _rows_that_fit
+    from dflash.engines.local import _rows_that_fit
 
     assert _rows_that_fit(100.0, 40.0, 128, 128) == 128  # a whole batch fits
     assert _rows_that_fit(40.0, 40.0, 128, 128) == 128  # exactly
@@ -877,27 +877,27 @@ def test_regen_runs_the_shared_prompt_prefix_once_with_the_same_result(
     """A batch's shared prefix (the chat template's system turn) runs once and its KV cache is
     copied to every row, the padding between it and each row's own tokens: the same greedy
     tokens and features as feeding every whole prompt left-padded, and as one row alone."""
-    from dflash import regen
+    from dflash.engines import local
 
     target, tokenizer = loaded
     system = {"role": "system", "content": "You are terse."}
     convs = [[system, *_prompt_of(c["messages"])] for c in _conversations()[:5]]
     kw = {"add_generation_prompt": True, "tokenize": True, "return_dict": True}
     rows = [list(tokenizer.apply_chat_template(c, **kw)["input_ids"]) for c in convs]
-    assert regen._common_prefix(rows) >= regen._MIN_PREFIX
-    assert regen._common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # every row keeps a token to feed
+    assert local._common_prefix(rows) >= local._MIN_PREFIX
+    assert local._common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # every row keeps a token to feed
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
-    raw = {"do_sample": False, **regen._RAW}
-    new, feats = regen._generate(target, rows, pad, eos, 9, raw, True)
-    monkeypatch.setattr(regen, "_MIN_PREFIX", 10**6)  # the whole prompts, left-padded
-    ref_new, ref_feats = regen._generate(target, rows, pad, eos, 9, raw, True)
+    raw = {"do_sample": False, **local._RAW}
+    new, feats = local._generate(target, rows, pad, eos, 9, raw, True)
+    monkeypatch.setattr(local, "_MIN_PREFIX", 10**6)  # the whole prompts, left-padded
+    ref_new, ref_feats = local._generate(target, rows, pad, eos, 9, raw, True)
     assert torch.equal(new, ref_new)
     for r, toks in enumerate(rows):
         n = len(toks) + 8  # the prompt, then every new token but the last
         assert feats[r].shape[0] >= n
         torch.testing.assert_close(feats[r][:n], ref_feats[r][:n], atol=1e-4, rtol=1e-4)
-        one, one_feats = regen._generate(target, [toks], pad, eos, 9, raw, True)
+        one, one_feats = local._generate(target, [toks], pad, eos, 9, raw, True)
         assert torch.equal(one[0], new[r])
         torch.testing.assert_close(one_feats[0][:n], feats[r][:n], atol=1e-4, rtol=1e-4)
 

@@ -5,10 +5,14 @@ and records as the local loop; resume asks only for what is unanswered; an unrea
 an error status or a malformed answer is one line, and every reply written before it is kept;
 a prompt the server refuses is skipped with a warning record; passing failures are tried
 again; regen.max_minutes, an error and Ctrl-C end the regen at once, with requests in flight.
+
+The tests decide by what the fake was asked (exact counts, events when it has read N
+requests); every wait has a generous limit that only keeps a broken regen from hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +30,7 @@ import pytest
 
 from dflash.config import Config, load_config
 from dflash.data.prompts import load_prompts
+from dflash.engines import server
 from dflash.engines.server import ChatServer
 from dflash.errors import ConfigError, DFlashError
 from dflash.regen import regenerate
@@ -33,6 +38,7 @@ from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "fake-model"
+HANG_GUARD_S = 120  # the longest any wait here may take: only a broken regen reaches it
 
 
 @dataclass
@@ -47,15 +53,19 @@ class Fake:
     hang: Callable[[int], bool] | None = None  # chat requests (1, 2, ...) left unanswered until `release`
     release: threading.Event = field(default_factory=threading.Event)
     bodies: list[dict[str, Any]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    let_go: int = 0  # hung requests that `release` ended
+    lock: threading.Condition = field(default_factory=threading.Condition)
 
     def reply(self, body: dict[str, Any]) -> tuple[int, str] | None:
         """The status and body answered; None: the connection closed without an answer."""
         with self.lock:
             self.bodies.append(body)
             n = len(self.bodies)
+            self.lock.notify_all()
         if self.hang is not None and self.hang(n):
-            self.release.wait(120)
+            self.release.wait(HANG_GUARD_S)
+            with self.lock:
+                self.let_go += 1
             return None
         if n <= len(self.passing):
             return None if self.passing[n - 1] == 0 else (self.passing[n - 1], '{"error": "busy"}')
@@ -69,6 +79,27 @@ class Fake:
         last = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
         message = {"role": "assistant", "content": f" sure {last}\n"}
         return 200, json.dumps({"id": str(n), "choices": [{"index": 0, "message": message}]})
+
+    def asked(self, n: int) -> bool:
+        """Whether the fake has read `n` chat requests (now)."""
+        with self.lock:
+            return len(self.bodies) >= n
+
+    def wait_asked(self, n: int, unless: Callable[[], bool] = lambda: False) -> bool:
+        """Waits until the fake has read `n` chat requests (True), or `unless()` holds when
+        woken (`wake`): False."""
+        with self.lock:
+            self.lock.wait_for(lambda: len(self.bodies) >= n or unless(), HANG_GUARD_S)
+            return len(self.bodies) >= n
+
+    def wake(self) -> None:
+        with self.lock:
+            self.lock.notify_all()
+
+    def still_hung(self) -> bool:
+        """No hung request has been let go: whoever ended did not wait for one."""
+        with self.lock:
+            return self.let_go == 0
 
 
 def _handler(fake: Fake) -> type[BaseHTTPRequestHandler]:
@@ -101,19 +132,28 @@ def _handler(fake: Fake) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-@pytest.fixture
-def fake() -> Iterator[tuple[Fake, str]]:
-    """A fake server and its URL, for one test."""
-    state = Fake()
+@contextlib.contextmanager
+def _serving(state: Fake) -> Iterator[str]:
+    """`state` served in a thread; its URL."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     httpd.handle_error = lambda *_: None  # a client gone before its answer: nothing to report
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield state, f"http://127.0.0.1:{httpd.server_address[1]}"
-    state.release.set()
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        state.release.set()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[Fake, str]]:
+    """A fake server and its URL, for one test."""
+    state = Fake()
+    with _serving(state) as url:
+        yield state, url
 
 
 @pytest.fixture(autouse=True)
@@ -217,11 +257,12 @@ def test_a_failure_mid_run_keeps_the_replies_written(env, fake, status, body, sa
     assert len(line) < 400  # the body's first 200 characters, no more
     kept = _records(cfg)
     assert 1 <= len(kept) <= 7 and all(r["messages"][-1]["content"].startswith("sure ") for r in kept)
-    _regen_threads_end(10)  # the requests in flight when the error came are cancelled
-    state.fail_after, asked = None, _settled(state)
-    stats = regenerate(cfg, None, env.tokenizer, progress=False)
+    _regen_threads_end()  # the requests in flight when the error came are cancelled
+    again = Fake()  # a server of its own: a cancelled request read late by the first is not counted
+    with _serving(again) as url_again:
+        stats = regenerate(env.cfg(f"mid_{status}", f'regen.server="{url_again}"'), None, env.tokenizer, progress=False)
     assert (stats["resumed_from"], stats["generated"]) == (len(kept), NUM_TRAIN - len(kept))
-    assert len(state.bodies) - asked == NUM_TRAIN - len(kept)
+    assert len(again.bodies) == NUM_TRAIN - len(kept)
     assert sorted(r["id"] for r in _records(cfg)) == list(range(NUM_TRAIN))
 
 
@@ -300,36 +341,55 @@ def test_passing_failures_are_asked_again(env, fake):
     assert sorted(r["id"] for r in _records(cfg)) == list(range(NUM_TRAIN))
 
 
-def _settled(state: Fake) -> int:
-    """The requests the fake has read, once no more come (a cancelled one may be read late)."""
-    n = -1
-    while n != len(state.bodies):
-        n = len(state.bodies)
-        time.sleep(0.3)
-    return n
+def test_no_answer_within_the_time_limit_is_not_asked_again(env, fake):
+    """A request the server does not answer within regen.server_timeout_s: one line, and the
+    request is not tried again (the server would generate the same long reply)."""
+    state, url = fake
+    state.hang = lambda n: n == 1
+    cfg = env.cfg("slow", f'regen.server="{url}"', "regen.server_timeout_s=0.5", "regen.batch_size=1")
+    with pytest.raises(DFlashError) as err:
+        regenerate(cfg, None, env.tokenizer, progress=False)
+    says = "no answer within 0.5 s (raise regen.server_timeout_s)"
+    assert str(err.value) == f"regen.server {url}: POST /v1/chat/completions: {says}"
+    assert len(state.bodies) == 1 and state.still_hung()
+    _regen_threads_end()
 
 
-def _regen_threads_end(within_s: float) -> None:
+def _regen_threads_end() -> None:
     threads = [t for t in threading.enumerate() if t.name.startswith("regen-server")]
     assert all(t.daemon for t in threads)  # never keep the process alive
     for t in threads:
-        t.join(within_s)
+        t.join(HANG_GUARD_S)
     assert not [t for t in threads if t.is_alive()]
 
 
-def test_max_minutes_cancels_the_requests_in_flight(env, fake):
+class _ClockAt:
+    """The server replier's clock: still until the fake has read `n` requests, then far past
+    any deadline. So a regen.max_minutes deadline falls exactly after those requests."""
+
+    def __init__(self, state: Fake, n: int) -> None:
+        self.state, self.n, self.still = state, n, time.perf_counter()
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + 1e6 if self.state.asked(self.n) else self.still
+
+
+def test_max_minutes_cancels_the_requests_in_flight(env, fake, monkeypatch):
     """At regen.max_minutes the regen ends at once: the replies back are written, the requests
-    in flight cancelled (their connections closed), a later regen answers the rest."""
+    in flight cancelled (their connections closed), a later regen answers the rest. The
+    deadline passes once the fake has read 8 requests: the first 5 answered, the next 3 hung
+    (one in each of regen.batch_size = 3 workers, so the 5 before are back)."""
     state, url = fake
     state.hang = lambda n: n > 5
-    cfg = env.cfg("deadline", f'regen.server="{url}"', "regen.max_minutes=0.05")  # 3 s: time for the first 5
-    t0 = time.perf_counter()
-    stats = regenerate(cfg, None, env.tokenizer, progress=False)
-    assert time.perf_counter() - t0 < 10  # not server_timeout_s (600 s)
+    cfg = env.cfg("deadline", f'regen.server="{url}"', "regen.max_minutes=0.01")
+    with monkeypatch.context() as m:
+        m.setattr(server, "time", _ClockAt(state, 8))
+        stats = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert state.still_hung()  # it ended without waiting for the hung requests (server_timeout_s: 600 s)
     assert (stats["generated"], stats["unanswered"]) == (5, NUM_TRAIN - 5) == (len(_records(cfg)), NUM_TRAIN - 5)
-    _regen_threads_end(5)
+    _regen_threads_end()
     state.hang = None
-    again = regenerate(cfg, None, env.tokenizer, progress=False)
+    again = regenerate(env.cfg("deadline", f'regen.server="{url}"'), None, env.tokenizer, progress=False)
     assert (again["resumed_from"], again["generated"]) == (5, NUM_TRAIN - 5)
     assert sorted(r["id"] for r in _records(cfg)) == list(range(NUM_TRAIN))
 
@@ -341,11 +401,10 @@ def test_an_error_ends_the_regen_at_once_with_requests_in_flight(env, fake):
     state.hang = lambda n: n != 2
     state.fail_after, state.fail_status = 1, 404
     cfg = env.cfg("fail_fast", f'regen.server="{url}"')
-    t0 = time.perf_counter()
     with pytest.raises(DFlashError, match=r"refused, HTTP 404"):
         regenerate(cfg, None, env.tokenizer, progress=False)
-    assert time.perf_counter() - t0 < 10
-    _regen_threads_end(5)
+    assert state.still_hung()
+    _regen_threads_end()
 
 
 def test_ctrl_c_exits_at_once_with_requests_in_flight(env, fake):
@@ -356,19 +415,16 @@ def test_ctrl_c_exits_at_once_with_requests_in_flight(env, fake):
     args = [str(ROOT / "bin" / "dflash"), "regen", str(env.config), "--set", 'run.name="ctrl_c"',
             "--set", f'regen.server="{url}"']  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_vars, cwd=env.root)
+    threading.Thread(target=lambda: (proc.wait(), state.wake()), daemon=True).start()  # an early exit wakes the wait
     try:
-        deadline = time.monotonic() + 120
-        while len(state.bodies) < 3 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        assert len(state.bodies) >= 3, proc.communicate(timeout=5)
-        t0 = time.monotonic()
+        assert state.wait_asked(3, unless=lambda: proc.poll() is not None), proc.communicate(timeout=5)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        assert time.monotonic() - t0 < 10, err
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    assert state.still_hung()  # it exited without waiting for a request in flight
     assert proc.returncode == 130 and "regen interrupted" in err, err
 
 

@@ -39,19 +39,19 @@ from dflash.cli import entry
 from dflash.engines.replies import ReplySettings, sampling_options
 
 seen = {}
-write = regen._Replier._write
+write = regen._OutputFile.write_ids
 
 
-def recorded(self, out, i, reply):
-    seen[i] = list(reply)
-    return write(self, out, i, reply)
+def recorded(self, i, ids):
+    seen[i] = list(ids)
+    return write(self, i, ids)
 
 
 if __name__ == "__main__":
     sampled = ReplySettings(12, 7, 0.8, 3, (("top_k", 50), ("top_p", 0.9), ("min_p", 0.05)))
     params = SamplingParams(**sampling_options(sampled, 5))
     assert (params.seed, params.top_k, params.top_p, params.min_p, params.stop_token_ids) == (8, 50, 0.9, 0.05, [7])
-    regen._Replier._write = recorded
+    regen._OutputFile.write_ids = recorded
     ids_path, sys.argv = Path(sys.argv[1]), ["dflash", *sys.argv[2:]]
     try:
         entry()
@@ -175,13 +175,13 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
     tokenizer = load_tokenizer(local.target, local.data.cache_dir)
     target = load_target(local.target, torch.device("cpu"), local.drafter.num_layers, local.data.cache_dir)
     ours: dict[int, list[int]] = {}
-    write = regen._Replier._write
+    write = regen._OutputFile.write_ids
 
-    def recorded(self: Any, out: Any, i: int, reply: list[int]) -> Any:
-        ours[i] = list(reply)
-        return write(self, out, i, reply)
+    def recorded(self: Any, i: int, ids: list[int]) -> Any:
+        ours[i] = list(ids)
+        return write(self, i, ids)
 
-    monkeypatch.setattr(regen._Replier, "_write", recorded)
+    monkeypatch.setattr(regen._OutputFile, "write_ids", recorded)
     assert regen.regenerate(local, target, tokenizer, progress=False)["generated"] == NUM_TRAIN
 
     script, ids = env.root / "recording.py", env.root / "vllm_ids.json"

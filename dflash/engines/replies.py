@@ -15,11 +15,22 @@ closing it shuts the engine's process down, with the requests still running drop
 deadline, the first `max_num_seqs` prompts always go in; after them, a prompt goes in only when
 its reply (max_new steps at the recent step time) would end by the deadline: what is admitted
 is answered, and no reply is cut off half generated.
+
+`VllmReplier` is regen's replier over it: the prompts fed in the local loop's order as the
+engine's slots free up, each reply written as soon as it finishes (the output flushed after
+every engine step that finished one). The reply is the generated token ids cut at the eos,
+decoded like the local loop's. regen.max_minutes is a deadline from the engine's start (its
+load is not counted, as the target's is not in the local loop): past the first slots' worth,
+no prompt starts whose reply would end after it, and those started are answered. An error,
+Ctrl-C or SIGTERM drops the requests still running and ends the engine's process; a later
+regen asks them again.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import math
 import os
 import signal
@@ -30,12 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.config import Config
+from dflash.engines.replier import Output, Todo, until_eos
 from dflash.engines.vllm import engine_device, open_engine, require_vllm, shut_down
 from dflash.errors import ConfigError
 
 __all__ = [
     "ReplyEngine",
     "ReplySettings",
+    "VllmReplier",
     "hf_sampling",
     "model_len",
     "require_vllm_for_regen",
@@ -193,3 +207,58 @@ class ReplyEngine:
                 self.running.clear()
         finally:
             shut_down(self.llm)
+
+
+class VllmReplier:
+    """regen.engine = "vllm": a `ReplyEngine` over the target folder answers (see above)."""
+
+    engine = "vllm"
+    server = None
+    refused = 0
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        require_vllm_for_regen()
+        import torch  # here, not at the top: the CLI imports this module for its vLLM check alone
+
+        from dflash.model.loading import model_folder
+        from dflash.model.target import resolve_dtype
+
+        r = cfg.regen
+        self.max_new = r.max_new_tokens
+        self.eos = tokenizer.eos_token_id
+        self.folder = model_folder(cfg.target, cfg.data.cache_dir)
+        self.target_dtype = str(resolve_dtype(cfg.target.dtype, torch.device(vllm_device()))).removeprefix("torch.")
+        sampling = hf_sampling(self.folder) if r.temperature > 0 else ()
+        self.settings = ReplySettings(r.max_new_tokens, self.eos, r.temperature, r.seed, sampling)
+        self.start_s = 0.0
+
+    def answer_all(self, queue: collections.deque[Todo], out: Output, budget_s: float) -> None:
+        """The queued prompts, until they are answered or `budget_s` seconds after the engine's start."""
+        items = [item for batch in queue for item in batch]
+        if not items:
+            return
+        max_len = model_len(self.folder, max(len(ids) for _, ids in items), self.max_new)
+        with sigterm_as_interrupt():
+            t0 = time.perf_counter()
+            engine = ReplyEngine(self.folder, self.target_dtype, max_len, self.settings)
+            self.start_s = time.perf_counter() - t0
+            try:
+                self._answer(engine, iter(items), out, time.perf_counter() + budget_s)
+            finally:
+                out.flush()
+                engine.close()
+
+    def close(self) -> None:
+        pass
+
+    def _answer(self, engine: ReplyEngine, feed: Iterator[tuple[int, list[int]]], out: Output, deadline: float) -> None:
+        """The engine's steps until what `feed` holds and the engine takes by `deadline` is answered."""
+        while True:
+            engine.add(itertools.islice(feed, engine.room(deadline)))
+            if not engine.running:
+                return
+            finished = engine.step()
+            for i, generated in finished:  # cut at the eos as the local loop cuts its replies
+                out.write_ids(i, until_eos(generated[: self.max_new], self.eos))
+            if finished:
+                out.flush()

@@ -1,0 +1,92 @@
+"""Who writes `dflash regen`'s replies, behind one face: the target's own generate loop here
+(`local`), vLLM's offline API in this process (`replies`), or an OpenAI-compatible server
+(`server`). `open_replier` picks one from the config, once.
+
+A replier is handed the prompts to answer as batches (in the order regen wants them
+answered), an `Output` to write each reply to, and a time budget; it writes replies as they
+come back and leaves what it did not answer for a later regen. What a record holds, the
+resume, the held-out split and the feature files' folder are regen's, not a replier's.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dflash.config import Config
+from dflash.data.prompts import Messages
+
+if TYPE_CHECKING:
+    from dflash.features.files import Entry
+
+__all__ = ["Output", "Replier", "Todo", "open_replier", "until_eos"]
+
+Todo = list[tuple[int, list[int]]]  # prompts to answer: (index among the training prompts, its token ids)
+
+
+class Output(Protocol):
+    """Where a replier writes: each reply becomes a record, in the order it is handed over."""
+
+    def prompt(self, i: int) -> Messages:
+        """Training prompt i: the conversation its reply continues."""
+        ...
+
+    def write_ids(self, i: int, ids: list[int]) -> Messages:
+        """Training prompt i's reply as the target's token ids (cut at the eos), decoded and
+        written; returns the conversation written."""
+        ...
+
+    def write_text(self, i: int, text: str, tokens: int | None) -> Messages:
+        """Training prompt i's reply as text and the tokens it took (None: count them), written;
+        returns the conversation written."""
+        ...
+
+    def write_features(self, entries: list[Entry | None]) -> None:
+        """The feature-file entries of the replies just written (`regen.save_features`)."""
+        ...
+
+    def flush(self) -> None:
+        """What is written so far, on disk: a regen killed now resumes after it."""
+        ...
+
+
+class Replier(Protocol):
+    """One regen's answering engine. `engine`, `target_dtype`, `server`, `start_s` and
+    `refused` are what the `regen` record says of it."""
+
+    engine: str  # "hf", "vllm" or "server"
+    target_dtype: str | None  # the dtype the target ran in, where it ran in this process
+    server: str | None  # "MODEL at URL" for a server
+    start_s: float  # seconds the engine took to start inside `answer_all`: not counted in tok/s
+    refused: int  # prompts the engine refused: skipped, a later regen asks them again
+
+    def answer_all(self, queue: collections.deque[Todo], out: Output, budget_s: float) -> None:
+        """The queued batches' prompts answered into `out`, until the queue runs out or
+        `budget_s` seconds pass (math.inf: no budget)."""
+        ...
+
+    def close(self) -> None:
+        """What the replier holds open (a server's connections), released."""
+        ...
+
+
+def open_replier(cfg: Config, target: Any, tokenizer: Any) -> Replier:
+    """Who answers, from the config: `regen.server` (checked to answer GET /v1/models),
+    `regen.engine = "vllm"` (checked to be installed) or the target's own loop. Called before
+    anything is written, so that a server that is down or a Python without vLLM fails first."""
+    if cfg.regen.server:
+        from dflash.engines.server import ServerReplier
+
+        return ServerReplier.connect(cfg)
+    if cfg.regen.engine == "vllm":
+        from dflash.engines.replies import VllmReplier
+
+        return VllmReplier(cfg, tokenizer)
+    from dflash.engines.local import LocalReplier
+
+    return LocalReplier(cfg, target, tokenizer)
+
+
+def until_eos(ids: list[int], eos: int) -> list[int]:
+    """A reply's token ids up to (not including) the first eos."""
+    return ids[: ids.index(eos)] if eos in ids else ids

@@ -1,7 +1,7 @@
 """What the cross-process gradient all-reduce (`drafter.allreduce`) costs per optimizer step.
 
-    .venv/bin/python bench/allreduce.py                   # ~2-3 minutes on 2 CPU cores (gloo)
-    .venv/bin/python bench/allreduce.py --quick           # seconds: small drafters, no runs
+    .venv/bin/python bench/allreduce.py                   # gloo, on CPU
+    .venv/bin/python bench/allreduce.py --quick           # small drafters, no runs
     python bench/allreduce.py --backend nccl --procs 8    # on a CUDA machine, one process per GPU
     torchrun --nproc-per-node 8 bench/allreduce.py --worker --backend nccl   # same, by torchrun
 
@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         grads = [torch.full(s, 1.0 + rank, dtype=torch.float32, device=dev) for s in shapes]
         stats = torch.zeros(1 + 2 * block, dtype=torch.float64, device=dev)
         tensors = [*grads, stats]
-        reps = args.reps if numel * 4 <= 2**30 else min(args.reps, 3)  # a few s each past 1 GiB
+        reps = args.reps if numel * 4 <= 2**30 else min(args.reps, 3)  # past 1 GiB each repetition is slow
         times = []
         for i in range(1 + reps):  # the first is the warm-up
             sync()

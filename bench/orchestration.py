@@ -1,16 +1,15 @@
 """Orchestration efficiency: the real coordinator with synthetic stages of known cost.
 
-    .venv/bin/python bench/orchestration.py              # ~8 minutes on 2 CPU cores
+    .venv/bin/python bench/orchestration.py              # every point
     .venv/bin/python bench/orchestration.py --quick      # the ≤ 10 % host-share points only
     .venv/bin/python bench/orchestration.py --quick --model async   # ... with CUDA-like devices
 
 Each stage does host_ms of GIL-holding Python work (a counted loop) and device_ms of
-GIL-free device work, in the seed's proportions scaled from seconds to 10 ms units:
-target forward + pack 13.5 s → 135 ms per batch, drafter forward + backward 4.8 s → 48 ms
-per micro-batch, grad-norm sync and step 1.3 s → 13 ms per optimizer step. Only the
-compute is replaced: channels, devices, stages, profiler and coordinator are the real
-ones. Two device models (`bench/simulated.py`): "sync" (the thread waits out device_ms:
-host and device never overlap; the issue's definition) and "async" (CUDA semantics:
+GIL-free device work, in a real run's proportions: target forward + pack 135 ms per
+batch, drafter forward + backward 48 ms per micro-batch, grad-norm sync and step 13 ms per
+optimizer step. Only the compute is replaced: channels, devices, stages, profiler and
+coordinator are the real ones. Two device models (`bench/simulated.py`): "sync" (the
+thread waits out device_ms: host and device never overlap) and "async" (CUDA semantics:
 device work is launched on a simulated in-order queue and waited for only where the real
 code synchronizes). Steady state is the middle 60 % of the steps; fill and drain apart.
 
@@ -25,7 +24,7 @@ GIL load = steady throughput × Σ host time per batch: the share of wall time s
 holds the interpreter lock (the orchestration's own share comes on top). Also measures
 the orchestration's own CPU cost per batch (zero-cost stages). Medians of `--repeat` runs
 (3) at host shares ≤ 10 %; the load average at the start is recorded, since other work
-on a 2-core machine moves these figures. Prints a table, then one JSON line.
+on a small machine moves these figures. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations

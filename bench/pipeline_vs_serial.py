@@ -1,8 +1,8 @@
 """The asynchronous pipeline against a serial loop over the same stages, on this machine.
 
-    .venv/bin/python bench/pipeline_vs_serial.py              # tiny config, ~4 minutes
+    .venv/bin/python bench/pipeline_vs_serial.py              # tiny config
     .venv/bin/python bench/pipeline_vs_serial.py --config configs/demo.toml \
-        --set train.epochs=1 --depth-epochs 2                   # demo (after its regen), ~15 minutes
+        --set train.epochs=1 --depth-epochs 2                   # demo (after its regen)
 
 `pipeline.mode = "serial"` calls every stage's function one after another in a plain loop
 (dflash/pipeline/serial.py) — the loop of the usual trainers (target forward, then drafter forward/backward,

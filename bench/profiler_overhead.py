@@ -1,6 +1,6 @@
 """What profiling costs: per record (µs), and on throughput (profiling on vs off).
 
-    .venv/bin/python bench/profiler_overhead.py            # ~2 minutes on 2 CPU cores
+    .venv/bin/python bench/profiler_overhead.py            # the tiny config, 3 runs each way
     .venv/bin/python bench/profiler_overhead.py --runs 5
 
 Throughput runs alternate on / off (so that machine drift hits both alike) on the tiny

@@ -3,10 +3,10 @@ replies and their features (regen's feature files) instead of decoding. Greedy v
 accepts, at each anchor, the drafts that equal the target's next greedy tokens; with the
 target's reply in hand that is a teacher-forced forward of the drafter at every reply
 position (one batched forward per reply), and eval's walk (the next anchor after the
-accepted tokens and the bonus one) gives its τ. 32 held-out prompts take seconds a drafter
-where `dflash eval` takes ~16 s a prompt on a CPU; 8 prompts resolve only ±0.05 and the first
-8 held-out chatterbot prompts are harder than the rest — this is how the demo's recipes were
-compared (BENCHMARKS.md, docs/experiments.md). It is no lossless check and no speed figure: `dflash eval` is.
+accepted tokens and the bonus one) gives its τ. Far cheaper than `dflash eval` on a CPU, so it
+can score every held-out prompt (a few prompts resolve τ coarsely): the demo's recipes are
+compared with it (BENCHMARKS.md, docs/experiments.md). It is no lossless check and no speed
+figure: `dflash eval` is.
 
     # once: the target's replies to the held-out prompts, with features (regen, 48 tokens as eval)
     bin/dflash regen configs/demo.toml --set run.name=heldout_replies --set regen.holdout=0 \\
@@ -63,7 +63,7 @@ def replies_with_features(replies: Path, tokenizer) -> list[tuple[torch.Tensor, 
         if P is None:
             continue
         # The reply as written must be the target's greedy tokens: where re-tokenizing the
-        # text changed them (~2 %), regen recomputed the features over other tokens: skipped.
+        # text changed them, regen recomputed the features over other tokens: skipped.
         end = len(key) - 2  # <|im_end|> and "\n" close the turn
         if e.next is None or not torch.equal(e.next[P : end - 1], e.ids[P + 1 : end]):
             continue

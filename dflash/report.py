@@ -11,7 +11,7 @@ A run of several processes (torchrun) has a `rank` in every record: the report t
 each rank on its own as well (its throughput, busy fractions, bottleneck, the share of the
 cross-node all-reduce `drafter.allreduce`) and names the slowest rank — the one whose
 busiest worker has the most work per optimizer step outside the all-reduce (the all-reduce
-is where the other ranks wait for it). Records without `rank`: one process, as before.
+is where the other ranks wait for it). Records without `rank`: one process.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
 
 
 def moved_keys_mapped(data: dict[str, Any]) -> dict[str, Any]:
-    """A raw config written before keys moved (a checkpoint's `config.toml`) in today's
+    """A raw config that names keys of `MOVED` (a checkpoint's `config.toml`) in the schema's
     layout: each old key placed at its new path. A key set at both places keeps the new one."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for old, new in MOVED.items():

@@ -2,11 +2,10 @@
 
 Every section forbids unknown keys and converts no types silently (`_Section`); reading,
 overriding and writing the tree is `_load.py`; `dflash.config` is the public face. Kept
-whole because the schema is one source of truth, read top to bottom one
-short section after another: split across files, the tree that `config show` prints would
-no longer be in one place. Training has four sections: `train` (how long, how many
-micro-batches a step), `optimizer` (AdamW), `schedule` (the learning rate over the run) and
-`loss` (what each block slot learns and how much it counts).
+whole: the schema is one source of truth, read top to bottom as the tree `config show`
+prints. Training has four sections: `train` (how long, how many micro-batches a step),
+`optimizer` (AdamW), `schedule` (the learning rate over the run) and `loss` (what each
+block slot learns and how much it counts).
 """
 
 from __future__ import annotations
@@ -150,14 +149,13 @@ class TargetConfig(_Section):
     dtype: Literal["auto", "fastest", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="auto: bfloat16 on CUDA, float32 on CPU; fastest: bfloat16 on CUDA, and on a CPU only "
-        "where it has bf16 instructions (measured once; elsewhere bf16 is emulated, several times slower)",
+        "where it has bf16 instructions (timed once per process; elsewhere bf16 is emulated, slower)",
     )
     load: Literal["whole", "head"] = Field(
         "whole",
         description="whole: the whole target loads and runs over what the feature files do not cover; head "
         "(kind 'hf'): only its config, embeddings and LM head load (a target bigger than the trainer's machine) "
-        "— every "
-        "sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
+        "— every sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
         "(`dflash eval --engine vllm`)",
     )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="kind = 'tiny': the random Qwen3's shape")
@@ -359,7 +357,7 @@ class LossConfig(_Section):
         4096, ge=0, le=1_000_000,
         description="vocab = data: tokens drawn afresh for each micro-batch from outside the data's tokens, "
         "their logits corrected for the sampling (sampled softmax), so that tokens the data lacks are pushed down "
-        "too (0: none; then ~a quarter of the drafts were such tokens, measured). Fewer: a cheaper LM head",
+        "too (0: none; such tokens then win drafts). Fewer: a cheaper LM head",
     )  # fmt: skip
     noise_reveal_start: float = Field(
         0.0, ge=0, le=1, description="noise schedule: chance a block slot shows its true token, at step 0"
@@ -425,7 +423,7 @@ class PipelineConfig(_Section):
         None,
         description="a drafter takes and prepares its next batch while the optimizer steps (one replica "
         "only); default: on for a CUDA drafter, off on CPU (there the prepare competes with the step "
-        "for the cores: 8 % slower on the tiny config)",
+        "for the cores)",
     )
     sync_debug: bool = Field(
         False,
@@ -571,10 +569,10 @@ class EvalConfig(_Section):
     batch_size: int = Field(
         1, ge=1, le=4096,
         description="prompts decoded at once (greedy only, and only for targets whose layers are all full "
-        "attention; otherwise one at a time). 1: the papers' single-sequence speedup. More: far faster on a CPU "
-        "or GPU, the same tokens and verify steps up to the float rounding of batched matmuls (a row whose "
-        "output differs from the batched plain one is decided again one prompt at a time: decided_singly), "
-        "and speedup is then batched speculative against batched plain decoding",
+        "attention; otherwise one at a time). 1: the papers' single-sequence speedup. More: faster, the same "
+        "tokens and verify steps up to the float rounding of batched matmuls (a row that differs from batched "
+        "plain decoding is decided again alone: decided_singly); speedup is then batched speculative against "
+        "batched plain decoding",
     )  # fmt: skip
     every_steps: int = Field(0, ge=0, description="eval every N optimizer steps; 0 = never")
     at_end: bool = Field(True, description="evaluate the trained drafter when training ends")

@@ -20,10 +20,10 @@ reproducible and resumable:
   serves exactly the batches that would have followed.
 
 With the defaults (`num_buckets=1`, `token_budget=0`, `pack=False`) every row is one
-document and batches are `batch_size` consecutive samples of the epoch's order, as before.
+document and batches are `batch_size` consecutive samples of the epoch's order.
 
-A little over 300 lines, all of it `BatchPlan`: its input checks, epoch counts, cursor and
-cost share the plan's fingerprint and lengths, so they stay in one class.
+All of it is `BatchPlan`: its input checks, epoch counts, cursor and cost share the plan's
+fingerprint and lengths, so they stay in one class.
 """
 
 from __future__ import annotations
@@ -87,9 +87,8 @@ class BatchPlan:
       A document is never split across rows.
 
     `num_buckets > 1` forms batches (and packed rows) within length-quantile buckets.
-    With packing, buckets usually raise padding instead (long documents can no longer be
-    topped up with short ones: 1% → 17% on a 90% short / 10% long mix), so keep
-    `num_buckets = 1` when packing.
+    With packing, buckets usually raise padding instead (long documents cannot be topped
+    up with short ones), so keep `num_buckets = 1` when packing.
     The number of batches per epoch is fixed when `token_budget = 0` and not packing;
     otherwise it depends on the shuffled order and may differ by a few between epochs:
     `len(plan)` is exact, `batches_per_epoch` is epoch 0's.

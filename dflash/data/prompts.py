@@ -98,7 +98,7 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
     assistant turn. A `.json` file (a JSON array such as ShareGPT's, or lines), parquet or a
     `datasets` folder goes through the data loader: invalid records (a dump cut short ends in
     one) are skipped with `skip_invalid` and counted in a warning, else an error. Any other
-    name is JSONL, read strictly by `jsonl_prompts` (as regen always read its prompt files)."""
+    name is JSONL, read strictly by `jsonl_prompts`."""
     from dflash.config import DataFile
     from dflash.data.conversation import InvalidRecord
     from dflash.data.formats import iter_records
@@ -109,7 +109,7 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
     except LookupError as err:
         raise DataError(f"regen.prompts: {err}") from None
     if not (path.is_dir() or path.name.lower().endswith((".json", ".parquet", ".pq"))):
-        return jsonl_prompts(path)  # .jsonl, and any other name, as before: strict JSONL
+        return jsonl_prompts(path)  # .jsonl, and any other name: strict JSONL
     if not path.exists():
         msg = f"regen.prompts: file not found: {path}"
         raise DataError(msg)
@@ -148,7 +148,7 @@ def load_prompts(cfg: Config) -> Prompts:
         got = chatterbot_prompts() if src == "chatterbot" else file_prompts(src, cfg.data.skip_invalid)
         random.Random(cfg.regen.seed if i == 0 else f"{cfg.regen.seed}/{i}").shuffle(got)
         sets.append(got)
-    held = sets[0][: cfg.regen.holdout]  # as a single set splits: what earlier regens of it held out
+    held = sets[0][: cfg.regen.holdout]  # as the first set splits alone: adding sets keeps its held-out prompts
     seen = {prompt_key(p) for p in held}
     train: list[Messages] = []
     counts = []

@@ -37,8 +37,8 @@ Rows = list[list[Sample]]
 def collate(rows: Sequence[Sample] | Sequence[Sequence[Sample]], index: int, epoch: int, seq: int = 0) -> Batch:
     """Pad `rows` into one Batch of shape (R, T), T = the longest row (`seq`: `Batch.seq`).
 
-    `rows` is either a list of rows, each a list of documents packed back to back, or (the
-    older form) a list of samples, one per row. Per token, `doc_ids` is the document's
+    `rows` is either a list of rows, each a list of documents packed back to back, or a
+    list of samples, one per row. Per token, `doc_ids` is the document's
     `sample_id` (-1 for padding), `positions` count from 0 at each document's first token,
     and `loss_mask` is the document's own mask (False on padding). Vectorized: no Python
     loop per token, only per document.

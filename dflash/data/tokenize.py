@@ -3,7 +3,8 @@
 `load_samples(cfg, tokenizer)` is the one entry point. Per `[[data.files]]` entry it reads
 conversations (`formats.py`), renders each with the tokenizer's own chat template and
 supervises only what the assistant says (`chat_template.py`), cuts or drops what is too
-long, and mixes the files by weight.
+long, and mixes the files by weight. Each file's tokenized samples are cached before
+weighting (`token_cache.py`), so changing a weight costs nothing.
 
 **Length.** A sequence longer than ``data.max_seq_len`` is cut to it (``overlong =
 "truncate"``, counted in ``truncated``) or dropped (``"drop"``, counted in
@@ -16,9 +17,6 @@ contributes ``round(w × n)`` samples to every epoch (rounded half up): sample
 subset, w > 1 repeats every sample ⌊w⌋ or ⌈w⌉ times, w = 1 keeps each once. Every entry,
 repeats included, gets its own ``sample_id`` (0..N-1 in file order, then record order),
 so ids are unique and the same for the same inputs; repeats share their tensors.
-
-**Cache.** Each file's tokenized samples are cached under ``cache_dir`` (`token_cache.py`),
-before weighting, so changing a weight costs nothing.
 
 Stats returned: ``records`` (read, valid or not), ``skipped_invalid``, ``truncated``,
 ``dropped_overlong`` count records before weighting; ``samples``, ``tokens``,

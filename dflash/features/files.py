@@ -19,10 +19,10 @@ the batch:
   `loss.labels = "target"`; elsewhere the next data token (in the prompt never a label;
   after the end-of-turn token, the template's "\n": the one label that is the data's).
 
-Where re-tokenizing the written reply does not give back the generated tokens (a few
-percent: whitespace stripped, merges across the reply's end), regen runs the target once
-more over the training tokenization of that conversation: every stored entry matches
-training token for token.
+Where re-tokenizing the written reply does not give back the generated tokens (whitespace
+stripped, merges across the reply's end), regen runs the target once more over the
+training tokenization of that conversation: every stored entry matches training token for
+token.
 
 The header's metadata names what made them (format, target, dtype, layer ids, feature
 width, whether `next` is there). Training (`dflash run`) finds the folder beside each data

@@ -1,4 +1,4 @@
-"""The DFlash drafter (see ../shared/docs/dflash-reference.md).
+"""The DFlash drafter (docs/architecture.md, "The DFlash details"; https://github.com/z-lab/dflash).
 
 fc + hidden_norm fuse the chosen target layers into one context feature; each draft layer
 is a Qwen3-style decoder layer whose queries come from the block tokens only and whose
@@ -7,9 +7,9 @@ injection). Parameter names match the reference export (`fc.weight`, `layers.0.s
 q_proj.weight`, ...). The embedding and LM head are the target's, frozen, held outside
 this module (`FrozenHead`) and never saved with it.
 
-Kept whole (a little over 300 lines), like a modeling file: the training path (`forward`)
-and the cached inference path (`forward_block`, `Attention.forward_cached`) must stay the
-same computation, so they are read side by side.
+Kept whole, like a modeling file: the training path (`forward`) and the cached inference
+path (`forward_block`, `Attention.forward_cached`) must stay the same computation, so they
+are read side by side.
 """
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ class DecoderLayer(nn.Module):
         """`forward` for the draft slots only (every slot but each block's anchor, slot 0):
         the anchors still give keys and values, but ask no query and skip the MLP. Equal to
         `forward` at the draft slots; the anchors' rows come back as they went in. For the
-        last layer in training, where the anchors' outputs feed nothing (a quarter of the
-        layer's queries and MLP rows at B = 4). `mask`: dense (R, 1, Q, S)."""
+        last layer in training, where the anchors' outputs feed nothing (1/B of the layer's
+        queries and MLP rows). `mask`: dense (R, 1, Q, S)."""
         N, B = x.shape[1] // block_size, block_size
 
         def drafts(tensor: torch.Tensor, dim: int) -> torch.Tensor:  # the slots 1..B-1 of every block along `dim`

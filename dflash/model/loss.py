@@ -78,7 +78,7 @@ class LossVocab:
     """`loss.vocab = "data"`: the training loss's softmax over the data's tokens plus,
     each micro-batch, `loss.negatives` tokens drawn from the rest (sampled softmax): the
     rest must be pushed down too, or at inference (whole vocabulary) tokens the loss never saw
-    win the argmax — a quarter of the drafts without them, measured. Each drawn token stands
+    win the argmax. Each drawn token stands
     for `len(outside) / K` of them: its logit gets log of that (logQ correction), so the
     softmax's normaliser estimates the whole vocabulary's.
 
@@ -128,9 +128,9 @@ class LossVocab:
         one its matmul computes in) and logit bias for `drawn` (device ids into `outside`).
 
         One buffer per dtype, the data's rows written into it once and only the K drawn rows
-        each call: copying (and, under autocast, casting) the whole head every micro-batch
-        cost ~8 % of a CPU step. A call's head is read until its backward has run, and the
-        replica's next call comes after that (on a GPU, later on the same stream)."""
+        each call: copying (and, under autocast, casting) the whole head every micro-batch is
+        a visible share of a CPU step. A call's head is read until its backward has run, and
+        the replica's next call comes after that (on a GPU, later on the same stream)."""
         dtype = dtype or full.dtype
         n = len(self.lm_head)
         buf = self._heads.get((dtype, len(drawn)))
@@ -241,8 +241,8 @@ def dpace_weights(
     its block: large where the slots before it are already right, so training moves to the
     positions that limit acceptance now. Unnormalised: a block's weights sum to between
     ~α-powers and B − 1, so the step's scale grows as the drafter improves (Adam absorbs most
-    of it). `label_prob` (M,) for the selected slots `sel` (flat
-    indices into num_blocks × block_size); returns (M,), no gradient."""
+    of it). `label_prob` (M,) for the selected slots `sel` (flat indices into
+    num_blocks × block_size); returns (M,), no gradient."""
     with torch.no_grad():
         grid = torch.ones(num_blocks * block_size, device=label_prob.device)
         grid[sel] = (1 - alpha) * label_prob.float() + alpha
@@ -277,7 +277,7 @@ def _chunk_loss(
         logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
         soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
-    # max's index is argmax's (the first of tied maxima) at ~2.5x less on a CPU.
+    # max's index is argmax's (the first of tied maxima), and cheaper on a CPU.
     correct = (logits.detach().max(dim=-1).indices == labels).float()
     return ce, correct, label_prob
 

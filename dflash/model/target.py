@@ -56,10 +56,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @functools.cache
 def cpu_bf16_is_fast() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices clearly faster than float32 (measured
-    once per process, ~0.2 s). CPUs with bf16 instructions (AVX512-BF16, AMX, Arm's BF16)
-    run them 1.5-2x faster; the others emulate them, several times slower (seen here: 6.5x
-    on a 2-core AVX2 EPYC). `DFLASH_CPU_BF16=0|1` overrides the measurement."""
+    """Whether this CPU multiplies bfloat16 matrices clearly faster than float32, timed once
+    per process: CPUs with bf16 instructions (AVX512-BF16, AMX, Arm's BF16) run them faster,
+    the others emulate them, slower. `DFLASH_CPU_BF16=0|1` overrides the timing."""
     forced = os.environ.get("DFLASH_CPU_BF16", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
@@ -406,14 +405,12 @@ class Target(TargetInfo):
     ) -> list[torch.Tensor]:
         """The chosen layers' outputs, each (R, T, H), in `layer_ids` order.
 
-        `doc_ids` (R, T): -1 for padding, which is always at the end of a row (`collate`).
-        A row holding several documents (`packed`, which the batch knows: pass it) gets a
-        4-D document-causal mask (documents never see each other); otherwise no mask at all:
-        with causal attention, padding after a document cannot change its features, and
-        the model takes its fastest path (`training_view`: transformers builds no mask and
-        makes no host check of its own) — a 2-D padding mask would make transformers test it
-        on the host (a sync per forward on a GPU). Padding positions' features are never
-        read. Without `packed` it is read off `doc_ids` — a host sync on a GPU.
+        `doc_ids` (R, T): -1 for padding, always at a row's end (`collate`). A packed row
+        (several documents) gets a 4-D document-causal mask; otherwise none: under causal
+        attention trailing padding cannot change a document's features, and with no mask
+        transformers makes no host check (`training_view`), where a 2-D padding mask would
+        cost a sync per forward on a GPU. Padding positions' features are never read.
+        `packed` is the batch's; left None it is read off `doc_ids`, a host sync on a GPU.
         """
         if packed is None:
             packed = bool(((doc_ids[:, 1:] != doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)).any())  # sync: tests, eval

@@ -336,7 +336,7 @@ class Coordinator:
 
     async def _end_eval(self, training: Training) -> tuple[Record | None, bool]:
         """The end-of-run eval: its record, and whether a stop ended it first (it asks once per
-        decoding step, so Ctrl-C here ends it in well under a second)."""
+        decoding step, so Ctrl-C here ends it promptly)."""
         assert training.evaluate is not None
         try:
             record = await asyncio.to_thread(training.evaluate, self.steps, self._stop_requested.is_set)

@@ -6,7 +6,7 @@ linked by this small channel instead:
 - `put` waits while the channel is full (back-pressure) and raises `ChannelClosed` once
   every consumer has left cleanly (the run is stopping: the producer should end quietly)
   or `ConsumerDied` when a consumer failed (the producer must fail loudly, never hang).
-- `get` waits until `min_ready` items are buffered (the seed's `hs_min_ready`) or every
+- `get` waits until `min_ready` items are buffered (`pipeline.hs_min_ready`) or every
   producer has closed, and raises `EndOfStream` once closed and drained.
 - Each producer calls `close()` once when done; each consumer calls `detach()` once.
 - `order` (optional): items carry consecutive keys 0, 1, 2, ... and leave in key order

@@ -1,6 +1,6 @@
 """Several processes, one drafter: torch.distributed, launched by torchrun.
 
-One process per node runs today's coordinator over its own target chains and drafter
+One process per node runs the coordinator over its own target chains and drafter
 replicas; `join(cfg)` makes it a rank of one process group when torchrun (or anything that
 sets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) launched more than one process —
 NCCL when the drafters are on CUDA, gloo on CPU — and returns None otherwise (then nothing
@@ -174,14 +174,12 @@ class World:
         return ev
 
     def wait(self, ready: Any, what: str) -> None:
-        """Return once `ready` (a `collective_event`; None: at once) is done. With NCCL,
-        `all_reduce` returns before its collective ends, so a lost peer would surface only
-        in the next host sync, which waits with no deadline (until NCCL's watchdog takes the
-        process down: no diagnosis, no emergency checkpoint). Here the wait polls with the
-        deadline of a collective (`distributed.timeout_s`), sleeping between polls (the GIL
-        is free), and past it raises one line naming the lost rank; the queued NCCL work is
-        then aborted, so that nothing after it (a device sync, the emergency checkpoint's)
-        hangs on it."""
+        """Return once `ready` (a `collective_event`; None: at once) is done. NCCL's
+        `all_reduce` returns before its collective ends, so a lost peer would otherwise surface
+        in the next host sync, which has no deadline (NCCL's watchdog then ends the process:
+        no diagnosis, no emergency checkpoint). Here the wait polls, the GIL free, with the
+        deadline of a collective (`distributed.timeout_s`); past it, it raises one line naming
+        the lost rank and aborts the queued NCCL work, so that nothing after it hangs."""
         if ready is None:
             return
         t0 = time.monotonic()

@@ -266,7 +266,7 @@ class Checkpointer:
     After every `checkpoint.every_steps` steps, after the first step that ends
     `checkpoint.every_minutes` after the last checkpoint (`after_step`), and at the end of training
     with `checkpoint.at_end` (`at_end`), it takes a snapshot in the optimizer's worker
-    thread (host copies only, a few ms for a drafter); a writer thread then writes it while
+    thread (host copies only, cheap for a drafter); a writer thread then writes it while
     the pipeline goes on. One write at a time: the next snapshot (and `finish`) waits for
     the previous write first. After a crash, `emergency(progress)` writes the last
     consistent state.

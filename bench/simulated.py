@@ -191,7 +191,7 @@ class SimDevice(Device):
         uses: Sequence[Any] = (),
         stream_name: str | None = None,
     ) -> tuple[Any, Any]:
-        self.hold(stage, uses, None)
+        self.hold(stream_name or stage, uses, None)
         with self.timeline.launching(wait_for), self.span(stage):
             out = fn(*args)
         return out, self.timeline.event()

@@ -168,15 +168,15 @@ def test_no_circular_import():
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # and the search does see one
 
 
-# The design card's stages, one module each in dflash/stages/.
-CARD_STAGES = {"prefetch", "target_forward", "pack", "transfer", "drafter_step", "optimizer"}
+# The pipeline's stages (dflash/stages/__init__.py), one module each.
+PIPELINE_STAGES = {"prefetch", "target_forward", "pack", "transfer", "drafter_step", "optimizer"}
 
 
-def test_the_card_stages_live_in_dflash_stages():
-    """`dflash/stages/` holds one module per stage of the design card, and nothing else but
+def test_the_pipeline_stages_live_in_dflash_stages():
+    """`dflash/stages/` holds one module per stage of the pipeline, and nothing else but
     their shared links."""
     modules = {p.stem for p in (PACKAGE / "stages").glob("*.py")} - {"__init__", "_link"}
-    assert modules == CARD_STAGES
+    assert modules == PIPELINE_STAGES
 
 
 def stage_importers(root: Path = PACKAGE) -> list[str]:

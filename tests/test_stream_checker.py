@@ -21,7 +21,7 @@ ONE_GPU = (0,)
 TWO_GPUS = (0, 1)
 
 
-# The design card's stages on a GPU, each as the work the checker sees run (a stage's name, or
+# The pipeline's stages on a GPU (dflash/stages/), each as the work the checker sees run (a stage's name, or
 # the function a stage runs when that times its own parts). Prefetch runs on the host: it
 # collates into pinned memory and the target forward's stream uploads it.
 CARD = {
@@ -34,13 +34,13 @@ CARD = {
 }
 
 
-def card_streams(rules: Rules) -> dict[str, set[str]]:
-    """Per card stage, the streams its work ran on."""
+def stage_streams(rules: Rules) -> dict[str, set[str]]:
+    """Per pipeline stage, the streams its work ran on."""
     return {stage: {s for s, work in rules.work_on.items() if w in work} for stage, w in CARD.items()}
 
 
 def shared_streams(rules: Rules) -> list[str]:
-    """Every stream on which the work of two card stages ran."""
+    """Every stream on which the work of two pipeline stages ran."""
     return sorted(s for s, work in rules.work_on.items() if len(work & set(CARD.values())) > 1)
 
 
@@ -70,7 +70,7 @@ def test_the_real_code_keeps_every_rule_each_stage_on_its_own_stream(tiny_config
     steps = [r for r in records if r["event"] == "train_step"]
     assert len(steps) == 4 and all(r["loss"] is not None for r in steps)
     assert rules.ops > 1000  # the work ran on virtual GPUs, op by op
-    assert card_streams(rules) == EXPECTED[gpus]
+    assert stage_streams(rules) == EXPECTED[gpus]
     assert shared_streams(rules) == []
     if gpus == TWO_GPUS:  # the optimizer's own stream on the second GPU, for that replica's update
         assert "optimizer/drafter.optimizer_step@gpu1" in rules.stream_names
@@ -81,10 +81,10 @@ def test_prepare_ahead_prepares_on_its_own_stream_while_the_optimizer_steps(tiny
     forward/backward, and every rule still holds."""
     records, rules = checked_run(tiny_config, ONE_GPU, **{"pipeline.prepare_ahead": "true"})
     assert len([r for r in records if r["event"] == "train_step"]) == 4
-    assert card_streams(rules) == EXPECTED[ONE_GPU] and shared_streams(rules) == []
+    assert stage_streams(rules) == EXPECTED[ONE_GPU] and shared_streams(rules) == []
 
 
-def test_two_card_stages_on_one_stream_are_caught(tiny_config, monkeypatch):
+def test_two_stages_on_one_stream_are_caught(tiny_config, monkeypatch):
     """The check can fail: prepare sent to the forward's stream is reported as shared."""
     from dflash.runtime.profiler import Stage
 

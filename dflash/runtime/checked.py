@@ -687,7 +687,7 @@ class CheckedDevice(Device):
         stream = self.stream(stream_of(stage, stream_name)) if self._gpu is not None else None
         with self.rules.working(f"{self.name} {name}", stream, wait_for):
             if stream is not None:
-                self.hold(stage, uses, stream)
+                self.hold(stream_of(stage, stream_name), uses, stream)
             with self.span(stage):
                 out = fn(*args)
         return out, (self.rules.record(stream) if stream is not None else None)

@@ -375,7 +375,7 @@ class Device:
         stream_name: str | None = None,
     ) -> tuple[R, Any]:
         if not self.is_cuda:
-            self.hold(stage, uses, None)
+            self.hold(stream_name or stage, uses, None)
             with self.span(stage):
                 out = fn(*args)
             return out, None
@@ -386,7 +386,7 @@ class Device:
             for ev in wait_for:
                 if ev is not None:
                     stream.wait_event(ev)
-            self.hold(stage, uses, stream)
+            self.hold(stream_of(stage, stream_name), uses, stream)
             with self.span(stage):
                 out = fn(*args)
             end = torch.cuda.Event()

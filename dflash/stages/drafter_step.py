@@ -86,11 +86,16 @@ async def compute(
 
 
 def device_tensors(obj: Any) -> list[Any]:
-    """Every tensor inside a prepared batch (dataclasses, dicts, tuples, a flex BlockMask)."""
+    """Every tensor inside a prepared batch (dataclasses, dicts, tuples, a flex BlockMask and
+    the tensors its mask_mod closes over, which its kernels read too)."""
     out: list[Any] = []
+    seen: set[int] = set()
     stack = [obj]
     while stack:
         x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
         if isinstance(x, torch.Tensor):
             out.append(x)
         elif isinstance(x, dict):
@@ -99,8 +104,10 @@ def device_tensors(obj: Any) -> list[Any]:
             stack += x
         elif hasattr(x, "__dataclass_fields__"):
             stack += [getattr(x, f) for f in x.__dataclass_fields__]
-        elif hasattr(x, "as_tuple"):  # flex attention's BlockMask
-            stack += [t for t in x.as_tuple() if isinstance(t, torch.Tensor)]
+        elif hasattr(x, "as_tuple"):  # flex attention's BlockMask: its block tables and mask_mod
+            stack += list(x.as_tuple())
+        elif callable(x) and getattr(x, "__closure__", None):
+            stack += [c.cell_contents for c in x.__closure__]
     return out
 
 
@@ -116,10 +123,11 @@ class Lookahead:
         self._task = asyncio.ensure_future(take)
 
     async def take(self, replied: float, profiler: Profiler, worker: str) -> Prepared | None:
-        """The batch taken ahead, once the reply came at `replied` (perf_counter)."""
+        """The batch taken ahead, once the reply came at `replied` (perf_counter). Cancelled
+        meanwhile, the task stays for `drop` to end."""
         assert self._task is not None
-        task, self._task = self._task, None
-        batch, arrived = await asyncio.shield(task)
+        batch, arrived = await asyncio.shield(self._task)
+        self._task = None
         profiler.record(Stage.DRAFTER_QUEUE_WAIT, max(0.0, arrived - replied), worker=worker)
         return batch
 

@@ -414,7 +414,12 @@ def test_ctrl_c_exits_at_once_with_requests_in_flight(env, fake):
     env_vars.update(HOME=str(env.root), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     args = [str(ROOT / "bin" / "dflash"), "regen", str(env.config), "--set", 'run.name="ctrl_c"',
             "--set", f'regen.server="{url}"']  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_vars, cwd=env.root)
+    # SIGINT back to its default in the child: a parent that ignores it (a job started in the
+    # background) would have Python ignore it too.
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_vars, cwd=env.root,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     threading.Thread(target=lambda: (proc.wait(), state.wake()), daemon=True).start()  # an early exit wakes the wait
     try:
         assert state.wait_asked(3, unless=lambda: proc.poll() is not None), proc.communicate(timeout=5)

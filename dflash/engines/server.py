@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import queue
 import socket
 import threading
@@ -370,6 +369,7 @@ class ServerReplier:
 
 
 _REFUSED_FIRST = 8  # refusals before any reply that stop a server regen
+_WAKE_S = 0.2  # the longest the main thread waits for replies before it looks at signals
 
 
 def _failed(reply: Asked) -> bool:
@@ -395,7 +395,9 @@ def _wait_head(pending: collections.deque[tuple[int, Asked]], deadline: float) -
         left = deadline - time.perf_counter()
         if left <= 0:
             return False
-        done, not_done = futures.wait(waiting, None if math.isinf(left) else left, futures.FIRST_COMPLETED)
+        # In slices: a signal the kernel hands to a worker thread would not wake an endless wait
+        # in the main thread, and Python runs its handler only when the main thread wakes.
+        done, not_done = futures.wait(waiting, min(left, _WAKE_S), futures.FIRST_COMPLETED)
         for reply in done:
             if _failed(reply):
                 reply.result()

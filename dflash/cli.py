@@ -284,12 +284,8 @@ def export_cmd(checkpoint: Path, out_dir: Path, fmt: str) -> None:
 
     out = export_checkpoint(source, out_dir, fmt)
     spec_cfg = speculative_config(out.resolve(), load_drafter(out).spec)
-    logs.configure(sys.stdout)
-    import structlog
-
-    structlog.get_logger("dflash").info(
-        "export", checkpoint=str(source), path=str(out), vllm_speculative_config=spec_cfg
-    )
+    record = {"event": "export", "checkpoint": str(source), "path": str(out), "vllm_speculative_config": spec_cfg}
+    click.echo(logs.render(record))
     logs.human(f"dflash export: {source} -> {out}; in vLLM: speculative_config = {json.dumps(spec_cfg)}")
 
 

@@ -217,8 +217,9 @@ def _shut(sock: socket.socket) -> None:
 
 class RequestPool:
     """`workers` daemon threads (named regen-server-N) asking `server` for replies: a process
-    that ends (an error, Ctrl-C) never waits for them. `close` cancels what is queued and
-    aborts what is in flight."""
+    that ends (an error, Ctrl-C) never waits for them. After a request fails for good (not a
+    refusal of its prompt), no worker sends another: the queued ones are cancelled. `close`
+    cancels what is queued and aborts what is in flight."""
 
     def __init__(self, server: ChatServer, workers: int) -> None:
         self.server = server
@@ -226,6 +227,7 @@ class RequestPool:
         self._jobs = queue.SimpleQueue()
         self._queued: set[Future[Reply]] = set()
         self._lock = threading.Lock()
+        self._failed = threading.Event()
         self._threads = [
             threading.Thread(target=self._work, name=f"regen-server-{k}", daemon=True) for k in range(workers)
         ]
@@ -244,11 +246,15 @@ class RequestPool:
             fut, messages, options = job
             with self._lock:
                 self._queued.discard(fut)
+            if self._failed.is_set():
+                fut.cancel()
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
                 fut.set_result(self.server.chat(messages, options))
             except BaseException as err:  # the caller reads it from the future
+                if not (isinstance(err, ServerError) and err.refused):
+                    self._failed.set()  # before the caller can see the error: nothing is sent after it
                 fut.set_exception(err)
 
     def close(self) -> None:

@@ -74,11 +74,18 @@ $(VLLM_STAMP):
 		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
 	@echo '$(VLLM_SPEC)' > $(VLLM_STAMP)
 
+# speculators (the reference the DFlash2 / DSpark tests check against) without its dependencies:
+# its model classes need only torch and transformers (vLLM's), plus loguru (vLLM's too).
+SPECULATORS_SPEC ?= speculators==0.9.0
+
 # dflash into it after .venv's own editable install (both write dflash.egg-info in this folder).
-$(ENGINES_STAMP): $(VLLM_STAMP) setup.py | $(STAMP)
+$(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 	$(ENGINES_VENV)/bin/python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
-	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash" 2>/dev/null \
+	$(ENGINES_VENV)/bin/python -m pip install -q --no-deps "$(SPECULATORS_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash, loguru" 2>/dev/null \
 		|| (echo "set-up: dflash failed to install in $(ENGINES_VENV)" >&2; exit 1)
+	@$(ENGINES_VENV)/bin/python -c "import importlib.util as u; assert u.find_spec('speculators')" 2>/dev/null \
+		|| (echo "set-up: speculators failed to install in $(ENGINES_VENV)" >&2; exit 1)
 	@touch $(ENGINES_STAMP)
 
 # The two venvs are set up side by side (mostly downloads and unpacking), then the tests run in

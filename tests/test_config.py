@@ -462,7 +462,7 @@ def _sections(model: type[BaseModel], path: str = "") -> dict[str, dict[str, Any
     return out
 
 
-_HEADER = re.compile(r"^(?:# )?\[\[?([a-z_.]+)\]\]?$")
+_HEADER = re.compile(r"^(?:# )?\[\[?([a-z0-9_.]+)\]\]?$")
 _KEY_LINE = re.compile(r"^(# )?([a-z_]+) =( .+)?$")
 
 

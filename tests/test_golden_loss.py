@@ -42,11 +42,19 @@ OPTIONS = [
     "loss.noise_reveal_end=0.1", "loss.labels=\"target\"", "loss.greedy_prefix_only=true",
     "loss.vocab=\"data\"", "loss.negatives=64", "loss.chunk=64",
 ]  # fmt: skip
+FAMILY = {
+    "dflash2": ["train.max_steps=40", 'drafter.family="dflash2"', "drafter.dflash2.selector_rank=32",
+                "drafter.dflash2.selector_loss=0.5"],
+    "dspark": ["train.max_steps=40", 'drafter.family="dspark"', "drafter.dspark.markov_rank=32"],
+}  # fmt: skip
 # name: (file, overrides, steps)
 RUNS: dict[str, tuple[Path, list[str], list[int]]] = {
     # the first steps, then every 32nd to the end
     "default": (FOLDER / "tiny_losses.json", QUIET, [1, 2, 32, 64, 96, 128, 160, 192, 224, 256]),
     "loss_options": (FOLDER / "tiny_loss_options.json", [*QUIET, *OPTIONS], [1, 2, 10, 20, 30, 40]),
+    # the families' terms: DFlash2's selector cross-entropy, DSpark's Markov bias and confidence BCE
+    "dflash2": (FOLDER / "tiny_dflash2.json", [*QUIET, *FAMILY["dflash2"]], [1, 2, 10, 20, 30, 40]),
+    "dspark": (FOLDER / "tiny_dspark.json", [*QUIET, *FAMILY["dspark"]], [1, 2, 10, 20, 30, 40]),
 }
 REL = 1e-5
 # The records round to 6 decimals: one unit of the last one is ~1e-7 of a loss but ~3e-5 of a
@@ -103,9 +111,9 @@ def _write(path: Path, overrides: list[str], got: dict[str, dict[str, float]]) -
 @pytest.mark.parametrize("name", list(RUNS))
 def test_tiny_run_gives_the_golden_losses(tmp_path: Path, name: str) -> None:
     """The tiny run's loss and grad norm at fixed steps equal the stored ones to 1e-5
-    relative (or one unit of the records' last decimal): the whole default run, and a 40-step
-    run with every loss option off its default (the file's settings must be this test's:
-    else regenerate)."""
+    relative (or one unit of the records' last decimal): the whole default run, a 40-step
+    run with every loss option off its default, and one of each drafter family (the file's
+    settings must be this test's: else regenerate)."""
     path, overrides, at = RUNS[name]
     got = _losses(tmp_path, overrides, at)
     if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":

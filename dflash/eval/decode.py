@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.drafter import DFlashDrafter, DrafterCache, FrozenHead
+from dflash.model.dspark import confident
+from dflash.model.families import propose
 from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import Target
@@ -128,6 +130,7 @@ class Sampling:
 
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    confidence: float = 0.0  # DSpark: verify only the drafts whose joint confidence stays above this (0: all)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from logits (V,): argmax at temperature 0, else a sample."""
@@ -135,14 +138,6 @@ class Sampling:
             return int(logits.argmax())
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
-
-    def propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The drafter's proposals (n,) from its logits (n, V): argmax, or drawn from q (n, V),
-        which is returned for the verification."""
-        if self.temperature <= 0:
-            return draft_logits.argmax(dim=-1), None
-        q = torch.softmax(draft_logits.float().cpu() / self.temperature, dim=-1)
-        return torch.multinomial(q, 1, generator=self.generator).flatten().to(draft_logits.device), q
 
     def accept(self, props: list[int], q: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
         """(accepted, next token) for `props` given the target's logits (n+1, V) over the
@@ -190,6 +185,7 @@ class _Speculation:
         self.drafter_device = next(drafter.parameters()).device
         self.drafter_dtype = next(drafter.parameters()).dtype
         self.block_size, self.mask_id = drafter.spec.block_size, drafter.spec.mask_token_id
+        self.shift = drafter.spec.shift  # DSpark: the anchor's slot drafts too
         self.target_cache: Any = None
         self.drafter_cache = DrafterCache(len(drafter.layers))
 
@@ -249,12 +245,17 @@ def speculative_generate(
     while len(tokens) < max_new and tokens[-1] not in stop_ids:
         _check(should_stop)
         start = P + len(tokens) - 1  # absolute position of the last token: the anchor
-        size = min(state.block_size, max_new - len(tokens) + 1)
-        q_pos = torch.arange(start, start + size, device=ddev)[None]  # (1, size)
+        n = min(drafter.spec.drafts, max_new - len(tokens))  # tokens drafted
+        size = n + 1 - state.shift  # the drafter's block: the anchor's slot, then masks
+        q_pos = torch.arange(start, start + n + 1, device=ddev)[None]  # (1, n + 1) the verified block
         last = torch.tensor([tokens[-1]], device=ddev)
-        h = state.draft(last, q_pos, inference_masks(drafter, state.drafter_cache.length, size, ddev))  # (1, size, H)
-        draft_logits = h[0, 1:].to(head.lm_head.dtype).contiguous() @ head.lm_head.t()  # (size-1, V)
-        proposals, q = sampling.propose(draft_logits)
+        h = state.draft(last, q_pos[:, :size], inference_masks(drafter, state.drafter_cache.length, size, ddev))
+        proposals, qs = propose(drafter, h[:, 1 - state.shift :], head.lm_head, last, sampling.temperature,
+                                sampling.generator)  # fmt: skip
+        proposals, q = proposals[0], None if qs is None else qs[0]
+        if sampling.confidence > 0 and drafter.spec.family == "dspark":  # a shorter verify
+            keep = int(confident(drafter, h, proposals[None], last, sampling.confidence)[0])
+            proposals, q, q_pos = proposals[:keep], None if q is None else q[:keep], q_pos[:, : keep + 1]
         logits, feats = state.verify(torch.cat([last, proposals])[None], q_pos)
         props = proposals.tolist()
         acc, nxt = sampling.accept(props, q, logits[0])
@@ -310,14 +311,15 @@ class _Row:
     done: bool
     accepted: list[int] = field(default_factory=list)
 
-    def block_size(self, block: int, max_new: int) -> int:
-        """The slots of the next block it uses (a finished row: its anchor only)."""
-        return 1 if self.done else min(block, max_new - len(self.tokens) + 1)
+    def block_size(self, block: int, max_new: int, shift: int = 0) -> int:
+        """The slots of the next drafter block it uses (a finished row: its anchor only);
+        it drafts this many − 1 + `shift` tokens."""
+        return 1 if self.done else min(block, max_new - len(self.tokens) + 1 - shift)
 
-    def take(self, props: list[int], post: list[int], size: int, max_new: int, stop_ids: AbstractSet[int]) -> int:
-        """Greedy verification of its proposals against the target's tokens `post`; returns
-        how many proposals were accepted."""
-        acc = greedy_accepted(props, post, size - 1)
+    def take(self, props: list[int], post: list[int], n: int, max_new: int, stop_ids: AbstractSet[int]) -> int:
+        """Greedy verification of its first `n` proposals against the target's tokens `post`;
+        returns how many were accepted."""
+        acc = greedy_accepted(props, post, n)
         new = [*props[:acc], post[acc]]
         self.tokens += new
         self.accepted.append(acc)
@@ -335,6 +337,7 @@ def speculative_generate_batch(
     max_new: int,
     stop_ids: AbstractSet[int],
     should_stop: StopCheck = None,
+    confidence: float = 0.0,
 ) -> list[SpecOutput]:
     """Greedy speculative decoding of several prompts at once: each verify step is one target
     forward over every row's block (on a CPU or a GPU, R rows cost far less than R forwards).
@@ -347,6 +350,8 @@ def speculative_generate_batch(
     _check(should_stop)
     state = _Speculation(target, drafter, head)
     R, B, ddev, dev = len(prompts), state.block_size, state.drafter_device, state.target_device
+    shift = state.shift
+    span = B + shift  # each step verifies the anchor and the tokens drafted after it
     ids, valid, pos = _left_padded(prompts)
     first = state.prefill(
         pos.to(ddev), valid, input_ids=ids.to(dev), attention_mask=valid.long().to(dev), position_ids=pos.to(dev)
@@ -357,21 +362,24 @@ def speculative_generate_batch(
     valid = valid.to(ddev)  # (R, S): the cache slots each row sees, growing by B a step
     while not all(row.done for row in rows):
         _check(should_stop)
-        sizes = [row.block_size(B, max_new) for row in rows]
-        q_pos = torch.tensor([row.context for row in rows], device=ddev)[:, None] + torch.arange(B, device=ddev)
+        sizes = [row.block_size(B, max_new, shift) for row in rows]
+        q_pos = torch.tensor([row.context for row in rows], device=ddev)[:, None] + torch.arange(span, device=ddev)
         last = torch.tensor([row.tokens[-1] for row in rows], device=ddev)
-        h = state.draft(last, q_pos, _batch_masks(drafter, valid, [row.context for row in rows], sizes, B))
-        drafts = h[:, 1:].reshape(-1, h.shape[-1]).to(head.lm_head.dtype)  # 2-D: one plain GEMM with the head
-        proposals = F.linear(drafts, head.lm_head).argmax(dim=-1).view(R, B - 1)
-        attn = torch.cat([valid, torch.ones(R, B, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
+        h = state.draft(last, q_pos[:, :B], _batch_masks(drafter, valid, [row.context for row in rows], sizes, B))
+        proposals, _ = propose(drafter, h[:, 1 - shift :], head.lm_head, last)  # (R, span - 1)
+        keep = [span - 1] * R
+        if confidence > 0 and drafter.spec.family == "dspark":  # each row verifies its confident drafts only
+            keep = confident(drafter, h, proposals, last, confidence).tolist()
+        attn = torch.cat([valid, torch.ones(R, span, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
         logits, feats = state.verify(torch.cat([last[:, None], proposals], dim=1), q_pos, attention_mask=attn)
-        post = logits.argmax(dim=-1).tolist()  # (R, B): the target's token after each slot
+        post = logits.argmax(dim=-1).tolist()  # (R, span): the target's token after each slot
         props = proposals.tolist()
-        keep = torch.zeros(R, B, dtype=torch.bool)
+        seen = torch.zeros(R, span, dtype=torch.bool)
         for r, row in enumerate(rows):
             if not row.done:
-                keep[r, : row.take(props[r], post[r], sizes[r], max_new, stop_ids) + 1] = True
-        valid = torch.cat([valid, keep.to(ddev)], dim=1)
+                n = min(sizes[r] - 1 + shift, keep[r])
+                seen[r, : row.take(props[r], post[r], n, max_new, stop_ids) + 1] = True
+        valid = torch.cat([valid, seen.to(ddev)], dim=1)
         state.extend(feats, q_pos)
     return [SpecOutput(_truncate(row.tokens, max_new, stop_ids), row.accepted) for row in rows]
 

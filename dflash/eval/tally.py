@@ -49,24 +49,27 @@ class DecodeSettings:
     seed: int = 0
     batch_size: int = 1
     should_stop: Callable[[], bool] | None = field(default=None, compare=False)
+    confidence: float = 0.0  # DSpark: drafter.dspark.confidence_threshold
 
     @classmethod
     def of(cls, cfg: Config, stop_ids: Iterable[int], should_stop: Callable[[], bool] | None = None) -> DecodeSettings:
         """The settings a config gives (`[eval]`, and `run.seed`), ending at `stop_ids`."""
         e = cfg.eval
-        return cls(e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size, should_stop)
+        conf = cfg.drafter.dspark.confidence_threshold if cfg.drafter.family == "dspark" else 0.0
+        return cls(e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size, should_stop, conf)
 
 
 class _Tally:
     """What the `eval` record reports, summed over generations."""
 
-    def __init__(self, block_size: int, temperature: float = 0.0, batch_size: int = 1) -> None:
+    def __init__(self, block_size: int, temperature: float = 0.0, batch_size: int = 1, drafts: int = 0) -> None:
         self.B = block_size
+        self.span = (drafts or block_size - 1) + 1  # a verify step's tokens: the drafts and the target's own
         self.temperature = temperature
         self.batch_size = batch_size if temperature <= 0 else 1
         self.largest_batch = 1  # the most prompts decoded at once
         self.singly = 0  # batched rows whose outputs differed, decided again one prompt at a time
-        self.hist = [0] * block_size
+        self.hist = [0] * self.span
         self.spec_s = self.plain_s = 0.0
         self.mismatches = self.generated = 0
         self.per_generation: list[float] = []  # each generation's own τ
@@ -84,7 +87,7 @@ class _Tally:
     def record(self, prompts: int) -> dict[str, Any]:
         hist, steps = self.hist, sum(self.hist)
         tau = sum((a + 1) * n for a, n in enumerate(hist)) / steps if steps else 0.0
-        per_position = [sum(hist[k:]) / steps if steps else 0.0 for k in range(1, self.B)]
+        per_position = [sum(hist[k:]) / steps if steps else 0.0 for k in range(1, self.span)]
         gens = self.per_generation
         return {
             "tau": round(tau, 4),
@@ -126,12 +129,14 @@ class _Evaluation:
 
     def __init__(self, target: Target, drafter: DFlashDrafter, head: FrozenHead, settings: DecodeSettings) -> None:
         self.target, self.drafter, self.head, self.settings = target, drafter, head, settings
-        self.tally = _Tally(drafter.spec.block_size, settings.temperature, settings.batch_size)
+        spec = drafter.spec
+        self.tally = _Tally(spec.block_size, settings.temperature, settings.batch_size, spec.drafts)
         self.generator = torch.Generator().manual_seed(settings.seed)
 
     def one(self, prompt: torch.Tensor) -> SpecOutput:
         """One speculative generation and the plain one (greedy: it must equal it), both timed."""
-        s, sampling = self.settings, Sampling(self.tally.temperature, self.generator)
+        s = self.settings
+        sampling = Sampling(self.tally.temperature, self.generator, s.confidence)
         t0 = time.perf_counter()
         models = (self.target, self.drafter, self.head)
         spec = speculative_generate(*models, prompt, s.max_new, s.stop_ids, sampling, s.should_stop)
@@ -155,7 +160,7 @@ class _Evaluation:
         s, models = self.settings, (self.target, self.drafter, self.head)
         self.tally.largest_batch = max(self.tally.largest_batch, len(chunk))
         t0 = time.perf_counter()
-        specs = speculative_generate_batch(*models, chunk, s.max_new, s.stop_ids, s.should_stop)
+        specs = speculative_generate_batch(*models, chunk, s.max_new, s.stop_ids, s.should_stop, s.confidence)
         t1 = time.perf_counter()
         plains = greedy_generate_batch(self.target, chunk, s.max_new, s.stop_ids, s.should_stop)
         t2 = time.perf_counter()
@@ -163,7 +168,8 @@ class _Evaluation:
         for p, spec, plain in zip(chunk, specs, plains, strict=True):
             if spec.tokens != plain:
                 self.tally.singly += 1
-                spec = speculative_generate(*models, p, s.max_new, s.stop_ids, should_stop=s.should_stop)
+                spec = speculative_generate(*models, p, s.max_new, s.stop_ids, Sampling(confidence=s.confidence),
+                                            s.should_stop)  # fmt: skip
                 plain = greedy_generate(self.target, p, s.max_new, s.stop_ids, should_stop=s.should_stop)
             self.tally.add(spec, plain, (t1 - t0) / len(chunk), (t2 - t1) / len(chunk))
             outs.append(spec)

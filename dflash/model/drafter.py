@@ -21,7 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.modeling_dflash import DFlashMLP, DFlashRMSNorm, _rope, _rotate, scaled_rope
+from dflash.model.modeling_dflash import (
+    CandidateSelector,
+    ConfidenceHead,
+    DFlashMLP,
+    DFlashRMSNorm,
+    DynamicConv,
+    MarkovHead,
+    _rope,
+    _rotate,
+    around,
+    scaled_rope,
+)
 
 __all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers"]
 
@@ -58,7 +69,26 @@ class DrafterSpec:
     sliding_causal_block: bool = True
     max_position_embeddings: int = 32768
     rope_scaling: dict[str, Any] | None = None  # the target's (llama3, yarn, ...); None: plain RoPE
+    family: str = "dflash"  # "dflash", "dflash2" or "dspark" (drafter.family)
+    conv_kernel_size: int = 0  # dflash2: the dynamic convolutions' taps ...
+    conv_group_size: int = 0  # ... and channels per kernel
+    selector_rank: int = 0  # dflash2: the candidate selector's rank ...
+    selector_top_k: int = 0  # ... and candidates per slot
+    markov_rank: int = 0  # dspark: the Markov head's rank
+    confidence_head: bool = False  # dspark: with a confidence head ...
+    confidence_with_markov: bool = False  # ... that also reads W1[prev]
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shift(self) -> int:
+        """Slot k of a block anchored at a predicts the token at a + k + shift: 0 (slot 0 is
+        the given anchor), 1 for DSpark (every slot predicts, the anchor's the next token)."""
+        return 1 if self.family == "dspark" else 0
+
+    @property
+    def drafts(self) -> int:
+        """Tokens one block drafts: B − 1, or B for DSpark."""
+        return self.block_size - 1 + self.shift
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,10 +210,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        self.attention_conv: DynamicConv | None = None  # DFlash2: around the attention ...
+        self.mlp_conv: DynamicConv | None = None  # ... and the MLP
+        if spec.family == "dflash2":
+            args = (spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size, spec.block_size)
+            self.attention_conv, self.mlp_conv = DynamicConv(*args), DynamicConv(*args)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + around(self.attention_conv, self.input_layernorm(x),
+                       lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask))  # fmt: skip
+        return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
+
+    def forward_cached(self, x: torch.Tensor, kv: Any, rope_q: Any, mask: torch.Tensor) -> torch.Tensor:
+        """`forward` for one block reading cached context keys/values (inference)."""
+        x = x + around(self.attention_conv, self.input_layernorm(x),
+                       lambda h: self.self_attn.forward_cached(h, kv, rope_q, mask))  # fmt: skip
+        return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
 
     def forward_drafts(
         self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: torch.Tensor, block_size: int
@@ -214,6 +256,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(spec, layer_type) for layer_type in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        V, H = spec.vocab_size, spec.hidden_size
+        if spec.family == "dflash2":
+            self.candidate_selector = CandidateSelector(V, H, spec.selector_rank, spec.selector_top_k)
+        if spec.family == "dspark":
+            self.markov_head = MarkovHead(V, spec.markov_rank)
+            if spec.confidence_head:
+                self.confidence_head = ConfidenceHead(H, spec.markov_rank if spec.confidence_with_markov else 0)
         # Not a buffer: `.to(bfloat16)` would round the frequencies. Kept in fp32 and moved to
         # the device where it is first needed (once per device).
         self._scaled = scaled_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings)
@@ -229,12 +278,23 @@ class DFlashDrafter(nn.Module):
         return self._scaled
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        """N(0, std²) but norms (1), DFlash2's convolutions (the identity) and DSpark's
+        confidence bias (0). The DFlash parameters draw the same numbers in every family."""
         with torch.no_grad():
             for name, p in sorted(self.named_parameters()):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif "_conv." in name or name.startswith(("candidate_selector.", "markov_head.", "confidence_head.")):
+                    continue  # drawn below, after the backbone's
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
+            for layer in self.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    if conv is not None:
+                        conv.reset_parameters()
+            for name, p in sorted(self.named_parameters()):
+                if name.startswith(("candidate_selector.", "markov_head.", "confidence_head.")):
+                    p.copy_(torch.randn(p.shape, generator=generator) * std if p.dim() > 1 else torch.zeros_like(p))
 
     @torch.no_grad()
     def init_from_target(self, target_model: nn.Module, layer_ids: list[int]) -> list[str]:
@@ -280,7 +340,8 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """`drafts_only`: the rows of the blocks' anchors (slot 0) in the output are not
         computed by the last layer (training: no loss there); the draft slots' are the same.
-        With dense masks only (a BlockMask cannot drop queries): ignored with flex."""
+        With dense masks only (a BlockMask cannot drop queries): ignored with flex, and where
+        the anchor's row counts (`skips_anchors`)."""
         ctx = self.hidden_norm(self.fc(context))  # (R, T, H): one feature for all layers
         rope_q = self._rope(q_pos)
         rope_k = self._rope(torch.cat([ctx_pos, q_pos], dim=1))
@@ -288,11 +349,17 @@ class DFlashDrafter(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             mask = masks[layer.layer_type]
-            if drafts_only and i == last and isinstance(mask, torch.Tensor) and self.spec.block_size > 1:
+            if drafts_only and i == last and isinstance(mask, torch.Tensor) and self.skips_anchors:
                 x = layer.forward_drafts(x, ctx, rope_q, rope_k, mask, self.spec.block_size)
             else:
                 x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x)
+
+    @property
+    def skips_anchors(self) -> bool:
+        """Whether the last layer may leave the anchors' rows out: not where the anchor's slot
+        predicts (DSpark) or feeds the next slot through a convolution (DFlash2)."""
+        return self.spec.family == "dflash" and self.spec.block_size > 1
 
     # -- inference: context keys/values cached, one block at a time ------------------------
     def extend_context(self, cache: DrafterCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
@@ -312,9 +379,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             kv = cache.kv[i]
             assert kv is not None, "extend_context first"
-            h = layer.self_attn.forward_cached(layer.input_layernorm(x), kv, rope_q, masks[layer.layer_type])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.forward_cached(x, kv, rope_q, masks[layer.layer_type])
         return self.norm(x)
 
 

@@ -33,9 +33,14 @@ __all__ = [
 ]
 
 
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
+_FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
+
+
 def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
+    """The reference format (z-lab's, vLLM's): the architecture names the family."""
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[spec.family]],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
@@ -66,8 +71,30 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
             # vLLM reads `causal`, not ours: written only as false (a block bidirectional in the
             # sliding layers too); true would make vLLM's full layers causal as well.
             **({} if spec.sliding_causal_block else {"causal": False}),
+            **_dflash2_keys(spec),
         },
+        **_dspark_keys(spec),
     }
+
+
+def _dflash2_keys(spec: DrafterSpec) -> dict[str, Any]:
+    if spec.family != "dflash2":
+        return {}
+    return {
+        "conv_kernel_size": spec.conv_kernel_size, "conv_group_size": spec.conv_group_size,
+        "selector_rank": spec.selector_rank, "selector_top_k": spec.selector_top_k,
+    }  # fmt: skip
+
+
+def _dspark_keys(spec: DrafterSpec) -> dict[str, Any]:
+    """DSpark's keys sit at the top level of the config (vLLM's `qwen3_dspark.py` reads them
+    there; `sample_from_anchor` written, as its default differs between engines)."""
+    if spec.family != "dspark":
+        return {}
+    return {
+        "markov_rank": spec.markov_rank, "enable_confidence_head": spec.confidence_head,
+        "confidence_head_with_markov": spec.confidence_with_markov, "sample_from_anchor": True,
+    }  # fmt: skip
 
 
 def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, Any]:
@@ -82,14 +109,15 @@ def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, 
             "causal flag for all layers); export it in the default format"
         )
         raise CheckpointError(msg)
-    ours_only = ("dflash_config", "auto_map", "architectures")
+    family = _dflash2_keys(spec) | _dspark_keys(spec)
+    ours_only = ("dflash_config", "auto_map", "architectures", *family)
     layers = {k: v for k, v in drafter_config_json(spec).items() if k not in ours_only}
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": [_SPECULATORS_ARCH[spec.family]],
+        "speculators_model_type": spec.family,
         "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1}],
+            "algorithm": spec.family,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.drafts}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": []},
         },
@@ -99,7 +127,13 @@ def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, 
         "draft_vocab_size": spec.vocab_size,
         "sliding_window_non_causal": True,
         "block_size": spec.block_size,
+        "sample_from_anchor": spec.family == "dspark",
+        **({"markov_head_type": "vanilla"} if spec.family == "dspark" else {}),
+        **family,
     }
+
+
+_SPECULATORS_ARCH = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
 
 
 def export_drafter(
@@ -113,13 +147,39 @@ def export_drafter(
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = drafter_config_json(model.spec) if fmt == "dflash" else speculators_config_json(model.spec, verifier)
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tensors = {  # DSpark's confidence head stays float32 (vLLM loads it so)
+        k: v.detach().to("cpu", torch.float32 if k.startswith("confidence_head.") else dtype).contiguous()
+        for k, v in model.state_dict().items()
+    }
     with atomic_path(out, folder=True) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # the self-contained modeling file AutoModel(..., trust_remote_code=True) loads
         shutil.copyfile(_MODELING, tmp / "modeling_dflash.py")
     return out
+
+
+def _family_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The DrafterSpec fields of the family the config's architecture names."""
+    archs = cfg.get("architectures") or ["DFlashDraftModel"]
+    family = _FAMILY_OF.get(archs[0] if isinstance(archs, list) and archs else "")
+    if family is None:
+        msg = f"drafter config.json: architecture {archs} is none of {', '.join(_FAMILY_OF)}"
+        raise CheckpointError(msg)
+    d = cfg.get("dflash_config") or {}
+    if family == "dflash2":
+        keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        return {"family": family, **{k: int(d[k]) for k in keys}}
+    if family == "dspark":
+        if not cfg.get("sample_from_anchor", True):
+            msg = "drafter config.json: a DSpark drafter with sample_from_anchor false is not one dflash trains"
+            raise CheckpointError(msg)
+        conf = bool(cfg.get("enable_confidence_head", False))
+        return {
+            "family": family, "markov_rank": int(cfg["markov_rank"]), "confidence_head": conf,
+            "confidence_with_markov": conf and bool(cfg.get("confidence_head_with_markov", False)),
+        }  # fmt: skip
+    return {}
 
 
 def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
@@ -144,6 +204,7 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
             sliding_causal_block=bool(d.get("sliding_causal_block", True)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             rope_scaling=dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None,
+            **_family_fields(cfg),
         )
     except (KeyError, TypeError, ValueError) as err:
         msg = f"drafter config.json is missing or has a bad field: {err}"
@@ -157,11 +218,22 @@ def _from_speculators(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         flat = dict(cfg["transformer_layer_config"])
         sliding = "sliding_attention" in (flat.get("layer_types") or [])
+        family = str(cfg["speculators_model_type"])
+        flat["architectures"] = [ARCHITECTURES[family]]
         flat["dflash_config"] = {
             "mask_token_id": cfg["mask_token_id"],
             "target_layer_ids": [int(i) - 1 for i in cfg["aux_hidden_state_layer_ids"]],
             "sliding_causal_block": not cfg.get("sliding_window_non_causal", True) if sliding else True,
         }
+        if family == "dflash2":
+            for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                flat["dflash_config"][k] = cfg[k]
+        if family == "dspark":
+            if cfg.get("markov_head_type", "vanilla") != "vanilla":
+                msg = f"speculators config.json: markov_head_type {cfg['markov_head_type']!r}: only 'vanilla' is served"
+                raise CheckpointError(msg)
+            for k in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
+                flat[k] = cfg.get(k, True)  # speculators' defaults
     except (KeyError, TypeError, ValueError) as err:
         msg = f"speculators config.json is missing or has a bad field: {err}"
         raise CheckpointError(msg) from None
@@ -204,7 +276,7 @@ def weight_mismatches(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 def _load_weights(model: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
     wrong = weight_mismatches(model, state)
     if wrong:
-        msg = f"{where}: weights do not match the drafter's config: {'; '.join(wrong)}"
+        msg = f"{where}: weights do not match the drafter's config ({model.spec.family}): {'; '.join(wrong)}"
         raise CheckpointError(msg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
 
@@ -215,7 +287,7 @@ def is_export(path: Path) -> bool:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    ours = isinstance(cfg, dict) and ("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash")
+    ours = isinstance(cfg, dict) and ("dflash_config" in cfg or cfg.get("speculators_model_type") in ARCHITECTURES)
     return ours and (path / "model.safetensors").is_file()
 
 
@@ -296,7 +368,7 @@ def load_drafter(
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         msg = f"{cfg_file}: not valid JSON: {err}"
         raise CheckpointError(msg) from None
-    if cfg.get("speculators_model_type") == "dflash":  # the speculators format: back to ours
+    if cfg.get("speculators_model_type") in ARCHITECTURES:  # the speculators format: back to ours
         cfg = _from_speculators(cfg)
     model = DFlashDrafter(_spec_from_config(cfg))
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash.config import Config
 
 __all__ = [
-    "BlockTargets", "LossParts", "LossSpec", "LossVocab", "block_loss", "block_targets", "dpace_weights",
+    "BlockTargets", "FamilyTerms", "LossParts", "LossSpec", "LossVocab", "block_loss", "block_targets", "dpace_weights",
     "gamma_weights", "reveal_slots",
 ]  # fmt: skip
 
@@ -50,10 +50,16 @@ class LossSpec:
     negatives: int = 4096  # vocab = "data": sampled negatives per micro-batch
     noise_reveal_start: float = 0.0  # chance a slot shows its true token at step 0 ...
     noise_reveal_end: float = 0.0  # ... and at the last step (linear in between)
+    selector_loss: float = 1.0  # DFlash2: the selector's cross-entropy weight (drafter.dflash2)
+    confidence_loss: float = 1.0  # DSpark: the confidence head's BCE weight (drafter.dspark)
 
     @classmethod
     def from_config(cls, cfg: Config) -> LossSpec:
-        return cls(block_size=cfg.drafter.block_size, gamma=cfg.drafter.resolved_gamma, **cfg.loss.model_dump())
+        d = cfg.drafter
+        return cls(
+            block_size=d.block_size, gamma=d.resolved_gamma, selector_loss=d.dflash2.selector_loss,
+            confidence_loss=d.dspark.confidence_loss, **cfg.loss.model_dump(),
+        )  # fmt: skip
 
     @property
     def dpace(self) -> bool:
@@ -92,6 +98,7 @@ class LossVocab:
     index: torch.Tensor
     outside: torch.Tensor
     bias: torch.Tensor | None
+    ids: torch.Tensor | None = None  # (V',) the token of each of the data's rows
     _heads: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -108,7 +115,12 @@ class LossVocab:
         if k:
             bias = torch.zeros(len(ids) + k, device=dev)
             bias[len(ids) :] = math.log(len(outside) / k)
-        return cls(lm_head[ids].contiguous(), index, outside, bias)
+        return cls(lm_head[ids].contiguous(), index, outside, bias, ids)
+
+    def cols(self, drawn: torch.Tensor) -> torch.Tensor:
+        """The token id of each row of `head(full, drawn)` (V' + K,)."""
+        assert self.ids is not None
+        return torch.cat([self.ids, self.outside.index_select(0, drawn)])
 
     def draw(self, generator: torch.Generator) -> torch.Tensor:
         """Positions into `outside` of one micro-batch's K negatives (host, with replacement)."""
@@ -145,10 +157,10 @@ class LossVocab:
         return buf, self.bias
 
 
-def gamma_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """(B,) float: w_0 = 0, w_k = exp(-(k-1)/γ) for k >= 1."""
-    w = torch.tensor([0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)])
-    return w
+def gamma_weights(block_size: int, gamma: float, shift: int = 0) -> torch.Tensor:
+    """(B,) float: w_0 = 0, w_k = exp(-(k-1)/γ) for k >= 1; with `shift` 1 (DSpark: slot k
+    predicts the token k + 1 after the anchor) w_k = exp(-k/γ)."""
+    return torch.tensor([0.0 if k + shift < 1 else math.exp(-(k + shift - 1) / gamma) for k in range(block_size)])
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,7 @@ class BlockTargets:
     weight_sum: float  # Σ w over the selected slots
     count_per_slot: torch.Tensor  # (B,) int64 how many slots of each offset count
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # (M, k) top-k target logits and ids, distillation
+    prev: torch.Tensor | None = None  # (M,) int64 the data's token before each label (DFlash2, DSpark)
 
 
 def block_targets(
@@ -173,23 +186,27 @@ def block_targets(
     block_size: int,
     gamma: float,
     reveal: torch.Tensor | None = None,  # (R, N, B) bool: slots given their true token
+    shift: int = 0,  # DrafterSpec.shift: slot k predicts the token at anchor + k + shift
 ) -> BlockTargets:
-    """Which block slots count, their labels and weights. Revealed slots have no loss."""
+    """Which block slots count, their labels, weights and the tokens before the labels.
+    Revealed slots have no loss."""
     R, T = input_ids.shape
     B = block_size
-    pos = anchors[:, :, None] + torch.arange(B)  # (R, N, B)
+    pos = anchors[:, :, None] + torch.arange(B) + shift  # (R, N, B) the labels' positions
     inside = pos < T
     p = pos.clamp(max=T - 1).reshape(R, -1)
     labels = torch.gather(input_ids, 1, p).view_as(pos)
+    prev = torch.gather(input_ids, 1, (p - 1).clamp(min=0)).view_as(pos)
     same_doc = torch.gather(doc_ids, 1, p).view_as(pos) == torch.gather(doc_ids, 1, anchors)[:, :, None]
     supervised = torch.gather(loss_mask.bool(), 1, p).view_as(pos)
     m = valid[:, :, None] & inside & same_doc & supervised
-    m[:, :, 0] = False
+    if shift == 0:
+        m[:, :, 0] = False  # the anchor itself
     if reveal is not None:
         m &= ~reveal
     sel = torch.nonzero(m.flatten()).flatten()
     slot = sel % B
-    w = gamma_weights(B, gamma)
+    w = gamma_weights(B, gamma, shift)
     weights = w[slot]
     return BlockTargets(
         sel=sel,
@@ -198,6 +215,7 @@ def block_targets(
         slot=slot,
         weight_sum=float(weights.sum()),  # no-sync: labels and weights are built on the host
         count_per_slot=torch.bincount(slot, minlength=B),
+        prev=prev.flatten()[sel],
     )
 
 
@@ -253,6 +271,19 @@ def dpace_weights(
         return suffix.reshape(-1)[sel]
 
 
+class FamilyTerms(Protocol):
+    """What a drafter family adds to the loss of a chunk of supervised rows (`dflash.model.
+    dflash2`, `dspark`): from the unary logits (m, V'), the rows' states (m, H), labels and
+    the tokens before them (m,), and the token id of each logit column (`cols`; None: the
+    column is the id), the logits the cross-entropy reads, an extra loss per row (or None)
+    and whether what the family drafts is the label (or None: the argmax is what it drafts)."""
+
+    def __call__(
+        self, logits: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
+        cols: torch.Tensor | None, teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...  # fmt: skip
+
+
 def _chunk_loss(
     h: torch.Tensor,
     head: torch.Tensor,
@@ -262,11 +293,19 @@ def _chunk_loss(
     distill: float = 0.0,
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
+    terms: FamilyTerms | None = None,
+    prev: torch.Tensor | None = None,
+    cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the loss, whether the argmax is the label, and the label's probability."""
+    """Per row: the loss, whether what the drafter drafts is the label, and the label's
+    probability."""
     logits = (h @ head.t()).float()  # (chunk, V)
     if bias is not None:  # sampled softmax's logQ correction (loss.vocab)
         logits = logits + bias
+    extra = drafted_ok = None
+    if terms is not None and prev is not None:
+        teacher = (t_vals, t_idx) if t_vals is not None and t_idx is not None else None
+        logits, extra, drafted_ok = terms(logits, h, labels, prev, cols, teacher)
     ce = F.cross_entropy(logits, labels, reduction="none")
     label_prob = torch.where(labels >= 0, torch.exp(-ce.detach()), 0.0)  # an ignored label (-100) is no sure slot
     if t_vals is not None and t_idx is not None and distill > 0:
@@ -277,9 +316,11 @@ def _chunk_loss(
         logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
         soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
+    if extra is not None:
+        ce = ce + extra
     # max's index is argmax's (the first of tied maxima), and cheaper on a CPU.
-    correct = (logits.detach().max(dim=-1).indices == labels).float()
-    return ce, correct, label_prob
+    correct = (logits.detach().max(dim=-1).indices == labels) if drafted_ok is None else drafted_ok
+    return ce, correct.float(), label_prob
 
 
 def block_loss(
@@ -288,12 +329,16 @@ def block_loss(
     targets: BlockTargets,
     spec: LossSpec,
     logit_bias: torch.Tensor | None = None,
+    terms: FamilyTerms | None = None,
+    cols: torch.Tensor | None = None,
 ) -> LossParts:
     """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
     `spec.distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
     With D-PACE position weights, each slot's host weight (1 for D-PACE: Σ w counts the slots)
     is multiplied by its D-PACE weight (`dpace_weights`), computed from this forward.
-    `logit_bias` (V,): added to every row's logits (sampled softmax's correction)."""
+    `logit_bias` (V,): added to every row's logits (sampled softmax's correction); `terms`:
+    the drafter family's additions (`FamilyTerms`), `cols` the token ids of the head's rows
+    (sampled softmax; None: all of them, in order)."""
     block_size, chunk, distill, temperature = spec.block_size, spec.chunk, spec.distill, spec.distill_temperature
     dev = hidden.device
     H = hidden.shape[-1]
@@ -304,13 +349,17 @@ def block_loss(
     labels = targets.labels.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
     weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)  # no-sync: uploaded in prepare
     slot = targets.slot.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    tv, ti = targets.teacher if targets.teacher is not None and distill > 0 else (None, None)
+    tv, ti = targets.teacher if targets.teacher is not None and (distill > 0 or terms is not None) else (None, None)
+    prev = None
+    if terms is not None and targets.prev is not None:
+        prev = targets.prev.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
     several = h.shape[0] > chunk
     losses, oks, probs = [], [], []
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
-        args = (h[s:e], lm_head, labels[s:e], *soft, distill, temperature, logit_bias)
+        args = (h[s:e], lm_head, labels[s:e], *soft, distill, temperature, logit_bias, terms,
+                None if prev is None else prev[s:e], cols)  # fmt: skip
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
             part, ok, prob = checkpoint(_chunk_loss, *args, use_reentrant=False)

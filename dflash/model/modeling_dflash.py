@@ -10,13 +10,22 @@ the parameter names are the export's, so the trained weights load into it.
     logits = hidden @ target_lm_head.T
 
 `position_ids` (B, S+Q) are the absolute positions of the S context features, then of the
-Q block slots. `attention_mask` is optional: a boolean (B, 1, Q, S+Q) tensor (True = attend)
-for the block attending to [context | block]. Without one, each layer does what vLLM,
+Q block slots (one block per row, or whole blocks of `block_size`). `attention_mask` is
+optional: a boolean (B, 1, Q, S+Q) tensor (True = attend) for the block attending to
+[context | block]. Without one, each layer does what vLLM,
 SGLang and SpecForge do (and what dflash trains): a full-attention layer lets every slot see
 all context and its whole block; a sliding layer (`layer_types`, `sliding_window` W) is
 causal inside the block and sees the last W positions, itself included. Keys and values
 of earlier context can be kept in a `transformers` `Cache` (`past_key_values`; positions
 are then taken as contiguous).
+
+The families after DFlash add to this backbone, and their weights load into it:
+DFlash2 (`dflash_config.conv_kernel_size`) a grouped dynamic convolution around every
+attention and MLP sublayer (`DynamicConv`) and a candidate selector (`CandidateSelector`:
+`model.candidate_selector.scores`); DSpark (`markov_rank`) a Markov head
+(`model.markov_head.bias(prev)`, added to the logits) and a confidence head
+(`model.confidence_head`). The forward returns the block states either way; drafting with
+them is the caller's (dflash's `dflash.model.families`).
 """
 
 from __future__ import annotations
@@ -78,6 +87,107 @@ def scaled_rope(
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+def grouped_dynamic_conv(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+) -> torch.Tensor:
+    """DFlash2's convolution over the slots of each block, never across a block start:
+    out[t, c] = Σ_τ [t mod B ≥ τ]·(base[τ, c] + delta[t, τ, c // g])·x[t − τ, c].
+    x (R, Q, H) with Q whole blocks (or one shorter block), delta (R, Q, taps, H/g), base (taps, H)."""
+    Q = x.shape[1]
+    taps = base.shape[0]
+    slot = torch.arange(Q, device=x.device).remainder(block_size)
+    out = torch.zeros_like(x)
+    for tau in range(taps):
+        shifted = x if tau == 0 else F.pad(x, (0, 0, tau, 0))[:, :Q]
+        coef = base[tau].to(x.dtype) + delta[:, :, tau].to(x.dtype).repeat_interleave(group_size, dim=-1)
+        out = out + shifted * coef * (slot >= tau).to(x.dtype)[None, :, None]
+    return out
+
+
+class DynamicConv(nn.Module):
+    """DFlash2's pair of convolutions around one sublayer: one projection of the normed input
+    gives both kernels' token-dependent parts; `prepare` convolves the sublayer's input,
+    `finish` its output. Initialised to the identity (the sublayer as in DFlash)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        R, Q, _ = x.shape
+        delta = self.kernel_projection(x).view(R, Q, 2, self.kernel_size, self.num_groups)
+        out = grouped_dynamic_conv(x, delta[:, :, 0], self.base_kernel[0], self.block_size, self.group_size)
+        return out, delta[:, :, 1]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return grouped_dynamic_conv(y, delta, self.base_kernel[1], self.block_size, self.group_size)
+
+
+def around(conv: DynamicConv | None, x: torch.Tensor, sublayer) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """`sublayer(x)`, inside `conv`'s two convolutions when there is one (DFlash2)."""
+    if conv is None:
+        return sublayer(x)
+    x, delta = conv.prepare(x)
+    return conv.finish(sublayer(x), delta)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's low-rank scorer of a slot's candidates given the token before it:
+    score[c] = unary[c] + Σ_r predecessor[prev, r]·(W_h h)[r]·successor[c, r]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def scores(self, unary: torch.Tensor, h: torch.Tensor, prev: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
+        """Edge scores (..., K) of candidate ids `cands` (..., K) with unary scores `unary`
+        (..., K), states `h` (..., H) and predecessor ids `prev` (...)."""
+        pred = self.predecessor_codebook[prev]
+        ctx = pred * self.hidden_projection(h).to(pred.dtype)
+        edge = (ctx.unsqueeze(-2) * self.successor_codebook[cands]).sum(-1)
+        return unary + edge.to(unary.dtype)
+
+
+class MarkovHead(nn.Module):
+    """DSpark's logit bias from the previous token: W2·W1[prev] (rank r)."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def bias(self, prev: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., V) for predecessor ids `prev` (...); `rows`: only these vocabulary rows."""
+        w2 = self.markov_w2.weight if rows is None else self.markov_w2.weight[rows]
+        return self.markov_w1(prev) @ w2.t()
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's estimate of each slot's acceptance: sigmoid(proj([h, W1[prev]])), in float32."""
+
+    def __init__(self, hidden_size: int, extra: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + extra, 1)
+
+    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor | None = None) -> torch.Tensor:
+        x = h.float() if prev_emb is None else torch.cat([h.float(), prev_emb.float()], dim=-1)
+        with torch.autocast(x.device.type, enabled=False):  # float32 under autocast too
+            return F.linear(x, self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)  # logits
 
 
 class DFlashAttention(nn.Module):
@@ -159,10 +269,19 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config, layer_idx)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
+        dflash = getattr(config, "dflash_config", None) or {}
+        if dflash.get("conv_kernel_size"):  # DFlash2
+            taps, group = int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"])  # no-sync: config values
+            block = int(getattr(config, "block_size", 16))  # no-sync: a config value
+            args = (config.hidden_size, taps, group, block)
+            self.attention_conv, self.mlp_conv = DynamicConv(*args), DynamicConv(*args)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, rope, mask, cache, positions):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, mask, cache, positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + around(self.attention_conv, self.input_layernorm(x),
+                       lambda h: self.self_attn(h, ctx, rope, mask, cache, positions))  # fmt: skip
+        return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -185,6 +304,16 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        V, H = config.vocab_size, config.hidden_size
+        if dflash.get("selector_rank"):  # DFlash2
+            rank, top_k = int(dflash["selector_rank"]), int(dflash["selector_top_k"])  # no-sync: config values
+            self.candidate_selector = CandidateSelector(V, H, rank, top_k)
+        if getattr(config, "markov_rank", None):  # DSpark
+            rank = int(config.markov_rank)  # no-sync: a config value
+            self.markov_head = MarkovHead(V, rank)
+            if getattr(config, "enable_confidence_head", False):
+                extra = rank if getattr(config, "confidence_head_with_markov", False) else 0
+                self.confidence_head = ConfidenceHead(H, extra)
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
         self.rope_theta = float(theta)  # no-sync: a config value

@@ -240,7 +240,35 @@ def drafter_spec(cfg: Config, t0: TargetInfo, mask_id: int) -> DrafterSpec:
         layer_types=cfg.drafter.resolved_layer_types,
         sliding_window=cfg.drafter.sliding_window,
         sliding_causal_block=cfg.drafter.sliding_causal_block,
+        **family_fields(cfg, t0),
     )
+
+
+def family_fields(cfg: Config, t0: TargetInfo) -> dict[str, Any]:
+    """The DrafterSpec fields of the drafter's family (none for DFlash)."""
+    d = cfg.drafter
+    if d.family == "dflash2":
+        o = d.dflash2
+        if t0.hidden_size % o.conv_group_size:
+            msg = (
+                f"drafter.dflash2.conv_group_size ({o.conv_group_size}) does not divide the target's hidden size "
+                f"({t0.hidden_size})"
+            )
+            raise ConfigError(msg)
+        if o.selector_top_k > t0.vocab_size:
+            msg = f"drafter.dflash2.selector_top_k ({o.selector_top_k}) exceeds the vocabulary ({t0.vocab_size})"
+            raise ConfigError(msg)
+        return {
+            "family": "dflash2", "conv_kernel_size": o.conv_kernel_size, "conv_group_size": o.conv_group_size,
+            "selector_rank": o.selector_rank, "selector_top_k": o.selector_top_k,
+        }  # fmt: skip
+    if d.family == "dspark":
+        o = d.dspark
+        return {
+            "family": "dspark", "markov_rank": o.markov_rank, "confidence_head": o.confidence_head,
+            "confidence_with_markov": o.confidence_head and o.confidence_with_markov,
+        }  # fmt: skip
+    return {}
 
 
 def _evaluator(cfg: Config, target: Target, replica: DrafterReplica, tokenizer: Any) -> Callable[..., dict[str, Any]]:
@@ -367,7 +395,10 @@ def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
 
 def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and device.type == "cuda")
-    return MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
+    shift = 1 if cfg.drafter.family == "dspark" else 0
+    return MicroStep(
+        loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total, shift=shift
+    )
 
 
 def fence(devices: Iterable[torch.device]) -> None:

@@ -99,7 +99,8 @@ def to_records(results: list[StepResult]) -> list[Record]:
     for r, row in zip(results, packed.tolist(), strict=True):  # no-sync: a host tensor now
         loss, gnorm, correct = row[0], row[1], row[2:]
         count = r.count.tolist()  # no-sync: counted on the host
-        acc = [c / n if n else 0.0 for c, n in zip(correct[1:], count[1:], strict=True)]
+        first = 0 if count[0] else 1  # slot 0 drafts only in DSpark (the anchor's next token)
+        acc = [c / n if n else 0.0 for c, n in zip(correct[first:], count[first:], strict=True)]
         tau, run = 1.0, 1.0
         for a in acc:
             run *= a

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.anchors import sample_anchors, sample_seed
+from dflash.model.families import family_terms
 from dflash.model.loss import BlockTargets, LossParts, LossSpec, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.runtime import faults
@@ -61,6 +62,7 @@ class MicroStep:
     max_anchors: int = 512  # blocks per document per step (drafter.max_anchors)
     use_flex: bool = False  # flex attention's BlockMask, else a dense boolean mask
     total_steps: int = 1  # the run's planned steps: the noise schedule spans them
+    shift: int = 0  # DrafterSpec.shift: 1 where slot k predicts the token k + 1 after the anchor (DSpark)
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> PreparedBatch:
         return prepare_batch(rep, device, feats, self, step)
@@ -118,7 +120,7 @@ def _blocks(b: Batch, micro: MicroStep, mask_id: int, B: int, reveal: float) -> 
         block_ids = torch.where(shown, true_tokens, block_ids)
     # D-PACE weighs slots on the device, from the forward; on the host each counts 1.
     gamma = math.inf if micro.loss.dpace else micro.loss.gamma
-    targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, gamma, shown)
+    targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, gamma, shown, micro.shift)
     q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     return _Blocks(anchors, valid, block_ids.view(R, N * B), q_pos, targets)
 
@@ -130,7 +132,7 @@ def _device_targets(
     on the replica's device, with the target's top-k for distillation; with `loss.vocab =
     "data"`, as rows of the loss's head, and this batch's drawn negatives."""
     spec, dev, B, host = micro.loss, rep.device, rep.model.spec.block_size, blocks.targets
-    teacher = _teacher_at_labels(feats, blocks.anchors, host.sel, B, dev)
+    teacher = _teacher_at_labels(feats, blocks.anchors, host.sel, B, dev, micro.shift)
     if spec.target_labels:  # the target's greedy token at each slot: its top-1 at position a + k − 1
         if teacher is None:
             msg = "loss.labels = 'target' needs the target's top-k next-token ids with the features"
@@ -142,22 +144,23 @@ def _device_targets(
     if spec.target_labels and spec.greedy_prefix_only:
         # Zero weight, not dropped: which slots agree is known on the target's device only,
         # and Σ w (the step's normaliser) is counted on the host.
-        weights = weights * _greedy_prefix(feats, blocks.anchors, host.sel, B, dev)
+        weights = weights * _greedy_prefix(feats, blocks.anchors, host.sel, B, dev, micro.shift)
     negatives = None
     if rep.loss_vocab is not None:  # rows of the loss's LM head; a label outside it counts 0
         labels, weights = rep.loss_vocab.labels(labels, weights)
         b = feats.batch
         g = torch.Generator().manual_seed(sample_seed(micro.seed, b.index, b.epoch) ^ 0x4E6)
         negatives = upload(rep.loss_vocab.draw(g), dev)
+    prev = None if host.prev is None else upload(host.prev, dev)
     targets = dataclasses.replace(
         host, sel=upload(host.sel, dev), labels=labels,
-        weights=weights, slot=upload(host.slot, dev), teacher=teacher,
+        weights=weights, slot=upload(host.slot, dev), teacher=teacher, prev=prev,
     )  # fmt: skip
     return targets, negatives
 
 
 def _greedy_prefix(
-    feats: HostFeatures, anchors: torch.Tensor, sel: torch.Tensor, B: int, dev: torch.device
+    feats: HostFeatures, anchors: torch.Tensor, sel: torch.Tensor, B: int, dev: torch.device, shift: int = 0
 ) -> torch.Tensor:
     """(M,) float 1 where every data token between the anchor and a supervised slot is the
     target's greedy token (its top-1 one position earlier), else 0: slot k's target label is
@@ -167,12 +170,13 @@ def _greedy_prefix(
     ids = feats.batch.input_ids
     R, N = anchors.shape
     T = ids.shape[1]
-    pos = (anchors[:, :, None] + torch.arange(B)).clamp(max=T - 1).view(R, N * B)
+    pos = (anchors[:, :, None] + torch.arange(B) + shift).clamp(max=T - 1).view(R, N * B)
     prev = (pos - 1).clamp(min=0)
     if on_device(top1):
         pos, prev, ids, sel = (upload(t, top1.device) for t in (pos, prev, ids, sel))
     agree = (torch.gather(ids, 1, pos) == torch.gather(top1.to(ids.dtype), 1, prev)).view(R, N, B)
-    agree[:, :, 0] = True  # the anchor is given
+    if shift == 0:
+        agree[:, :, 0] = True  # the anchor is given
     upto = torch.cumprod(agree.to(torch.int32), dim=-1)  # all agree at slots 0..k
     before = torch.ones_like(upto)
     before[:, :, 1:] = upto[:, :, :-1]  # all agree at slots 1..k-1
@@ -180,15 +184,15 @@ def _greedy_prefix(
 
 
 def _teacher_at_labels(
-    feats: HostFeatures, anchors: torch.Tensor, sel: torch.Tensor, B: int, dev: torch.device
+    feats: HostFeatures, anchors: torch.Tensor, sel: torch.Tensor, B: int, dev: torch.device, shift: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The target's top-k (M, k) for each supervised slot: slot k of the block at anchor a
-    predicts the token at a + k, which the target predicted at position a + k − 1."""
+    predicts the token at a + k (+ shift), which the target predicted one position earlier."""
     if feats.teacher is None:
         return None
     vals, idx = feats.teacher
     N = anchors.shape[1]
-    where = (anchors[:, :, None] + torch.arange(B) - 1).clamp(min=0).reshape(-1)[sel]  # (M,) positions
+    where = (anchors[:, :, None] + torch.arange(B) + shift - 1).clamp(min=0).reshape(-1)[sel]  # (M,) positions
     rows = sel // (N * B)
     if on_device(vals):  # still on the target's GPU (shared with this replica)
         rows, where = upload(rows, vals.device), upload(where, vals.device)
@@ -210,10 +214,12 @@ def _loss(
 ) -> LossParts:
     """The chunked block loss over the full LM head, or (`loss.vocab = "data"`) the data's
     rows and this batch's negatives, in `dtype` (that of autocast's matmul; None: the head's)."""
-    lm_head, bias = rep.head.lm_head, None
+    lm_head, bias, cols = rep.head.lm_head, None, None
+    terms = family_terms(rep.model, spec)
     if rep.loss_vocab is not None and batch.negatives is not None:
         lm_head, bias = rep.loss_vocab.head(rep.head.lm_head, batch.negatives, dtype)
-    return block_loss(hidden, lm_head, batch.targets, spec, logit_bias=bias)
+        cols = rep.loss_vocab.cols(batch.negatives) if terms is not None else None
+    return block_loss(hidden, lm_head, batch.targets, spec, logit_bias=bias, terms=terms, cols=cols)
 
 
 def compute(rep: DrafterReplica, device: Device, batch: PreparedBatch, spec: LossSpec) -> LossParts:

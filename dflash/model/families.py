@@ -1,0 +1,60 @@
+"""The drafter families, seen from training and decoding: what each adds to the loss
+(`family_terms`) and how each drafts a block from the drafter's states (`propose`).
+
+DFlash drafts each slot's argmax; DFlash2 walks its candidate selector (`dflash2.py`);
+DSpark drafts left to right with its Markov bias (`dspark.py`). The backbone is one
+(`drafter.py`), its family-specific modules built from `DrafterSpec.family`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.loss import FamilyTerms, LossSpec
+
+__all__ = ["FAMILIES", "family_terms", "propose"]
+
+FAMILIES = ("dflash", "dflash2", "dspark")
+
+
+def family_terms(model: DFlashDrafter, spec: LossSpec) -> FamilyTerms | None:
+    """The family's additions to the block loss; None for DFlash."""
+    family = model.spec.family
+    if family == "dflash2":
+        from dflash.model.dflash2 import SelectorTerms
+
+        return SelectorTerms(model.candidate_selector, spec.selector_loss)
+    if family == "dspark":
+        from dflash.model.dspark import MarkovTerms
+
+        return MarkovTerms(model.markov_head, getattr(model, "confidence_head", None), spec.confidence_loss)
+    return None
+
+
+def propose(
+    model: DFlashDrafter,
+    h: torch.Tensor,  # (R, n, H) the draft slots' states
+    lm_head: torch.Tensor,  # (V, H)
+    anchor: torch.Tensor,  # (R,) each block's anchor token
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # no-sync: decoding (eval), off the training path
+    """The drafted tokens (R, n) and, sampled (temperature > 0), the distributions (R, n, V)
+    they were drawn from (on the host), which speculative sampling's verification needs."""
+    R, n, H = h.shape
+    logits = torch.nn.functional.linear(h.reshape(R * n, H).to(lm_head.dtype), lm_head).view(R, n, -1)
+    family = model.spec.family
+    if family == "dflash2":
+        from dflash.model.dflash2 import walk
+
+        return walk(model.candidate_selector, logits, h, anchor, temperature, generator)
+    if family == "dspark":
+        from dflash.model.dspark import draft
+
+        return draft(model.markov_head, logits, anchor, temperature, generator)
+    if temperature <= 0:
+        return logits.argmax(dim=-1), None
+    q = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    drawn = torch.multinomial(q.view(R * n, -1), 1, generator=generator).view(R, n)
+    return drawn.to(h.device), q

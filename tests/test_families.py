@@ -1,0 +1,203 @@
+"""The drafter families after DFlash: DFlash2 (dynamic convolutions + candidate selector) and
+DSpark (Markov head + confidence head).
+
+- against speculators 0.9 (a reference no one here wrote, in .venv-engines): the same drafts
+  and scores on the same target hidden states, the same loss on the same batch;
+- each family's tiny run → export (both formats) → `load_drafter` and `AutoModel` → eval,
+  lossless; pipeline == serial; a resume refuses a checkpoint of another family;
+- bad input: an option out of range, another family's option, an export whose weights are
+  not its declared family's: one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.errors import CheckpointError, ConfigError, DFlashError
+from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
+from dflash.model.export import export_drafter, load_drafter
+from tests.conftest import ROOT, run_records
+from tests.test_engines import ENGINES_PY
+
+OPTIONS = {"dflash2": {"drafter.dflash2.selector_rank": "16", "drafter.dflash2.selector_top_k": "8"},
+           "dspark": {"drafter.dspark.markov_rank": "16"}}  # fmt: skip
+
+
+def _family(name: str) -> dict[str, str]:
+    return {"drafter.family": f'"{name}"', **OPTIONS.get(name, {})}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    if not ENGINES_PY.exists():
+        pytest.fail(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
+    proc = subprocess.run([str(ENGINES_PY), str(ROOT / "tests" / "speculators_reference.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    if "No module named 'speculators'" in proc.stderr:
+        pytest.fail(f"speculators is not installed in {ENGINES_PY}: `make engines` installs it")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_drafts_and_scores_equal_speculators(reference, family):
+    """DFlash2's greedy walk and DSpark's Markov-biased tokens (and its confidence) from the
+    same exported weights and target hidden states: the same tokens, scores within 1e-4."""
+    got = reference[family]["drafting"]
+    assert got["ours"] == got["theirs"]
+    assert got["score_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_one_batch_loss_equals_speculators(reference, family):
+    """The unary cross-entropy plus the selector's (DFlash2) or the Markov-biased
+    cross-entropy plus the confidence BCE (DSpark), γ-weighted, on the same anchors: per
+    supervised slot, within 1e-4 of speculators' eager loss."""
+    got = reference[family]["training"]
+    assert abs(got["ours_sum"] - got["theirs_sum"]) / got["slots"] < 1e-4
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_tiny_run_exports_loads_and_decodes_lossless(tiny_config, tmp_path, family):
+    """Train, export, load the export back (both formats), eval: lossless, as DFlash."""
+    from dflash.eval import DecodeSettings, evaluate
+    from dflash.model.target import load_target
+
+    cfg = tiny_config(**_family(family), **{"eval.num_prompts": "2", "eval.max_new_tokens": "12"})
+    records = run_records(cfg, timeout_s=240)
+    (end,) = [r for r in records if r["event"] == "run_end"]
+    assert end["eval_lossless"] is True and end["final_loss"] is not None
+    method = "dspark" if family == "dspark" else "dflash"
+    assert end["vllm_speculative_config"]["method"] == method
+    export = Path(end["export_dir"])
+    arch = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}[family]
+    assert json.loads((export / "config.json").read_text())["architectures"] == [arch]
+    drafter = load_drafter(export)
+    assert drafter.spec.family == family
+    again = export_drafter(drafter, tmp_path / "spec", dtype=torch.float32, fmt="speculators")
+    assert load_drafter(again).spec == drafter.spec
+    target = load_target(cfg.target, torch.device("cpu"), 1)
+    head = FrozenHead(target.embed_weight, target.lm_head_weight)
+    prompts = [torch.randint(0, 400, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for batch in (1, 2):
+        rec = evaluate(target, drafter, head, prompts, DecodeSettings(max_new=12, batch_size=batch))
+        assert rec["lossless"] is True
+
+
+def _spec(family: str, **kw: object) -> DrafterSpec:
+    fam = {
+        "dflash2": {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
+        "dspark": {"markov_rank": 8, "confidence_head": True, "confidence_with_markov": True},
+    }.get(family, {})
+    return DrafterSpec(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, target_layer_ids=[0, 2], num_target_layers=4,
+        block_size=4, mask_token_id=63, layer_types=["full_attention"] * 2, sliding_window=8, family=family,
+        **{**fam, **kw},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_automodel_computes_what_load_drafter_computes(tmp_path, family):
+    """The export's own modeling file builds every family (its extra weights load) and its
+    block states equal dflash's."""
+    from transformers import AutoModel
+
+    d = DFlashDrafter(_spec(family))
+    d.init_weights(torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "_conv." in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.2)
+    path = export_drafter(d, tmp_path / "exp", dtype=torch.float32)
+    hf = AutoModel.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32)
+    assert set(dict(hf.named_parameters())) == set(dict(d.named_parameters()))
+    R, T, Q = 2, 9, 4
+    g = torch.Generator().manual_seed(2)
+    emb, ctx = torch.randn(R, Q, 32, generator=g), torch.randn(R, T, 64, generator=g)
+    ctx_pos, q_pos = torch.arange(T).expand(R, T), (T + torch.arange(Q)).expand(R, Q)
+    full = torch.ones(R, 1, Q, T + Q, dtype=torch.bool)
+    with torch.no_grad():
+        a = d(emb, ctx, q_pos, ctx_pos, {"full_attention": full})
+        b = hf(position_ids=torch.cat([ctx_pos, q_pos], 1), noise_embedding=emb, target_hidden=ctx)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+
+
+def test_convolutions_start_as_the_identity():
+    """DFlash2 initialised computes what DFlash with the same draws computes: the
+    convolutions are the identity until trained (speculators' initialisation)."""
+    a, b = DFlashDrafter(_spec("dflash")), DFlashDrafter(_spec("dflash2"))
+    a.init_weights(torch.Generator().manual_seed(0))
+    b.init_weights(torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    emb, ctx = torch.randn(1, 8, 32, generator=g), torch.randn(1, 5, 64, generator=g)
+    masks = {"full_attention": torch.ones(1, 1, 8, 13, dtype=torch.bool)}
+    args = (emb, ctx, torch.arange(5, 13)[None], torch.arange(5)[None], masks)
+    with torch.no_grad():
+        assert torch.equal(a(*args), b(*args))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"drafter.family": '"dflash2"', "drafter.dflash2.conv_kernel_size": "9"},
+         "dflash2.conv_kernel_size (9) is larger than block_size (8)"),
+        ({"drafter.family": '"dflash2"', "drafter.dflash2.selector_top_k": "1"}, "selector_top_k"),
+        ({"drafter.family": '"dflash2"', "drafter.dspark.markov_rank": "16"},
+         "drafter.dspark.markov_rank is set, but drafter.family is 'dflash2', not 'dspark'"),
+        ({"drafter.dflash2.selector_rank": "16"}, "drafter.family is 'dflash', not 'dflash2'"),
+        ({"drafter.family": '"dflare"'}, "drafter.family"),
+    ],
+)  # fmt: skip
+def test_bad_family_options_are_one_line(tiny_config, overrides, says):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(**overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_group_size_that_does_not_divide_the_hidden_size_is_one_line(tiny_config):
+    from dflash.model.target import load_target
+    from dflash.train.build import drafter_spec
+
+    cfg = tiny_config(**{"drafter.family": '"dflash2"', "drafter.dflash2.conv_group_size": "24"})
+    info = load_target(cfg.target, torch.device("cpu"), 1)  # a Target is its own TargetInfo
+    with pytest.raises(ConfigError, match=r"conv_group_size \(24\) does not divide the target's hidden size \(64\)"):
+        drafter_spec(cfg, info, 511)
+
+
+def test_an_export_whose_weights_are_another_familys_is_one_line(tmp_path):
+    path = export_drafter(DFlashDrafter(_spec("dflash2")), tmp_path / "exp", dtype=torch.float32)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["DFlashDraftModel"]  # declared DFlash, carrying DFlash2's weights
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as err:
+        load_drafter(path)
+    line = str(err.value)
+    assert "weights do not match the drafter's config (dflash)" in line and "unexpected" in line
+    assert "\n" not in line
+
+
+def test_a_checkpoint_of_another_family_is_refused_on_resume(tiny_config):
+    cfg = tiny_config(**_family("dflash2"), **{"checkpoint.every_steps": "2", "train.max_steps": "2"})
+    run_records(cfg, timeout_s=240)
+    other = tiny_config(**{"checkpoint.every_steps": "2", "train.max_steps": "4"})
+    with pytest.raises(DFlashError) as err:
+        run_records(other, timeout_s=240, resume=cfg.run_dir / "checkpoints" / "step_000002")
+    assert "family" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pipeline_equals_serial(tiny_config):
+    """The DFlash2 and DSpark losses step for step: the pipeline's stages and the serial
+    loop compute the same thing."""
+    for family in ("dflash2", "dspark"):
+        losses = []
+        for mode in ("pipeline", "serial"):
+            cfg = tiny_config(**_family(family), **{"pipeline.mode": f'"{mode}"', "eval.at_end": "false",
+                                                    "train.max_steps": "4"})  # fmt: skip
+            losses.append([r["loss"] for r in run_records(cfg, timeout_s=240) if r["event"] == "train_step"])
+        assert losses[0] == losses[1] and len(losses[0]) == 4

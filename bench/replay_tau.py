@@ -41,6 +41,7 @@ from dflash.errors import DFlashError  # noqa: E402
 from dflash.features.files import folder_for, read_folder, read_meta  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, FrozenHead  # noqa: E402
 from dflash.model.export import load_drafter  # noqa: E402
+from dflash.model.families import propose  # noqa: E402
 from dflash.model.loading import load_tokenizer  # noqa: E402
 from dflash.model.masks import BlockLayout, layer_masks  # noqa: E402
 from dflash.model.target import load_target  # noqa: E402
@@ -77,8 +78,11 @@ def accepted_per_anchor(
 ) -> list[int]:
     """Drafts accepted by greedy verification at each anchor start..end-2 of a reply that the
     target generated at positions start..end-1 (consecutive matches with its next tokens; none
-    past `end`, as eval's last block is cut at max_new_tokens), from one teacher-forced forward."""
+    past `end`, as eval's last block is cut at max_new_tokens), from one teacher-forced forward.
+    Each family drafts as in eval (`propose`: DFlash2's walk, DSpark's Markov chain from its own
+    drafts): up to the first miss its drafts are the truth, so the count is eval's."""
     B, mask_id = drafter.spec.block_size, drafter.spec.mask_token_id
+    shift, n = drafter.spec.shift, drafter.spec.drafts
     T = len(ids)
     anchors = torch.arange(start, end - 1)[None]
     N = anchors.shape[1]
@@ -89,9 +93,9 @@ def accepted_per_anchor(
     q_pos = (anchors[:, :, None] + torch.arange(B)).view(1, N * B)
     emb = F.embedding(block.view(1, N * B), head.embed)
     h = drafter(emb, feats.float()[None], q_pos, torch.arange(T)[None], masks)
-    drafts = (h.view(N, B, -1)[:, 1:] @ head.lm_head.t()).argmax(-1)  # (N, B-1)
-    ext = torch.cat([ids[:end], torch.full((B,), -1, dtype=ids.dtype)])
-    truth = torch.stack([ext[anchors[0] + k] for k in range(1, B)], 1)
+    drafts, _ = propose(drafter, h.view(N, B, -1)[:, 1 - shift :], head.lm_head, ids[anchors[0]])  # (N, n)
+    ext = torch.cat([ids[:end], torch.full((B + 1,), -1, dtype=ids.dtype)])
+    truth = torch.stack([ext[anchors[0] + k] for k in range(1, n + 1)], 1)
     return (drafts == truth).int().cumprod(1).sum(1).tolist()
 
 
@@ -108,8 +112,8 @@ def walk(accepted: list[int]) -> list[int]:
 def replay(drafter: DFlashDrafter, head: FrozenHead, replies: list, stop_id: int, max_new: int = 48) -> dict:
     """`replies`: (ids, features, prompt length) each; a reply ends at its first `stop_id`
     (included, as eval counts it) or after `max_new` tokens."""
-    B = drafter.spec.block_size
-    hist, every = [0] * B, [0] * B
+    span = drafter.spec.drafts + 1  # a verify step's tokens
+    hist, every = [0] * span, [0] * span
     for ids, feats, P in replies:
         tail = ids[P:].tolist()
         n = min(tail.index(stop_id) + 1 if stop_id in tail else len(tail), max_new)
@@ -124,7 +128,7 @@ def replay(drafter: DFlashDrafter, head: FrozenHead, replies: list, stop_id: int
     return {
         "tau": round(sum((k + 1) * c for k, c in enumerate(hist)) / steps, 4) if steps else None,
         "tau_all": round(sum((k + 1) * c for k, c in enumerate(every)) / n_all, 4) if n_all else None,
-        "p": [round(sum(every[k:]) / n_all, 4) for k in range(1, B)] if n_all else [],
+        "p": [round(sum(every[k:]) / n_all, 4) for k in range(1, span)] if n_all else [],
         "accept_hist": hist,
         "replies": len(replies),
         "verify_steps": steps,

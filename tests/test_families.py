@@ -152,6 +152,7 @@ def test_convolutions_start_as_the_identity():
          "drafter.dspark.markov_rank is set, but drafter.family is 'dflash2', not 'dspark'"),
         ({"drafter.dflash2.selector_rank": "16"}, "drafter.family is 'dflash', not 'dflash2'"),
         ({"drafter.family": '"dflare"'}, "drafter.family"),
+        ({"drafter.family": '"dspark"', "loss.noise_reveal_start": "0.3"}, "with drafter.family 'dspark'"),
     ],
 )  # fmt: skip
 def test_bad_family_options_are_one_line(tiny_config, overrides, says):
@@ -201,3 +202,49 @@ def test_pipeline_equals_serial(tiny_config):
                                                     "train.max_steps": "4"})  # fmt: skip
             losses.append([r["loss"] for r in run_records(cfg, timeout_s=240) if r["event"] == "train_step"])
         assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_resume_is_exact_and_replicas_sum_alike(tiny_config, tmp_path, family):
+    """Two replicas a step, resumed from step 2 on one replica (grad_accum "auto" = 2): the
+    later losses and the final weights equal the uninterrupted run's (to float-sum order) —
+    the families' modules are saved, restored and reduced as the backbone's."""
+    from safetensors.torch import load_file
+
+    common = {
+        **_family(family), "data.num_samples": "48", "train.epochs": "2", "eval.at_end": "false",
+        "checkpoint.every_steps": "2", "checkpoint.keep_last": "20", "pipeline.prepare_ahead": "false",
+    }  # fmt: skip
+    full = tiny_config(**common, **{"pipeline.drafter_devices": '["cpu", "cpu"]'})
+    a = run_records(full, timeout_s=240)
+    one = tiny_config(**common, **{"run.output_dir": f'"{tmp_path / "one"}"'})
+    b = run_records(one, timeout_s=240, resume=full.run_dir / "checkpoints" / "step_000002")
+    la = {r["step"]: r["loss"] for r in a if r["event"] == "train_step"}
+    lb = {r["step"]: r["loss"] for r in b if r["event"] == "train_step"}
+    assert sorted(lb) == [s for s in sorted(la) if s > 2] and len(lb) >= 3
+    assert all(abs(la[s] - lb[s]) <= 1e-6 * abs(la[s]) for s in lb)
+    last = f"step_{max(la):06d}"
+    wa = load_file(str(full.run_dir / "checkpoints" / last / "drafter.safetensors"))
+    wb = load_file(str(one.run_dir / "checkpoints" / last / "drafter.safetensors"))
+    assert any(k.startswith(("candidate_selector.", "markov_head.")) for k in wa)
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+
+
+def test_the_selector_ranks_the_logits_without_the_sampled_softmax_correction():
+    """loss.vocab = "data": the drawn negatives' logits carry log(|outside| / K); the selector's
+    candidates and unary scores are those serving sees, without it."""
+    from dflash.model.dflash2 import SelectorTerms
+    from dflash.model.modeling_dflash import CandidateSelector
+
+    g = torch.Generator().manual_seed(0)
+    selector = CandidateSelector(16, 8, 4, 4)
+    for p in selector.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    raw, h = torch.randn(5, 16, generator=g), torch.randn(5, 8, generator=g)
+    labels, prev = torch.randint(0, 16, (5,), generator=g), torch.randint(0, 16, (5,), generator=g)
+    bias = torch.zeros(16)
+    bias[10:] = 3.0
+    terms = SelectorTerms(selector, 1.0)
+    _, extra, ok = terms(raw + bias, h, labels, prev, None, None, bias)
+    _, plain_extra, plain_ok = terms(raw, h, labels, prev, None, None, None)
+    assert torch.allclose(extra, plain_extra) and torch.equal(ok, plain_ok)

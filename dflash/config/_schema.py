@@ -210,7 +210,8 @@ class DSparkConfig(_Section):
     confidence_with_markov: bool = Field(True, description="the confidence head also reads W1[prev]")
     confidence_loss: float = Field(1.0, ge=0, le=100, description="weight of the confidence head's BCE")
     confidence_threshold: float = Field(
-        0.0, ge=0, lt=1, description="eval: stop a draft at the first slot whose confidence is below this; 0 = never"
+        0.0, ge=0, lt=1, description="eval: verify only the drafts whose product of confidences stays at or above "
+        "this (at least one); 0 = all"
     )
 
 
@@ -226,7 +227,7 @@ class DrafterConfig(_Section):
     dflash2: DFlash2Config = Field(DFlash2Config(), description="family = 'dflash2': its options")
     dspark: DSparkConfig = Field(DSparkConfig(), description="family = 'dspark': its options")
     num_layers: int = Field(1, ge=1, le=64, description="draft decoder layers")
-    block_size: int = Field(16, ge=2, le=256, description="B: anchor + B-1 predicted tokens")
+    block_size: int = Field(16, ge=2, le=256, description="B: anchor + B-1 predicted tokens (DSpark: B predicted)")
     gamma: float | None = Field(None, gt=0, description="loss decay w_k = exp(-(k-1)/gamma); default 7 for B=16")
     max_anchors: int = Field(512, ge=1, le=65_536, description="blocks per document per step")
     mask_token_id: int | None = Field(
@@ -666,6 +667,17 @@ class Config(_Section):
     distributed: DistributedConfig = Field(
         DistributedConfig(), description="several processes (torchrun): timeouts, weight checks, all-reduce"
     )
+
+    @model_validator(mode="after")
+    def _family_and_loss(self) -> Config:
+        loss = self.loss
+        if self.drafter.family == "dspark" and (loss.noise_reveal_start or loss.noise_reveal_end):
+            msg = (
+                "loss.noise_reveal_start / noise_reveal_end with drafter.family 'dspark': a revealed slot would "
+                "show the label of the slot before it (every DSpark slot predicts the next position)"
+            )
+            raise ValueError(msg)
+        return self
 
     @property
     def run_dir(self) -> Path:

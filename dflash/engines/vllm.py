@@ -4,8 +4,10 @@ against vLLM's own plain greedy decoding of the same prompts.
 
 Facts this module encodes (vLLM 0.32):
 - vLLM never reads our `block_size`: it drafts `num_speculative_tokens` = block size − 1
-  tokens per step, and picks the DFlash proposer only with `"method": "dflash"` (without
-  it, a path without "dflash" in it runs the drafter as a plain draft model, silently).
+  tokens per step (DSpark: block size), and picks the DFlash proposer only with `"method":
+  "dflash"` (DFlash2 too; DSpark: "dspark"; without it, a path without "dflash" in it runs
+  the drafter as a plain draft model, silently). Its CPU build runs neither DFlash2 nor DSpark
+  (the V1 runner refuses them, the V2 runner needs Triton).
 - It reads `dflash_config.causal` (written by the export only as `false`, for a block that is
   bidirectional in sliding layers), `mask_token_id` and `target_layer_ids`.
 - On CPU its attention takes head dims 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512

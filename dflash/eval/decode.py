@@ -63,7 +63,7 @@ def _check(should_stop: StopCheck) -> None:
 @dataclass
 class SpecOutput:
     tokens: list[int]
-    accepted: list[int]  # per verify step: how many proposals were accepted (0..B-1)
+    accepted: list[int]  # per verify step: how many proposals were accepted (0..drafts)
 
 
 def inference_masks(drafter: DFlashDrafter, ctx_len: int, block: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ class DecodeSettings:
     def of(cls, cfg: Config, stop_ids: Iterable[int], should_stop: Callable[[], bool] | None = None) -> DecodeSettings:
         """The settings a config gives (`[eval]`, and `run.seed`), ending at `stop_ids`."""
         e = cfg.eval
-        conf = cfg.drafter.dspark.confidence_threshold if cfg.drafter.family == "dspark" else 0.0
+        conf = cfg.drafter.dspark.confidence_threshold  # decoding applies it to DSpark drafters only
         return cls(e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size, should_stop, conf)
 
 

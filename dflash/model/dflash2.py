@@ -30,16 +30,18 @@ class SelectorTerms:
     def __call__(
         self, logits: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
         cols: torch.Tensor | None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         K = self.selector.top_k
+        unary = logits if bias is None else logits - bias  # the candidates serving sees: no logQ correction
         gold = labels.clamp(min=0)  # an ignored label (-100, weight 0) stands as column 0
-        cands = logits.detach().topk(K, dim=-1).indices  # (m, K) columns
+        cands = unary.detach().topk(K, dim=-1).indices  # (m, K) columns
         match = cands == gold[:, None]
         inside = match.any(dim=-1)
         where = torch.where(inside, match.to(torch.int64).argmax(dim=-1), K - 1)
         cands[:, -1] = torch.where(inside, cands[:, -1], gold)
         ids = cands if cols is None else cols[cands]
-        scores = self.selector.scores(logits.gather(1, cands), h, prev, ids)
+        scores = self.selector.scores(unary.gather(1, cands), h, prev, ids)
         ce = F.cross_entropy(scores.float(), where, reduction="none")
         picked = cands.gather(1, scores.detach().argmax(dim=-1, keepdim=True)).squeeze(1)
         return logits, self.weight * ce, (picked == labels) & inside

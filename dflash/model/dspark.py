@@ -32,6 +32,7 @@ class MarkovTerms:
     def __call__(
         self, logits: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
         cols: torch.Tensor | None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:  # fmt: skip
         z = logits + self.markov.bias(prev, cols).float()
         if self.confidence is None:

@@ -34,7 +34,7 @@ __all__ = [
 
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
-_FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
+_FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()} | {"DSparkDraftModel": "dspark"}  # vLLM's alias
 
 
 def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
@@ -225,15 +225,19 @@ def _from_speculators(cfg: dict[str, Any]) -> dict[str, Any]:
             "target_layer_ids": [int(i) - 1 for i in cfg["aux_hidden_state_layer_ids"]],
             "sliding_causal_block": not cfg.get("sliding_window_non_causal", True) if sliding else True,
         }
-        if family == "dflash2":
-            for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-                flat["dflash_config"][k] = cfg[k]
+        anchor = cfg.get("sample_from_anchor", family == "dspark")  # speculators' default
+        if anchor != (family == "dspark"):
+            msg = f"speculators config.json: a {family} drafter with sample_from_anchor {anchor}: not one dflash trains"
+            raise CheckpointError(msg)
+        if family == "dflash2":  # speculators' defaults where a key is missing
+            defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+            flat["dflash_config"].update({k: cfg.get(k, v) for k, v in defaults.items()})
         if family == "dspark":
             if cfg.get("markov_head_type", "vanilla") != "vanilla":
                 msg = f"speculators config.json: markov_head_type {cfg['markov_head_type']!r}: only 'vanilla' is served"
                 raise CheckpointError(msg)
-            for k in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
-                flat[k] = cfg.get(k, True)  # speculators' defaults
+            defaults = {"markov_rank": 256, "enable_confidence_head": True, "confidence_head_with_markov": True}
+            flat.update({k: cfg.get(k, v) for k, v in defaults.items()}, sample_from_anchor=True)
     except (KeyError, TypeError, ValueError) as err:
         msg = f"speculators config.json is missing or has a bad field: {err}"
         raise CheckpointError(msg) from None

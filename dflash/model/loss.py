@@ -52,13 +52,14 @@ class LossSpec:
     noise_reveal_end: float = 0.0  # ... and at the last step (linear in between)
     selector_loss: float = 1.0  # DFlash2: the selector's cross-entropy weight (drafter.dflash2)
     confidence_loss: float = 1.0  # DSpark: the confidence head's BCE weight (drafter.dspark)
+    shift: int = 0  # DrafterSpec.shift: 1 for DSpark (slot k predicts the token k + 1 after the anchor)
 
     @classmethod
     def from_config(cls, cfg: Config) -> LossSpec:
         d = cfg.drafter
         return cls(
             block_size=d.block_size, gamma=d.resolved_gamma, selector_loss=d.dflash2.selector_loss,
-            confidence_loss=d.dspark.confidence_loss, **cfg.loss.model_dump(),
+            confidence_loss=d.dspark.confidence_loss, shift=int(d.family == "dspark"), **cfg.loss.model_dump(),
         )  # fmt: skip
 
     @property
@@ -274,13 +275,15 @@ def dpace_weights(
 class FamilyTerms(Protocol):
     """What a drafter family adds to the loss of a chunk of supervised rows (`dflash.model.
     dflash2`, `dspark`): from the unary logits (m, V'), the rows' states (m, H), labels and
-    the tokens before them (m,), and the token id of each logit column (`cols`; None: the
-    column is the id), the logits the cross-entropy reads, an extra loss per row (or None)
-    and whether what the family drafts is the label (or None: the argmax is what it drafts)."""
+    the tokens before them (m,), the token id of each logit column (`cols`; None: the column
+    is the id) and the sampled softmax's logit bias in `logits` (`bias`, or None), the logits
+    the cross-entropy reads, an extra loss per row (or None) and whether what the family
+    drafts is the label (or None: the argmax is what it drafts)."""
 
     def __call__(
         self, logits: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
         cols: torch.Tensor | None, teacher: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...  # fmt: skip
 
 
@@ -296,16 +299,16 @@ def _chunk_loss(
     terms: FamilyTerms | None = None,
     prev: torch.Tensor | None = None,
     cols: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the loss, whether what the drafter drafts is the label, and the label's
-    probability."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the loss, the family's extra loss (0 without one), whether what the drafter
+    drafts is the label, and the label's probability."""
     logits = (h @ head.t()).float()  # (chunk, V)
     if bias is not None:  # sampled softmax's logQ correction (loss.vocab)
         logits = logits + bias
     extra = drafted_ok = None
     if terms is not None and prev is not None:
         teacher = (t_vals, t_idx) if t_vals is not None and t_idx is not None else None
-        logits, extra, drafted_ok = terms(logits, h, labels, prev, cols, teacher)
+        logits, extra, drafted_ok = terms(logits, h, labels, prev, cols, teacher, bias)
     ce = F.cross_entropy(logits, labels, reduction="none")
     label_prob = torch.where(labels >= 0, torch.exp(-ce.detach()), 0.0)  # an ignored label (-100) is no sure slot
     if t_vals is not None and t_idx is not None and distill > 0:
@@ -316,11 +319,9 @@ def _chunk_loss(
         logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
         soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
-    if extra is not None:
-        ce = ce + extra
     # max's index is argmax's (the first of tied maxima), and cheaper on a CPU.
     correct = (logits.detach().max(dim=-1).indices == labels) if drafted_ok is None else drafted_ok
-    return ce, correct.float(), label_prob
+    return ce, torch.zeros_like(ce) if extra is None else extra, correct.float(), label_prob
 
 
 def block_loss(
@@ -354,7 +355,7 @@ def block_loss(
     if terms is not None and targets.prev is not None:
         prev = targets.prev.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
     several = h.shape[0] > chunk
-    losses, oks, probs = [], [], []
+    losses, extras, oks, probs = [], [], [], []
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
@@ -362,10 +363,11 @@ def block_loss(
                 None if prev is None else prev[s:e], cols)  # fmt: skip
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
-            part, ok, prob = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            part, more, ok, prob = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:  # a single chunk: keeping its logits stays within the bound; skip the recompute
-            part, ok, prob = _chunk_loss(*args)
+            part, more, ok, prob = _chunk_loss(*args)
         losses.append(part)
+        extras.append(more)
         oks.append(ok.detach())
         probs.append(prob)
     correct = torch.zeros(block_size, device=dev)
@@ -373,9 +375,14 @@ def block_loss(
     total = hidden.sum().float() * 0.0
     if losses:
         per_row = torch.cat(losses)
+        extra_weights = weights
         if spec.dpace:
             num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
             weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, block_size, spec.dpace_alpha)
+            # the family's terms keep the γ decay (D-PACE weighs a token cross-entropy), as speculators
+            extra_weights = extra_weights * gamma_weights(block_size, spec.gamma, spec.shift).to(dev)[slot]
         total = total + (per_row * weights).sum()
+        if terms is not None:
+            total = total + (torch.cat(extras) * extra_weights).sum()
         correct.index_add_(0, slot, torch.cat(oks))
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

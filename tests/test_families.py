@@ -248,3 +248,28 @@ def test_the_selector_ranks_the_logits_without_the_sampled_softmax_correction():
     _, extra, ok = terms(raw + bias, h, labels, prev, None, None, bias)
     _, plain_extra, plain_ok = terms(raw, h, labels, prev, None, None, None)
     assert torch.allclose(extra, plain_extra) and torch.equal(ok, plain_ok)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_under_dpace_the_family_terms_keep_the_gamma_decay(shift):
+    """D-PACE weighs the token cross-entropy; the family's extra terms (selector CE,
+    confidence BCE) keep the fixed γ decay, as speculators keeps them."""
+    import math
+
+    from dflash.model.loss import LossSpec, block_loss, block_targets
+
+    B, gamma = 4, 2.0
+    ids = torch.arange(20)[None] % 7
+    anchors, valid = torch.tensor([[2, 9]]), torch.ones(1, 2, dtype=torch.bool)
+    t = block_targets(ids, torch.ones(1, 20, dtype=torch.bool), torch.zeros(1, 20, dtype=torch.long), anchors,
+                      valid, B, math.inf, None, shift)  # fmt: skip
+    hidden, head = torch.zeros(1, 2 * B, 4), torch.zeros(7, 4)  # every logit 0: CE = log 7 everywhere
+
+    def one_each(logits, h, labels, prev, cols, teacher, bias):  # an extra loss of 1 per row
+        return logits, torch.ones(len(labels)), None
+
+    spec = LossSpec(block_size=B, gamma=gamma, position_weights="dpace", shift=shift)
+    with_extra = block_loss(hidden, head, t, spec, terms=one_each).loss_sum
+    without = block_loss(hidden, head, t, spec).loss_sum
+    want = sum(math.exp(-(k + shift - 1) / gamma) for k in t.slot.tolist())
+    assert math.isclose(float(with_extra - without), want, rel_tol=1e-5)

@@ -59,7 +59,8 @@ class LossSpec:
         d = cfg.drafter
         return cls(
             block_size=d.block_size, gamma=d.resolved_gamma, selector_loss=d.dflash2.selector_loss,
-            confidence_loss=d.dspark.confidence_loss, shift=int(d.family == "dspark"), **cfg.loss.model_dump(),
+            confidence_loss=d.dspark.confidence_loss, shift=1 if d.family == "dspark" else 0,
+            **cfg.loss.model_dump(),
         )  # fmt: skip
 
     @property
@@ -380,7 +381,8 @@ def block_loss(
             num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
             weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, block_size, spec.dpace_alpha)
             # the family's terms keep the γ decay (D-PACE weighs a token cross-entropy), as speculators
-            extra_weights = extra_weights * gamma_weights(block_size, spec.gamma, spec.shift).to(dev)[slot]
+            k = (slot + spec.shift - 1).float()  # gamma_weights at each row's slot, on the device
+            extra_weights = extra_weights * torch.where(k >= 0, torch.exp(-k.clamp(min=0) / spec.gamma), 0.0)
         total = total + (per_row * weights).sum()
         if terms is not None:
             total = total + (torch.cat(extras) * extra_weights).sum()

@@ -20,8 +20,9 @@ fi
 for family in $FAMILIES; do
   name="families_$family"
   set -- --set "run.name=\"$name\"" --set "drafter.family=\"$family\""
-  case $family in
-    dflash2) set -- "$@" --set drafter.dflash2.selector_rank=64 ;;
+  case $family in  # (configs/demo.toml's DSpark rank back to its default for the other families)
+    dflash) set -- "$@" --set drafter.dspark.markov_rank=256 ;;
+    dflash2) set -- "$@" --set drafter.dspark.markov_rank=256 --set drafter.dflash2.selector_rank=64 ;;
     dspark) set -- "$@" --set drafter.dspark.markov_rank=64 ;;
   esac
   rm -rf "runs/$name"

@@ -359,7 +359,7 @@ def speculative_generate_batch(
     rows = [_Row([tok], p.numel(), False) for tok, p in zip(first.argmax(dim=-1).tolist(), prompts, strict=True)]
     for row in rows:
         row.done = len(row.tokens) >= max_new or row.tokens[-1] in stop_ids
-    valid = valid.to(ddev)  # (R, S): the cache slots each row sees, growing by B a step
+    valid = valid.to(ddev)  # (R, S): the cache slots each row sees, growing by `span` a step
     while not all(row.done for row in rows):
         _check(should_stop)
         sizes = [row.block_size(B, max_new, shift) for row in rows]

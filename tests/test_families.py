@@ -273,3 +273,17 @@ def test_under_dpace_the_family_terms_keep_the_gamma_decay(shift):
     without = block_loss(hidden, head, t, spec).loss_sum
     want = sum(math.exp(-(k + shift - 1) / gamma) for k in t.slot.tolist())
     assert math.isclose(float(with_extra - without), want, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_vllm_on_cpu_is_refused_for_the_new_families_and_the_config_says_their_method(family):
+    """vLLM's CPU build runs neither family (V1 refuses them, V2 needs Triton): `--engine vllm`
+    says so in one line; the speculative_config names the method and the tokens drafted."""
+    from dflash.engines import vllm
+
+    spec = _spec(family)
+    why = vllm.problem(spec, 64, on_cpu=True)
+    assert why is not None and family in why and "Triton" in why and "\n" not in why
+    conf = vllm.speculative_config("DIR", spec)
+    assert conf["method"] == ("dspark" if family == "dspark" else "dflash")
+    assert conf["num_speculative_tokens"] == (4 if family == "dspark" else 3)

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.drafter import DFlashDrafter, DrafterCache, FrozenHead
-from dflash.model.dspark import confident
-from dflash.model.families import propose
+from dflash.model.families import propose, verify_lengths
 from dflash.model.hf_compat import cache_kwarg, crop_cache, output_cache
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.model.target import Target
@@ -250,12 +249,10 @@ def speculative_generate(
         q_pos = torch.arange(start, start + n + 1, device=ddev)[None]  # (1, n + 1) the verified block
         last = torch.tensor([tokens[-1]], device=ddev)
         h = state.draft(last, q_pos[:, :size], inference_masks(drafter, state.drafter_cache.length, size, ddev))
-        proposals, qs = propose(drafter, h[:, 1 - state.shift :], head.lm_head, last, sampling.temperature,
-                                sampling.generator)  # fmt: skip
-        proposals, q = proposals[0], None if qs is None else qs[0]
-        if sampling.confidence > 0 and drafter.spec.family == "dspark":  # a shorter verify
-            keep = int(confident(drafter, h, proposals[None], last, sampling.confidence)[0])
-            proposals, q, q_pos = proposals[:keep], None if q is None else q[:keep], q_pos[:, : keep + 1]
+        drafting = h[:, 1 - state.shift :]
+        proposals, qs = propose(drafter, drafting, head.lm_head, last, sampling.temperature, sampling.generator)
+        (keep,) = verify_lengths(drafter, drafting, proposals, last, sampling.confidence)
+        proposals, q, q_pos = proposals[0, :keep], None if qs is None else qs[0, :keep], q_pos[:, : keep + 1]
         logits, feats = state.verify(torch.cat([last, proposals])[None], q_pos)
         props = proposals.tolist()
         acc, nxt = sampling.accept(props, q, logits[0])
@@ -367,9 +364,7 @@ def speculative_generate_batch(
         last = torch.tensor([row.tokens[-1] for row in rows], device=ddev)
         h = state.draft(last, q_pos[:, :B], _batch_masks(drafter, valid, [row.context for row in rows], sizes, B))
         proposals, _ = propose(drafter, h[:, 1 - shift :], head.lm_head, last)  # (R, span - 1)
-        keep = [span - 1] * R
-        if confidence > 0 and drafter.spec.family == "dspark":  # each row verifies its confident drafts only
-            keep = confident(drafter, h, proposals, last, confidence).tolist()
+        keep = verify_lengths(drafter, h[:, 1 - shift :], proposals, last, confidence)
         attn = torch.cat([valid, torch.ones(R, span, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
         logits, feats = state.verify(torch.cat([last[:, None], proposals], dim=1), q_pos, attention_mask=attn)
         post = logits.argmax(dim=-1).tolist()  # (R, span): the target's token after each slot

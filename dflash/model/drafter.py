@@ -34,7 +34,15 @@ from dflash.model.modeling_dflash import (
     scaled_rope,
 )
 
-__all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers"]
+__all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers", "family_shift"]
+
+_FAMILY_HEADS = ("candidate_selector.", "markov_head.", "confidence_head.")  # the families' modules beside the layers
+
+
+def family_shift(family: str) -> int:
+    """Slot k of a block anchored at a predicts the token at a + k + shift: 0 (slot 0 is the
+    given anchor), 1 for DSpark (every slot predicts, the anchor's the next token)."""
+    return 1 if family == "dspark" else 0
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -81,9 +89,7 @@ class DrafterSpec:
 
     @property
     def shift(self) -> int:
-        """Slot k of a block anchored at a predicts the token at a + k + shift: 0 (slot 0 is
-        the given anchor), 1 for DSpark (every slot predicts, the anchor's the next token)."""
-        return 1 if self.family == "dspark" else 0
+        return family_shift(self.family)
 
     @property
     def drafts(self) -> int:
@@ -284,7 +290,7 @@ class DFlashDrafter(nn.Module):
             for name, p in sorted(self.named_parameters()):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                elif "_conv." in name or name.startswith(("candidate_selector.", "markov_head.", "confidence_head.")):
+                elif "_conv." in name or name.startswith(_FAMILY_HEADS):
                     continue  # drawn below, after the backbone's
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
@@ -293,7 +299,7 @@ class DFlashDrafter(nn.Module):
                     if conv is not None:
                         conv.reset_parameters()
             for name, p in sorted(self.named_parameters()):
-                if name.startswith(("candidate_selector.", "markov_head.", "confidence_head.")):
+                if name.startswith(_FAMILY_HEADS):
                     p.copy_(torch.randn(p.shape, generator=generator) * std if p.dim() > 1 else torch.zeros_like(p))
 
     @torch.no_grad()

@@ -13,9 +13,7 @@ import torch
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.loss import FamilyTerms, LossSpec
 
-__all__ = ["FAMILIES", "family_terms", "propose"]
-
-FAMILIES = ("dflash", "dflash2", "dspark")
+__all__ = ["family_terms", "propose", "verify_lengths"]
 
 
 def family_terms(model: DFlashDrafter, spec: LossSpec) -> FamilyTerms | None:
@@ -58,3 +56,19 @@ def propose(
     q = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     drawn = torch.multinomial(q.view(R * n, -1), 1, generator=generator).view(R, n)
     return drawn.to(h.device), q
+
+
+def verify_lengths(
+    model: DFlashDrafter,
+    h: torch.Tensor,  # (R, n, H) the draft slots' states
+    tokens: torch.Tensor,  # (R, n) their drafts
+    anchor: torch.Tensor,  # (R,)
+    threshold: float,
+) -> list[int]:  # no-sync: decoding (eval), off the training path
+    """How many of each row's drafts to verify: all of them, but for DSpark with a confidence
+    `threshold` the prefix its confidence head trusts (`dspark.confident`)."""
+    if model.spec.family == "dspark" and threshold > 0:
+        from dflash.model.dspark import confident
+
+        return confident(model, h, tokens, anchor, threshold).tolist()
+    return [tokens.shape[1]] * tokens.shape[0]

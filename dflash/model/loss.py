@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash.config import Config
+from dflash.model.drafter import family_shift
 
 __all__ = [
     "BlockTargets", "FamilyTerms", "LossParts", "LossSpec", "LossVocab", "block_loss", "block_targets", "dpace_weights",
@@ -59,7 +60,7 @@ class LossSpec:
         d = cfg.drafter
         return cls(
             block_size=d.block_size, gamma=d.resolved_gamma, selector_loss=d.dflash2.selector_loss,
-            confidence_loss=d.dspark.confidence_loss, shift=1 if d.family == "dspark" else 0,
+            confidence_loss=d.dspark.confidence_loss, shift=family_shift(d.family),
             **cfg.loss.model_dump(),
         )  # fmt: skip
 

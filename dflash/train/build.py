@@ -395,10 +395,7 @@ def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
 
 def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and device.type == "cuda")
-    shift = 1 if cfg.drafter.family == "dspark" else 0
-    return MicroStep(
-        loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total, shift=shift
-    )
+    return MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
 
 
 def fence(devices: Iterable[torch.device]) -> None:

@@ -62,7 +62,6 @@ class MicroStep:
     max_anchors: int = 512  # blocks per document per step (drafter.max_anchors)
     use_flex: bool = False  # flex attention's BlockMask, else a dense boolean mask
     total_steps: int = 1  # the run's planned steps: the noise schedule spans them
-    shift: int = 0  # DrafterSpec.shift: 1 where slot k predicts the token k + 1 after the anchor (DSpark)
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> PreparedBatch:
         return prepare_batch(rep, device, feats, self, step)
@@ -120,7 +119,7 @@ def _blocks(b: Batch, micro: MicroStep, mask_id: int, B: int, reveal: float) -> 
         block_ids = torch.where(shown, true_tokens, block_ids)
     # D-PACE weighs slots on the device, from the forward; on the host each counts 1.
     gamma = math.inf if micro.loss.dpace else micro.loss.gamma
-    targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, gamma, shown, micro.shift)
+    targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, gamma, shown, micro.loss.shift)
     q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     return _Blocks(anchors, valid, block_ids.view(R, N * B), q_pos, targets)
 
@@ -132,7 +131,7 @@ def _device_targets(
     on the replica's device, with the target's top-k for distillation; with `loss.vocab =
     "data"`, as rows of the loss's head, and this batch's drawn negatives."""
     spec, dev, B, host = micro.loss, rep.device, rep.model.spec.block_size, blocks.targets
-    teacher = _teacher_at_labels(feats, blocks.anchors, host.sel, B, dev, micro.shift)
+    teacher = _teacher_at_labels(feats, blocks.anchors, host.sel, B, dev, micro.loss.shift)
     if spec.target_labels:  # the target's greedy token at each slot: its top-1 at position a + k − 1
         if teacher is None:
             msg = "loss.labels = 'target' needs the target's top-k next-token ids with the features"
@@ -144,7 +143,7 @@ def _device_targets(
     if spec.target_labels and spec.greedy_prefix_only:
         # Zero weight, not dropped: which slots agree is known on the target's device only,
         # and Σ w (the step's normaliser) is counted on the host.
-        weights = weights * _greedy_prefix(feats, blocks.anchors, host.sel, B, dev, micro.shift)
+        weights = weights * _greedy_prefix(feats, blocks.anchors, host.sel, B, dev, micro.loss.shift)
     negatives = None
     if rep.loss_vocab is not None:  # rows of the loss's LM head; a label outside it counts 0
         labels, weights = rep.loss_vocab.labels(labels, weights)

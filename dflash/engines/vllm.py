@@ -27,10 +27,10 @@ import gc
 import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.engines import EngineRun
 from dflash.errors import ConfigError
 from dflash.model.drafter import DrafterSpec
 
@@ -99,24 +99,6 @@ def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
         raise ConfigError(msg)
     # vLLM logs to stdout by default; stdout is for dflash's JSON records (its workers inherit this)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-
-@dataclass
-class EngineRun:
-    """One decoding of the prompts in vLLM: the generated ids per prompt and, with a drafter,
-    its spec-decode counters."""
-
-    outputs: list[list[int]]
-    drafts: int = 0  # verify steps with a draft
-    draft_tokens: int = 0
-    accepted: int = 0
-    accepted_per_pos: list[int] | None = None
-    seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Tokens per verify step: the accepted drafts plus the target's own token."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
 
 
 def engine_device() -> str:

@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dflash-installed
 DEMO_STAMP := $(VENV)/.dflash-demo-installed
 
-.PHONY: setup demo tiny test lint clean gpu-wheels gpu-compat engines
+.PHONY: setup demo tiny test lint clean gpu-wheels gpu-compat engines llamacpp
 
 setup: $(STAMP)
 
@@ -88,12 +88,38 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 		|| (echo "set-up: speculators failed to install in $(ENGINES_VENV)" >&2; exit 1)
 	@touch $(ENGINES_STAMP)
 
+# llama.cpp for `dflash eval --engine llamacpp`, the GGUF round-trip test and converting an hf
+# target to GGUF: built from llama-cpp-python's source package on PyPI (it vendors llama.cpp),
+# llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (~10 min on 2 cores).
+# Its converter (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece.
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
+LLAMACPP_STAMP := $(LLAMACPP_HOME)/.built
+LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+	-DCMAKE_UNITY_BUILD=ON -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/dflash/engines/llamacpp-unity.cmake
+
+llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): | $(STAMP)
+	@rm -rf $(LLAMACPP_HOME) && mkdir -p $(LLAMACPP_HOME)/src
+	$(PY) -m pip download -q --no-deps --no-binary=:all: "llama-cpp-python==$(LLAMACPP_VERSION)" -d $(LLAMACPP_HOME) 2>&1 | grep -v "^WARNING: Location" || true
+	tar -xzf $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_HOME)/src --strip-components=3 \
+		llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	@rm -f $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+	$(PY) -m pip install -q "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
+	cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build $(if $(shell command -v ninja),-G Ninja) $(LLAMACPP_CMAKE) > $(LLAMACPP_HOME)/cmake.log
+	cmake --build $(LLAMACPP_HOME)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_HOME)/build.log 2>&1 \
+		|| (tail -20 $(LLAMACPP_HOME)/build.log >&2; echo "set-up: llama.cpp failed to build (log: $(LLAMACPP_HOME)/build.log)" >&2; exit 1)
+	@test -x $(LLAMACPP_HOME)/build/bin/llama-server || (echo "set-up: llama-server was not built" >&2; exit 1)
+	@touch $(LLAMACPP_STAMP)
+
 # The two venvs are set up side by side (mostly downloads and unpacking), then the tests run in
 # TEST_WORKERS processes, each taking whole test files (pytest-xdist --dist loadfile: a file's
 # fixtures are made once; a fixture of conftest.py is made in each process that uses it).
 TEST_WORKERS ?= 2
 test:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(ENGINES_STAMP)
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(ENGINES_STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
@@ -141,4 +167,4 @@ gpu-compat: $(GPU_STAMP)
 	bash bench/gpu_ready.sh run-compat $(GPU_PY) $(GPU_COMPAT_TESTS)
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) .llamacpp runs .pytest_cache

@@ -182,9 +182,10 @@ def run(
                    "verification (eval.temperature)")  # fmt: skip
 @click.option("--batch-size", type=click.IntRange(min=1),
               help="prompts decoded at once, greedy only (eval.batch_size; 1: single-sequence speedup)")  # fmt: skip
-@click.option("--engine", type=click.Choice(["dflash", "vllm"]), default="dflash", show_default=True,
-              help="vllm: decode in vLLM's offline API with the export as drafter, checked against vLLM's "
-                   "plain greedy output and ours (needs vLLM: make engines)")  # fmt: skip
+@click.option("--engine", type=click.Choice(["dflash", "vllm", "llamacpp"]), default="dflash", show_default=True,
+              help="vllm: decode in vLLM's offline API with the export as drafter; llamacpp: in llama.cpp's "
+                   "llama-server, the drafter as GGUF; each checked against the engine's plain greedy output and "
+                   "ours (needs vLLM: make engines; llama.cpp: make llamacpp)")  # fmt: skip
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="--engine vllm: vLLM's tensor_parallel_size for the target")  # fmt: skip
 def eval_cmd(
@@ -228,16 +229,20 @@ def eval_cmd(
 
 def _eval_table(records: list[dict]) -> str:
     """τ per prompt set, like the papers' tables."""
-    if records and records[0].get("engine") == "vllm":
-        rows = [f"{'prompt set':<14}{'prompts':>8}{'tau vLLM':>10}{'tau dflash':>12}  same as vLLM greedy / ours"]
+    if records and records[0].get("engine") in ("vllm", "llamacpp"):
+        engine = records[0]["engine"]
+        name = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[engine]
+        rows = [f"{'prompt set':<14}{'prompts':>8}{'tau ' + name:>15}{'tau dflash':>12}  same as {name} greedy / ours"]
         ours = lambda r: "-" if r["dflash_tau"] is None else f"{r['dflash_tau']:.3f}"  # noqa: E731  # head only: none
         same = lambda r: "-" if r["identical_to_dflash_greedy"] is None else r["identical_to_dflash_greedy"]  # noqa: E731
         rows += [
-            f"{r['prompt_set']:<14}{r['prompts']:>8}{r['tau']:>10.3f}{ours(r):>12}  "
-            f"{r['identical_to_vllm_greedy']}/{r['prompts']} / {same(r)}/{r['prompts']}"
+            f"{r['prompt_set']:<14}{r['prompts']:>8}{r['tau']:>15.3f}{ours(r):>12}  "
+            f"{r[f'identical_to_{engine}_greedy']}/{r['prompts']} / {same(r)}/{r['prompts']}"
+            + (f"  {r['llamacpp_tokens_per_s']} tok/s ({r['llamacpp_plain_tokens_per_s']} plain)"
+               if engine == "llamacpp" else "")
             for r in records
-        ]
-        return "dflash eval --engine vllm (greedy; tau: tokens per verify step)\n" + "\n".join(rows)
+        ]  # fmt: skip
+        return f"dflash eval --engine {engine} (greedy; tau: tokens per verify step)\n" + "\n".join(rows)
     k = min(6, max(len(r["accept_per_position"]) for r in records))
     head = (
         f"{'prompt set':<14}{'prompts':>8}{'gens':>6}{'tau':>7}{'tau/gen':>9}  "
@@ -261,13 +266,21 @@ def _eval_table(records: list[dict]) -> str:
 
 @main.command("export")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["dflash", "speculators"]), default="dflash", show_default=True,
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["dflash", "speculators", "gguf"]), default="dflash",
+              show_default=True,
               help="dflash: the reference format (vLLM, SGLang, AutoModel); speculators: vLLM's second DFlash "
-                   "format (speculators_config, nested transformer_layer_config)")  # fmt: skip
-def export_cmd(checkpoint: Path, out_dir: Path, fmt: str) -> None:
+                   "format (speculators_config, nested transformer_layer_config); gguf: one .gguf file for "
+                   "llama.cpp (--gguf-type, --target)")  # fmt: skip
+@click.option("--gguf-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
+              help="--format gguf: the weights' type (norms stay f32; q8_0 falls back to f16 for short rows)")
+@click.option("--target", "target_path", type=click.Path(path_type=Path),
+              help="--format gguf: the target's GGUF file or Hugging Face folder, whose vocabulary the drafter "
+                   "borrows (default: the run's target)")  # fmt: skip
+def export_cmd(checkpoint: Path, out: Path, fmt: str, gguf_type: str, target_path: Path | None) -> None:
     """Turn a checkpoint folder (mid-run, emergency or final), or a run folder's latest
-    complete checkpoint, into an exported drafter in OUT_DIR."""
+    complete checkpoint, into an exported drafter in OUT (a folder; --format gguf: a .gguf
+    file, from an export folder too)."""
     from dflash.model.export import export_checkpoint, is_checkpoint
     from dflash.train.checkpoint import latest_checkpoint
 
@@ -279,14 +292,48 @@ def export_cmd(checkpoint: Path, out_dir: Path, fmt: str) -> None:
             raise DFlashError(msg)
         source = found
     from dflash import logs
+
+    if fmt == "gguf":
+        _export_gguf(source, checkpoint, out, gguf_type, target_path)
+        return
     from dflash.engines.vllm import speculative_config
     from dflash.model.export import load_drafter
 
-    out = export_checkpoint(source, out_dir, fmt)
+    out = export_checkpoint(source, out, fmt)
     spec_cfg = speculative_config(out.resolve(), load_drafter(out).spec)
     record = {"event": "export", "checkpoint": str(source), "path": str(out), "vllm_speculative_config": spec_cfg}
     click.echo(logs.render(record))
     logs.human(f"dflash export: {source} -> {out}; in vLLM: speculative_config = {json.dumps(spec_cfg)}")
+
+
+def _export_gguf(source: Path, given: Path, out: Path, gtype: str, target_path: Path | None) -> None:
+    """`dflash export --format gguf`: the drafter (a checkpoint or an export folder) as one
+    GGUF file, its vocabulary the target's (--target, else the run's own target)."""
+    from dflash import logs
+    from dflash.engines import llamacpp
+    from dflash.model.export import load_drafter, run_target
+    from dflash.model.export_gguf import read_target_gguf, write_gguf
+    from dflash.model.loading import cache_root, resolve_gguf
+
+    if out.suffix != ".gguf" or out.is_dir():
+        msg = f"{out}: --format gguf writes one file; give a path ending in .gguf"
+        raise ConfigError(msg)
+    cache = ""
+    if target_path is None:
+        found = run_target(source)
+        if found is None:
+            msg = f"{given}: no run config names its target; give the target with --target (a GGUF file or HF folder)"
+            raise ConfigError(msg)
+        kind, path, cache = found
+        target_path = resolve_gguf(path) if kind == "gguf" else Path(path).expanduser()
+    drafter = load_drafter(source)  # before any conversion: a bad drafter fails at once
+    vocab = read_target_gguf(llamacpp.vocab_gguf(target_path, cache_root(cache)), target_path)
+    write_gguf(drafter.spec, drafter.state_dict(), vocab, out, gtype, name=f"dflash {drafter.spec.family} drafter")
+    served = target_path if target_path.is_file() else "TARGET.gguf"  # an HF target: its GGUF, once converted
+    serve = llamacpp.serve_command(served, out, drafter.spec.family, drafter.spec.drafts)
+    click.echo(logs.render({"event": "export", "checkpoint": str(source), "path": str(out), "format": "gguf",
+                            "gguf_type": gtype, "llama_server": serve}))  # fmt: skip
+    logs.human(f"dflash export: {source} -> {out} (GGUF, {gtype}); in llama.cpp: {serve}")
 
 
 def _per_set(counts: dict[str, int]) -> str:

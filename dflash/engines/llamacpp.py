@@ -72,9 +72,12 @@ def require_llamacpp() -> Path:
     return binary
 
 
-def convert_hf(folder: Path, out: Path, outtype: str = "f32", vocab_only: bool = False) -> Path:
+def convert_hf(
+    folder: Path, out: Path, outtype: str = "f32", vocab_only: bool = False, target_dir: Path | None = None
+) -> Path:
     """An HF model folder → GGUF at `out`, with llama.cpp's own converter (written whole or not
-    at all); one line with the converter's last words when it fails."""
+    at all); one line with the converter's last words when it fails. `target_dir`: for a
+    drafter folder, its target's (the converter borrows the target's vocabulary)."""
     from dflash.store.atomic import atomic_path
 
     require_llamacpp()
@@ -82,7 +85,8 @@ def convert_hf(folder: Path, out: Path, outtype: str = "f32", vocab_only: bool =
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(tmp),
-               "--outtype", outtype, *(["--vocab-only"] if vocab_only else [])]  # fmt: skip
+               "--outtype", outtype, *(["--vocab-only"] if vocab_only else []),
+               *(["--target-model-dir", str(target_dir)] if target_dir else [])]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if proc.returncode != 0:
@@ -92,17 +96,29 @@ def convert_hf(folder: Path, out: Path, outtype: str = "f32", vocab_only: bool =
     return out
 
 
-def cached_hf_gguf(folder: Path, cache: Path) -> Path:
-    """An `hf` target's GGUF (float32: the weights dflash decodes with), converted once and
-    kept in `cache`, keyed on the folder's config and weight files."""
+def cached_hf_gguf(folder: Path, cache: Path, vocab_only: bool = False) -> Path:
+    """An `hf` target's GGUF, converted once and kept in `cache`, keyed on the folder's config
+    and weight files: float32 (the weights dflash decodes with), or its vocabulary and shape
+    alone (`vocab_only`: what a drafter's GGUF borrows)."""
     files = sorted(p for p in folder.iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
     sig = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
     key = hashlib.sha256(f"{folder.resolve()}|{sig}".encode()).hexdigest()[:16]
-    out = cache / "gguf" / f"{folder.name}-{key}-f32.gguf"
+    out = cache / "gguf" / f"{folder.name}-{key}-{'vocab' if vocab_only else 'f32'}.gguf"
     if not out.is_file():
         print(f"dflash: converting {folder} to GGUF once into {out}", file=sys.stderr, flush=True)
-        convert_hf(folder, out)
+        convert_hf(folder, out, vocab_only=vocab_only)
     return out
+
+
+def vocab_gguf(target: Path, cache: Path) -> Path:
+    """A GGUF holding the target's vocabulary and shape: a target GGUF as it is; a Hugging
+    Face folder converted once (vocabulary only) with llama.cpp's converter."""
+    if target.is_file():
+        return target
+    if (target / "config.json").is_file():
+        return cached_hf_gguf(target, cache, vocab_only=True)
+    msg = f"{target}: neither a GGUF file nor a Hugging Face model folder (config.json)"
+    raise ConfigError(msg)
 
 
 def spec_args(drafter_gguf: Path, family: str, drafts: int, confidence: float = 0.0) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids
 from dflash.errors import ConfigError, DataError
-from dflash.eval.engine import check_vllm_eval, evaluate_in_vllm
+from dflash.eval.engine import check_llamacpp_eval, check_vllm_eval, evaluate_in_llamacpp, evaluate_in_vllm
 from dflash.eval.fit import check_drafter_fits
 from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
 from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
@@ -50,13 +50,15 @@ def run_eval(
     evaluate on each prompt set (`data.prompt_sets`: mtbench, humaneval, heldout, a file;
     none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
     record per set, with `prompt_set`. `limit`: at most this many prompts per set.
-    `engine = "vllm"`: decoded in vLLM instead (`eval/engine.py`; a chat set's first turns),
-    its target over `tensor_parallel` devices."""
-    if cfg.target.load == "head" and engine != "vllm":
+    `engine = "vllm"` / `"llamacpp"`: decoded in vLLM / llama-server instead (`eval/engine.py`;
+    a chat set's first turns), vLLM's target over `tensor_parallel` devices."""
+    if cfg.target.load == "head" and engine == "dflash":
         msg = "target.load = 'head': the target's decoder layers are not loaded here; decode in vLLM (--engine vllm)"
         raise ConfigError(msg)
     if engine == "vllm":
         check_vllm_eval(cfg)  # before any model is loaded
+    if engine == "llamacpp":
+        check_llamacpp_eval(cfg)
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     heldout = cfg.heldout_prompts if reads_chat_prompts(cfg) else None
@@ -67,7 +69,9 @@ def run_eval(
         require_eval_prompts(cfg)
     target, tokenizer = _load_target(cfg, drafter, t_dev)
     check_drafter_fits(drafter, target, drafter_path, cfg)
-    head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32) if engine != "vllm" else None
+    head = None
+    if engine == "dflash":
+        head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
     settings = DecodeSettings.of(cfg, stop_ids(target, tokenizer))
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]
@@ -75,15 +79,19 @@ def run_eval(
         if engine == "vllm":
             return evaluate_in_vllm(cfg, target, drafter, drafter_path, {name: prompts}, settings,
                                     tensor_parallel=tensor_parallel)  # fmt: skip
+        if engine == "llamacpp":
+            return evaluate_in_llamacpp(cfg, target, drafter, drafter_path, {name: prompts}, settings)
         return [{"prompt_set": name, **evaluate(target, drafter, head, prompts, settings)}]
     if tokenizer is None:
         msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
         raise DataError(msg)
     kwargs = dict(cfg.data.chat_template_kwargs)
-    if engine == "vllm":  # first turns: later ones would follow each engine's own replies
+    if engine != "dflash":  # first turns: later ones would follow each engine's own replies
         firsts = {
             ps.name: [torch.tensor(prompt_ids(tokenizer, p[0], kwargs)) for p in ps.prompts[:limit]] for ps in sets
         }
+        if engine == "llamacpp":
+            return evaluate_in_llamacpp(cfg, target, drafter, drafter_path, firsts, settings, kwargs)
         return evaluate_in_vllm(cfg, target, drafter, drafter_path, firsts, settings, kwargs, tensor_parallel)
     return [
         {"prompt_set": ps.name, **evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], settings, kwargs),

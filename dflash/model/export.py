@@ -29,6 +29,7 @@ __all__ = [
     "is_checkpoint",
     "is_export",
     "load_drafter",
+    "run_target",
     "weight_mismatches",
 ]
 
@@ -312,26 +313,36 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "d
     return export_drafter(_from_checkpoint(p), out, fmt=fmt, verifier=_verifier(p))
 
 
-def _verifier(checkpoint: Path) -> str:
-    """The target a checkpoint's run trained against, as the absolute path of its Hugging Face
-    folder (what vLLM loads as the target when it serves a speculators export): an `hf`
-    target's folder (a relative path: from here), a `gguf` target's converted folder when
-    the run made one; else "" (the tiny target, a folder not found)."""
+def run_target(checkpoint: Path) -> tuple[str, str, str] | None:
+    """(target.kind, target.path, data.cache_dir) of the run a checkpoint folder belongs to
+    (its config.toml); None when it names no target path (the tiny target, no config)."""
     import tomllib
 
     try:
         raw = tomllib.loads((checkpoint / "config.toml").read_text())
     except (OSError, ValueError):
-        return ""
+        return None
     target, data = raw.get("target") or {}, raw.get("data") or {}
     path = target.get("path")
     if not isinstance(path, str) or not path:
+        return None
+    return str(target.get("kind", "")), path, str(data.get("cache_dir") or "")
+
+
+def _verifier(checkpoint: Path) -> str:
+    """The target a checkpoint's run trained against, as the absolute path of its Hugging Face
+    folder (what vLLM loads as the target when it serves a speculators export): an `hf`
+    target's folder (a relative path: from here), a `gguf` target's converted folder when
+    the run made one; else "" (the tiny target, a folder not found)."""
+    found = run_target(checkpoint)
+    if found is None:
         return ""
-    if target.get("kind") == "hf":
+    kind, path, cache_dir = found
+    if kind == "hf":
         folder = Path(path).expanduser()
         return str(folder.resolve()) if (folder / "config.json").is_file() else ""
-    if target.get("kind") == "gguf":
-        return _converted_gguf(path, str(data.get("cache_dir") or ""))
+    if kind == "gguf":
+        return _converted_gguf(path, cache_dir)
     return ""
 
 

@@ -94,7 +94,7 @@ class TargetGGUF:
     """What the drafter's GGUF needs from the target's: its architecture and shape (for the
     refusals) and its tokenizer metadata (copied)."""
 
-    path: Path
+    path: Path  # the target as named to the user
     arch: str
     num_layers: int
     hidden_size: int
@@ -103,8 +103,9 @@ class TargetGGUF:
     tokens: tuple[str, ...]
 
 
-def read_target_gguf(path: str | Path) -> TargetGGUF:
-    """The target's GGUF (the model, or a vocabulary-only file): one line when unreadable."""
+def read_target_gguf(path: str | Path, source: str | Path | None = None) -> TargetGGUF:
+    """The target's GGUF (the model, or a vocabulary-only file): one line when unreadable.
+    `source`: the target as the user named it (a folder converted to `path`), for messages."""
     from gguf import GGUFReader, GGUFValueType
 
     p = Path(path)
@@ -131,7 +132,7 @@ def read_target_gguf(path: str | Path) -> TargetGGUF:
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         tokenizer[key] = (field.contents(), vtype, sub)
     return TargetGGUF(
-        path=p, arch=arch, num_layers=int(value(f"{arch}.block_count") or 0),
+        path=Path(source) if source is not None else p, arch=arch, num_layers=int(value(f"{arch}.block_count") or 0),
         hidden_size=int(value(f"{arch}.embedding_length") or 0), vocab_size=len(tokens),
         tokenizer=tokenizer, tokens=tuple(tokens),
     )  # fmt: skip

@@ -1,0 +1,15 @@
+# `make llamacpp`: unity builds for the heavy libraries only (ggml, llama: ~2x faster on 2 cores);
+# the rest compiles file by file (llama.cpp's common/ does not build as one unit).
+function(_dflash_unity_off dir)
+  get_property(targets DIRECTORY "${dir}" PROPERTY BUILDSYSTEM_TARGETS)
+  foreach(t IN LISTS targets)
+    if(NOT t MATCHES "^(ggml|ggml-base|ggml-cpu|llama)$")
+      set_property(TARGET ${t} PROPERTY UNITY_BUILD OFF)
+    endif()
+  endforeach()
+  get_property(subdirs DIRECTORY "${dir}" PROPERTY SUBDIRECTORIES)
+  foreach(d IN LISTS subdirs)
+    _dflash_unity_off("${d}")
+  endforeach()
+endfunction()
+cmake_language(DEFER CALL _dflash_unity_off "${CMAKE_SOURCE_DIR}")

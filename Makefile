@@ -36,13 +36,15 @@ $(DEMO_STAMP): $(STAMP)
 	@touch $(DEMO_STAMP)
 
 # Regenerate replies with the target (5 min budget: chatterbot prompts, then ShareGPT first turns; resumes; keeps the target features), train (3.75 min budget), evaluate:
-# prints τ on the 32 held-out prompts (decoded 32 at a time) and on the first 5 MT-Bench questions (both turns).
+# prints τ on the 32 held-out prompts (decoded 32 at a time) and on the first 5 MT-Bench questions (both turns);
+# then writes the drafter as GGUF (runs/demo/final.gguf) and prints the llama-server command that drafts with it.
 demo: $(DEMO_STAMP)
 	@mkdir -p runs/demo
 	bin/dflash regen configs/demo.toml > runs/demo/regen.log.jsonl
 	bin/dflash run configs/demo.toml > runs/demo/train.log.jsonl
 	bin/dflash eval configs/demo.toml --drafter runs/demo/final --prompts heldout > runs/demo/eval.log.jsonl
 	bin/dflash eval configs/demo.toml --drafter runs/demo/final --prompts mtbench --num-prompts 5 >> runs/demo/eval.log.jsonl
+	@bin/dflash export runs/demo runs/demo/final.gguf --format gguf > runs/demo/export.log.jsonl
 
 tiny: $(STAMP)
 	bin/dflash run configs/tiny.toml

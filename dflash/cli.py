@@ -121,6 +121,10 @@ def run(
             raise ConfigError(msg)
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
+        if cfg.checkpoint.export_gguf and cfg.target.kind == "hf":  # its vocabulary needs llama.cpp's converter
+            from dflash.engines.llamacpp import require_llamacpp
+
+            require_llamacpp("checkpoint.export_gguf with an hf target")
         from dflash.runtime.distributed import launched
 
         ranked = launched()  # under torchrun: JSON on stdout from rank 0 only
@@ -333,7 +337,8 @@ def _export_gguf(source: Path, given: Path, out: Path, gtype: str, target_path: 
     serve = llamacpp.serve_command(served, out, drafter.spec.family, drafter.spec.drafts)
     click.echo(logs.render({"event": "export", "checkpoint": str(source), "path": str(out), "format": "gguf",
                             "gguf_type": gtype, "llama_server": serve}))  # fmt: skip
-    logs.human(f"dflash export: {source} -> {out} (GGUF, {gtype}); in llama.cpp: {serve}")
+    built = "" if llamacpp.server_binary().is_file() else " (make llamacpp builds llama-server)"
+    logs.human(f"dflash export: {source} -> {out} (GGUF, {gtype}); in llama.cpp{built}: {serve}")
 
 
 def _per_set(counts: dict[str, int]) -> str:

@@ -636,6 +636,10 @@ class CheckpointConfig(_Section):
     at_end: bool = Field(True, description="checkpoint when the run ends (also after Ctrl-C / SIGTERM)")
     keep_last: int = Field(2, ge=1, le=10_000, description="complete checkpoints kept in <run>/checkpoints")
     export_final: bool = Field(True, description="write the trained drafter to <run>/final")
+    export_gguf: Literal["", "f32", "f16", "bf16", "q8_0"] = Field(
+        "", description="also write <run>/final.gguf for llama.cpp, its weights in this type ('' = no); its "
+        "vocabulary is the target's (an hf target's converted once by llama.cpp's converter: make llamacpp)",
+    )
 
 
 class DistributedConfig(_Section):
@@ -676,6 +680,9 @@ class Config(_Section):
                 "loss.noise_reveal_start / noise_reveal_end with drafter.family 'dspark': a revealed slot would "
                 "show the label of the slot before it (every DSpark slot predicts the next position)"
             )
+            raise ValueError(msg)
+        if self.checkpoint.export_gguf and self.target.kind == "tiny":
+            msg = "checkpoint.export_gguf: the tiny target has no vocabulary for llama.cpp; use an hf or gguf target"
             raise ValueError(msg)
         return self
 

@@ -22,6 +22,7 @@ class EngineRun:
     accepted_per_pos: list[int] | None = None
     seconds: float = 0.0
     stops: list[str] = field(default_factory=list)  # llama.cpp: why each generation ended
+    tokens_per_s: float | None = None  # llama.cpp: its own, generation only (prompts excluded)
 
     @property
     def tau(self) -> float:

@@ -46,6 +46,8 @@ __all__ = [
     "require_llamacpp",
     "serve_command",
     "spec_args",
+    "target_vocab",
+    "vocab_gguf",
 ]
 
 VERSION = "0.3.36"  # llama-cpp-python's source package; it vendors llama.cpp at 0c1e570
@@ -63,11 +65,11 @@ def server_binary() -> Path:
     return home() / "build" / "bin" / "llama-server"
 
 
-def require_llamacpp() -> Path:
-    """The llama-server binary, or one line saying how to build it."""
+def require_llamacpp(what: str = "--engine llamacpp") -> Path:
+    """The llama-server binary, or one line saying how to build it (`what` needs it)."""
     binary = server_binary()
     if not binary.is_file() or not (home() / "src" / "convert_hf_to_gguf.py").is_file():
-        msg = f"llama.cpp is not built in {home()}: {HOW}"
+        msg = f"{what}: llama.cpp is not built in {home()}; {HOW}"
         raise ConfigError(msg)
     return binary
 
@@ -80,7 +82,7 @@ def convert_hf(
     drafter folder, its target's (the converter borrows the target's vocabulary)."""
     from dflash.store.atomic import atomic_path
 
-    require_llamacpp()
+    require_llamacpp("converting a Hugging Face model to GGUF")
     src = home() / "src"
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
@@ -121,6 +123,14 @@ def vocab_gguf(target: Path, cache: Path) -> Path:
     raise ConfigError(msg)
 
 
+def target_vocab(kind: str, path: str, cache_dir: str = "") -> Path:
+    """A GGUF with the vocabulary and shape of a config's target (`target.kind`, `.path`)."""
+    from dflash.model.loading import cache_root, resolve_gguf
+
+    target = resolve_gguf(path) if kind == "gguf" else Path(path).expanduser()
+    return vocab_gguf(target, cache_root(cache_dir))
+
+
 def spec_args(drafter_gguf: Path, family: str, drafts: int, confidence: float = 0.0) -> list[str]:
     """llama-server's flags that draft with this drafter."""
     args = ["-md", str(drafter_gguf), "--spec-type", "draft-dspark" if family == "dspark" else "draft-dflash",
@@ -131,9 +141,14 @@ def spec_args(drafter_gguf: Path, family: str, drafts: int, confidence: float = 
 
 
 def serve_command(target_gguf: Path | str, drafter_gguf: Path | str, family: str, drafts: int) -> str:
-    """The llama-server command that serves the target with this drafter."""
+    """The llama-server command that serves the target with this drafter (`make llamacpp`'s
+    server where it is built, relative to here when below)."""
+    binary = server_binary()
+    if binary.is_file():
+        with contextlib.suppress(ValueError):
+            binary = binary.relative_to(Path.cwd())
     flags = " ".join(spec_args(Path(drafter_gguf), family, drafts))
-    return f"llama-server -m {target_gguf} {flags}"
+    return f"{binary if binary.is_file() else 'llama-server'} -m {target_gguf} {flags}"
 
 
 def _free_port() -> int:
@@ -216,13 +231,14 @@ class Server:
             raise DFlashError(msg) from None
         return r.json() if path != "/metrics" else r.text
 
-    def complete(self, prompt: Sequence[int], max_new: int) -> tuple[list[int], str]:
-        """Greedy generation from token ids: (the generated ids, why it stopped)."""
+    def complete(self, prompt: Sequence[int], max_new: int) -> tuple[list[int], str, dict]:
+        """Greedy generation from token ids: (the generated ids, why it stopped, the server's
+        timings: `predicted_n`, `predicted_ms`, ...)."""
         body = {"prompt": list(prompt), "n_predict": max_new, "temperature": 0.0, "cache_prompt": False,
                 "return_tokens": True}  # fmt: skip
         out = self._call("POST", "/completion", json=body)
         assert isinstance(out, dict)
-        return [int(t) for t in out.get("tokens", [])], str(out.get("stop_type", ""))
+        return [int(t) for t in out.get("tokens", [])], str(out.get("stop_type", "")), dict(out.get("timings", {}))
 
     def counters(self) -> _Counters:
         """The spec-decode counters of `/metrics` (`--metrics`)."""
@@ -279,13 +295,16 @@ def decode(
     ctx: int = 2048,
 ) -> list[EngineRun]:
     """Every prompt set decoded greedily in one llama-server (with `extra`: the drafter's
-    flags), one prompt at a time; each set's counters are its own."""
+    flags), one prompt at a time; each set's counters are its own, its tokens/s the server's
+    (generated tokens over generation time, prompt processing and requests excluded)."""
     runs = []
     with Server(target_gguf, extra, ctx=ctx) as server:
         for prompts in sets:
             before, t0 = server.counters(), time.perf_counter()
             done = [server.complete(p, max_new) for p in prompts]
             seconds, c = time.perf_counter() - t0, server.counters() - before
-            outputs, stops = [o for o, _ in done], [s for _, s in done]
-            runs.append(EngineRun(outputs, c.drafts, c.draft_tokens, c.accepted, list(c.per_pos), seconds, stops))
+            outputs, stops = [o for o, _, _ in done], [s for _, s, _ in done]
+            ms = sum(float(t.get("predicted_ms", 0.0)) for _, _, t in done)
+            rate = round(1000 * sum(int(t.get("predicted_n", 0)) for _, _, t in done) / ms, 1) if ms else None
+            runs.append(EngineRun(outputs, c.drafts, c.draft_tokens, c.accepted, list(c.per_pos), seconds, stops, rate))
     return runs

@@ -28,9 +28,10 @@ import torch
 
 from dflash.config import Config, dump_toml
 from dflash.engines.vllm import speculative_config
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DFlashError
 from dflash.eval.decode import EvalStopped
 from dflash.logs import ProgressLine, RunLog
+from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
 from dflash.pipeline import topology
 from dflash.runtime import distributed, faults
@@ -299,6 +300,8 @@ class Coordinator:
             export_dir = self.run_dir / "final"
             await asyncio.to_thread(export_drafter, training.replicas[0].model, export_dir)
             self.emit("export", step=self.steps, path=str(export_dir))
+            if cfg.checkpoint.export_gguf:
+                await asyncio.to_thread(self._export_gguf, training.replicas[0].model)
         eval_record, eval_stopped = None, False
         if cfg.eval.at_end and trained and not stopped and training.evaluate is not None:
             eval_record, eval_stopped = await self._end_eval(training)
@@ -333,6 +336,23 @@ class Coordinator:
             },
             t_start,
         )
+
+    def _export_gguf(self, model: DFlashDrafter) -> None:
+        """<run>/final.gguf for llama.cpp (checkpoint.export_gguf); a failure is a warning: the
+        drafter is in <run>/final already (`dflash export <run> OUT.gguf --format gguf` again)."""
+        from dflash.engines import llamacpp
+        from dflash.model.export_gguf import read_target_gguf, write_gguf
+
+        cfg, out = self.config, self.run_dir / "final.gguf"
+        assert cfg.target.path is not None  # the config refuses the tiny target
+        try:
+            vocab = llamacpp.target_vocab(cfg.target.kind, cfg.target.path, cfg.data.cache_dir)
+            write_gguf(model.spec, model.state_dict(), read_target_gguf(vocab, cfg.target.path), out,
+                       cfg.checkpoint.export_gguf)  # fmt: skip
+        except DFlashError as err:
+            self.emit("warning", message=f"final.gguf not written: {err}")
+            return
+        self.emit("export", step=self.steps, path=str(out), format="gguf", gguf_type=cfg.checkpoint.export_gguf)
 
     async def _end_eval(self, training: Training) -> tuple[Record | None, bool]:
         """The end-of-run eval: its record, and whether a stop ended it first (it asks once per

@@ -92,26 +92,34 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 
 # llama.cpp for `dflash eval --engine llamacpp`, the GGUF round-trip test and converting an hf
 # target to GGUF: built from llama-cpp-python's source package on PyPI (it vendors llama.cpp),
-# llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (~10 min on 2 cores).
-# Its converter (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece.
-LLAMACPP_VERSION ?= 0.3.36
+# llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (~9 min on 2 cores).
+# Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI (into .venv). Its converter
+# (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece. The version is the one
+# dflash/engines/llamacpp.py names.
+LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/engines/llamacpp.py)
 LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
 LLAMACPP_STAMP := $(LLAMACPP_HOME)/.built
-LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+LLAMACPP_SDIST := $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_CMAKE := -G Ninja -DCMAKE_MAKE_PROGRAM=$(CURDIR)/$(VENV)/bin/ninja -DCMAKE_BUILD_TYPE=Release \
+	-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
 	-DCMAKE_UNITY_BUILD=ON -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/dflash/engines/llamacpp-unity.cmake
 
 llamacpp: $(LLAMACPP_STAMP)
 
 $(LLAMACPP_STAMP): | $(STAMP)
 	@rm -rf $(LLAMACPP_HOME) && mkdir -p $(LLAMACPP_HOME)/src
-	$(PY) -m pip download -q --no-deps --no-binary=:all: "llama-cpp-python==$(LLAMACPP_VERSION)" -d $(LLAMACPP_HOME) 2>&1 | grep -v "^WARNING: Location" || true
-	tar -xzf $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_HOME)/src --strip-components=3 \
-		llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
-	@rm -f $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
-	$(PY) -m pip install -q "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
-	cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build $(if $(shell command -v ninja),-G Ninja) $(LLAMACPP_CMAKE) > $(LLAMACPP_HOME)/cmake.log
-	cmake --build $(LLAMACPP_HOME)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_HOME)/build.log 2>&1 \
+	$(PY) -m pip install -q "cmake>=3.19" ninja "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import sentencepiece" && test -x $(VENV)/bin/cmake -a -x $(VENV)/bin/ninja \
+		|| (echo "set-up: cmake, ninja or sentencepiece failed to install in $(VENV)" >&2; exit 1)
+	$(PY) -m pip download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)" \
+		-d $(LLAMACPP_HOME) 2>&1 | grep -v "^WARNING: Location" || true
+	@test -f $(LLAMACPP_SDIST) || (echo "set-up: llama-cpp-python $(LLAMACPP_VERSION)'s source package did not download" >&2; exit 1)
+	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_HOME)/src --strip-components=3 llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	@rm -f $(LLAMACPP_SDIST)
+	$(VENV)/bin/cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build $(LLAMACPP_CMAKE) > $(LLAMACPP_HOME)/cmake.log 2>&1 \
+		|| (tail -20 $(LLAMACPP_HOME)/cmake.log >&2; echo "set-up: llama.cpp did not configure (a C++ compiler?)" >&2; exit 1)
+	$(VENV)/bin/cmake --build $(LLAMACPP_HOME)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_HOME)/build.log 2>&1 \
 		|| (tail -20 $(LLAMACPP_HOME)/build.log >&2; echo "set-up: llama.cpp failed to build (log: $(LLAMACPP_HOME)/build.log)" >&2; exit 1)
 	@test -x $(LLAMACPP_HOME)/build/bin/llama-server || (echo "set-up: llama-server was not built" >&2; exit 1)
 	@touch $(LLAMACPP_STAMP)

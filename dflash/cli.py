@@ -121,10 +121,15 @@ def run(
             raise ConfigError(msg)
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
-        if cfg.checkpoint.export_gguf and cfg.target.kind == "hf":  # its vocabulary needs llama.cpp's converter
-            from dflash.engines.llamacpp import require_llamacpp
+        if cfg.checkpoint.export_gguf:  # refused now rather than after training
+            from dflash.engines import llamacpp
 
-            require_llamacpp("checkpoint.export_gguf with an hf target")
+            if cfg.target.kind == "hf":  # its vocabulary needs llama.cpp's converter
+                llamacpp.require_llamacpp("checkpoint.export_gguf with an hf target")
+            assert cfg.target.path is not None
+            why = llamacpp.gguf_export_problem(cfg.target.kind, cfg.target.path, cfg.target.layer_ids)
+            if why is not None:
+                raise ConfigError(f"checkpoint.export_gguf: {why}")
         from dflash.runtime.distributed import launched
 
         ranked = launched()  # under torchrun: JSON on stdout from rank 0 only

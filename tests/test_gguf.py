@@ -112,6 +112,14 @@ def test_refusals_name_the_problem_in_one_line(target_vocab, tmp_path):
         write_gguf(llama3, DFlashDrafter(SPEC).state_dict(), ok, tmp_path / "x.gguf")
 
 
+def test_the_end_of_run_gguf_is_refused_where_it_cannot_be_written(tiny_config):
+    with pytest.raises(ConfigError, match="tiny target has no vocabulary"):
+        tiny_config(**{"checkpoint.export_gguf": '"f16"'})
+    with pytest.raises(ConfigError, match=r"needs checkpoint\.export_final = true"):
+        tiny_config(**{"checkpoint.export_gguf": '"f16"', "target.kind": '"hf"', "target.path": '"x"',
+                       "checkpoint.export_final": "false"})  # fmt: skip
+
+
 def test_engine_llamacpp_without_a_build_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_LLAMACPP", str(tmp_path / "nothing"))
     with pytest.raises(ConfigError, match="make llamacpp"):
@@ -146,7 +154,7 @@ def test_a_port_in_use_and_a_server_dying_mid_eval_end_in_one_line(tiny_llama, t
 
 
 def _servers_of(target: Path) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     return [ln for ln in ps.splitlines() if "llama-server" in ln and str(target) in ln]
 
 
@@ -154,8 +162,8 @@ def _servers_of(target: Path) -> list[str]:
 @pytest.mark.timeout(900)  # three tiny trainings, each drafted in llama-server: ~2 min on two cores
 def test_trained_drafters_of_each_family_draft_losslessly_in_llamacpp(tiny_llama, tmp_path):
     _built()
-    for family, extra in (("dflash", {}), ("dflash2", {"drafter.dflash2.selector_top_k": 4}),
-                          ("dspark", {"drafter.dspark.markov_rank": 32})):  # fmt: skip
+    dspark = {"drafter.dspark.markov_rank": 32, "checkpoint.export_gguf": '"q8_0"'}  # and its end-of-run GGUF
+    for family, extra in (("dflash", {}), ("dflash2", {"drafter.dflash2.selector_top_k": 4}), ("dspark", dspark)):
         shape = {
             "target.kind": '"hf"', "target.path": f'"{tiny_llama}"', "target.layer_ids": "[1, 2]",
             "drafter.mask_token_id": 0, "drafter.block_size": 4, "drafter.family": f'"{family}"',
@@ -166,6 +174,7 @@ def test_trained_drafters_of_each_family_draft_losslessly_in_llamacpp(tiny_llama
         trained = dflash("run", str(ROOT / "configs" / "tiny.toml"), *sets)
         assert trained.returncode == 0, trained.stderr[-2000:]
         end = next(r for r in json_lines(trained.stdout) if r["event"] == "run_end")
+        assert (Path(end["run_dir"]) / "final.gguf").is_file() == (family == "dspark")  # checkpoint.export_gguf
         proc = dflash("eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", end["export_dir"], *sets,
                       "--engine", "llamacpp")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -684,6 +684,9 @@ class Config(_Section):
         if self.checkpoint.export_gguf and self.target.kind == "tiny":
             msg = "checkpoint.export_gguf: the tiny target has no vocabulary for llama.cpp; use an hf or gguf target"
             raise ValueError(msg)
+        if self.checkpoint.export_gguf and not self.checkpoint.export_final:
+            msg = "checkpoint.export_gguf needs checkpoint.export_final = true (the GGUF is written beside <run>/final)"
+            raise ValueError(msg)
         return self
 
     @property

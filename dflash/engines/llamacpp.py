@@ -12,9 +12,9 @@ Facts this module encodes (llama.cpp as vendored by llama-cpp-python 0.3.36, com
   (`return_tokens`), the end of a generation included (its end-of-generation token), and
   counts drafts on `/metrics` (`--metrics`): `llamacpp:spec_decode_num_drafts_total`,
   `…num_draft_tokens_total`, `…num_accepted_tokens_total`,
-  `…accepted_tokens_per_pos_total{position=…}`.
-The server listens on loopback only, on a free port; it is stopped on every exit path, and
-dies with dflash if dflash is killed (PR_SET_PDEATHSIG).
+  `…num_accepted_tokens_per_pos_total{position=…}`.
+The server listens on loopback only, on a port it picks (`--port 0`); it is stopped on every
+exit path, and dies with dflash if dflash is killed (PR_SET_PDEATHSIG, Linux).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import hashlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash.engines import EngineRun
 from dflash.errors import ConfigError, DFlashError
@@ -89,7 +89,8 @@ def convert_hf(
         cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(tmp),
                "--outtype", outtype, *(["--vocab-only"] if vocab_only else []),
                *(["--target-model-dir", str(target_dir)] if target_dir else [])]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+        paths = [str(src / "gguf-py"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if proc.returncode != 0:
             last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "no output")
@@ -131,6 +132,23 @@ def target_vocab(kind: str, path: str, cache_dir: str = "") -> Path:
     return vocab_gguf(target, cache_root(cache_dir))
 
 
+def gguf_export_problem(kind: str, path: str, layer_ids: Sequence[int] | None) -> str | None:
+    """Why a run's end could not write its drafter as GGUF beside this `gguf` target (its
+    architecture, a last-layer capture in `target.layer_ids`), read from the file's header
+    before training; None when nothing is wrong or it cannot be told yet."""
+    from dflash.model.export_gguf import HOOKED_ARCHS, read_target_gguf
+    from dflash.model.loading import resolve_gguf
+
+    if kind != "gguf":
+        return None
+    target = read_target_gguf(resolve_gguf(path))
+    if target.arch not in HOOKED_ARCHS:
+        return f"llama.cpp cannot give a drafter the hidden states of a {target.arch!r} target"
+    if layer_ids and max(layer_ids) >= target.num_layers - 1:
+        return f"target.layer_ids reads layer {max(layer_ids)}, the last; llama.cpp hooks layer inputs only"
+    return None
+
+
 def spec_args(drafter_gguf: Path, family: str, drafts: int, confidence: float = 0.0) -> list[str]:
     """llama-server's flags that draft with this drafter."""
     args = ["-md", str(drafter_gguf), "--spec-type", "draft-dspark" if family == "dspark" else "draft-dflash",
@@ -151,41 +169,54 @@ def serve_command(target_gguf: Path | str, drafter_gguf: Path | str, family: str
     return f"{binary if binary.is_file() else 'llama-server'} -m {target_gguf} {flags}"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # looked up here: the child only calls it (nothing loads between fork and exec)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 class Server:
-    """A running `llama-server` (loopback, a free port), stopped by `close` (or leaving the
-    `with` block, however it is left). `port=None`: the first free port that binds."""
+    """A running `llama-server` on loopback, stopped by `close` (or leaving the `with` block,
+    however it is left). `port=None`: the server binds a free port itself (`--port 0`) and its
+    log says which."""
 
     START_TIMEOUT_S = 300.0
 
     def __init__(self, target_gguf: Path, extra: Sequence[str] = (), ctx: int = 2048, port: int | None = None,
                  threads: int | None = None) -> None:  # fmt: skip
         self.binary = require_llamacpp()
-        self.log = Path(tempfile.mkstemp(prefix="dflash-llama-server-", suffix=".log")[1])
+        fd, name = tempfile.mkstemp(prefix="dflash-llama-server-", suffix=".log")
+        os.close(fd)
+        self.log, self.port = Path(name), port
         self.proc: subprocess.Popen[bytes] | None = None
-        threads = threads or max(1, len(os.sched_getaffinity(0)))
-        base = [str(self.binary), "-m", str(target_gguf), *extra, "--metrics", "--host", "127.0.0.1",
-                "-c", str(ctx), "-np", "1", "-t", str(threads), "--no-webui"]  # fmt: skip
-        tries = 1 if port is not None else 3
-        for attempt in range(tries):
-            self.port = port if port is not None else _free_port()
-            why = self._start([*base, "--port", str(self.port)])
-            if why is None:
-                return
+        cmd = [str(self.binary), "-m", str(target_gguf), *extra, "--metrics", "--host", "127.0.0.1",
+               "--port", str(port or 0), "-c", str(ctx), "-np", "1", "-t", str(threads or _cpus()),
+               "--no-webui"]  # fmt: skip
+        try:
+            why = self._start(cmd)
+        except BaseException:
             self.close()
-            if "bind" not in why or attempt == tries - 1:
-                msg = f"llama-server did not start ({why})"
-                raise DFlashError(msg)
+            raise
+        if why is not None:
+            self.close()
+            msg = f"llama-server did not start ({why})"
+            raise DFlashError(msg)
 
     def _start(self, cmd: list[str]) -> str | None:
         import httpx
@@ -196,9 +227,13 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"exit code {self.proc.returncode}: {self.last_words()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return None
+            if self.port is None:
+                found = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log.read_text(errors="replace"))
+                self.port = int(found.group(1)) if found else None
+            if self.port is not None:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                        return None
             time.sleep(0.2)
         return f"not ready after {self.START_TIMEOUT_S:.0f} s: {self.last_words()}"
 
@@ -212,14 +247,15 @@ class Server:
             lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
         except OSError:
             return "no log"
-        errors = [ln for ln in lines if re.search(r"error|failed|abort|assert|exception", ln, re.IGNORECASE)]
-        return (errors or lines or ["no log"])[-1][:300]
+        errors = [ln for ln in lines if re.search(r"couldn't bind|error|failed|abort|assert|exception", ln, re.I)]
+        bind = [ln for ln in errors if "couldn't bind" in ln]  # before its "exiting due to HTTP server error"
+        return (bind or errors or lines or ["no log"])[-1][:300]
 
     def _call(self, method: str, path: str, **kwargs: object) -> object:
         import httpx
 
         try:
-            r = httpx.request(method, f"{self.url}{path}", timeout=600.0, **kwargs)  # type: ignore[arg-type]
+            r = httpx.request(method, f"{self.url}{path}", timeout=600.0, trust_env=False, **kwargs)  # type: ignore[arg-type]
             r.raise_for_status()
         except httpx.HTTPError as err:
             time.sleep(0.2)  # a dying server: let it exit, to say so

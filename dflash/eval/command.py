@@ -12,7 +12,13 @@ import torch
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids
 from dflash.errors import ConfigError, DataError
-from dflash.eval.engine import check_llamacpp_eval, check_vllm_eval, evaluate_in_llamacpp, evaluate_in_vllm
+from dflash.eval.engine import (
+    check_llamacpp_drafter,
+    check_llamacpp_eval,
+    check_vllm_eval,
+    evaluate_in_llamacpp,
+    evaluate_in_vllm,
+)
 from dflash.eval.fit import check_drafter_fits
 from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
 from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
@@ -64,6 +70,8 @@ def run_eval(
     heldout = cfg.heldout_prompts if reads_chat_prompts(cfg) else None
     sets = [load_prompt_set(name, heldout) for name in prompt_sets]  # before any model: a bad name fails at once
     drafter = load_drafter(drafter_path, d_dev)
+    if engine == "llamacpp":
+        check_llamacpp_drafter(drafter.spec, cfg.drafter.dspark.confidence_threshold)
     check_drafter_fits(drafter, TargetShape.from_config(cfg.target), drafter_path, cfg)  # before the target loads
     if not sets:
         require_eval_prompts(cfg)

@@ -30,11 +30,12 @@ from dflash.engines import EngineRun, llamacpp, vllm
 from dflash.errors import ConfigError
 from dflash.eval.decode import greedy_generate
 from dflash.eval.tally import DecodeSettings, evaluate
-from dflash.model.drafter import DFlashDrafter, FrozenHead
+from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 from dflash.model.loading import model_folder
 from dflash.model.target import Target
 
 __all__ = [
+    "check_llamacpp_drafter",
     "check_llamacpp_eval",
     "check_vllm_eval",
     "evaluate_in_llamacpp",
@@ -145,15 +146,27 @@ def _tokens_per_s(run: EngineRun) -> float | None:
 
 def check_llamacpp_eval(cfg: Config) -> None:
     """What `--engine llamacpp` refuses before any model is loaded: no build of llama.cpp
-    here, a sampled eval, the tiny target (no vocabulary llama.cpp can load), and a DSpark
-    confidence threshold (llama.cpp cuts a draft at its first slot below
-    `--spec-draft-p-min`, dflash at the product of the slots' confidences)."""
+    here, a sampled eval, the tiny target (no vocabulary llama.cpp can load)."""
     _greedy_only(cfg.eval.temperature, "llamacpp")
     llamacpp.require_llamacpp()
     if cfg.target.kind == "tiny":
         msg = "--engine llamacpp: the tiny target has no vocabulary for llama.cpp; use an hf or gguf target"
         raise ConfigError(msg)
-    if cfg.drafter.family == "dspark" and cfg.drafter.dspark.confidence_threshold > 0:
+
+
+def check_llamacpp_drafter(spec: DrafterSpec, confidence: float) -> None:
+    """What `--engine llamacpp` refuses once the drafter is read, before the target loads: a
+    drafter reading the target's last layer (llama.cpp hooks layer inputs only), and a DSpark
+    confidence threshold (llama.cpp cuts a draft at its first slot below `--spec-draft-p-min`,
+    dflash at the product of the slots' confidences)."""
+    last = spec.num_target_layers - 1
+    if max(spec.target_layer_ids) >= last:
+        msg = (
+            f"--engine llamacpp: the drafter reads target layer {max(spec.target_layer_ids)}, the last; llama.cpp "
+            f"hooks layer inputs only (layers 0-{last - 1})"
+        )
+        raise ConfigError(msg)
+    if spec.family == "dspark" and confidence > 0:
         msg = (
             "--engine llamacpp: llama.cpp cuts a DSpark draft at its first slot below a threshold, dflash at the "
             "product of confidences; set drafter.dspark.confidence_threshold = 0 to compare the two"

@@ -78,6 +78,16 @@ _TOP = {
 }
 
 
+def _gguf() -> Any:
+    """The `gguf` package, or one line saying how to get it."""
+    try:
+        import gguf
+    except ImportError:
+        msg = "GGUF needs the gguf package: pip install 'gguf>=0.17' (or pip install -e '.[gguf]')"
+        raise CheckpointError(msg) from None
+    return gguf
+
+
 def gguf_name(name: str) -> str:
     """Our parameter name → llama.cpp's tensor name."""
     if name in _TOP:
@@ -106,7 +116,8 @@ class TargetGGUF:
 def read_target_gguf(path: str | Path, source: str | Path | None = None) -> TargetGGUF:
     """The target's GGUF (the model, or a vocabulary-only file): one line when unreadable.
     `source`: the target as the user named it (a folder converted to `path`), for messages."""
-    from gguf import GGUFReader, GGUFValueType
+    gguf = _gguf()
+    GGUFReader, GGUFValueType = gguf.GGUFReader, gguf.GGUFValueType
 
     p = Path(path)
     try:
@@ -240,7 +251,8 @@ def write_gguf(
 ) -> Path:
     """The drafter as one GGUF file at `out` (written whole or not at all), refused in one
     line first when llama.cpp could not draft with it beside `target`."""
-    from gguf import GGUFValueType, GGUFWriter
+    gguf = _gguf()
+    GGUFValueType, GGUFWriter = gguf.GGUFValueType, gguf.GGUFWriter
 
     if gtype not in GGUF_TYPES:
         msg = f"GGUF export: type {gtype!r} is not one of {', '.join(GGUF_TYPES)}"

@@ -28,7 +28,7 @@ import torch
 
 from dflash.config import Config, dump_toml
 from dflash.engines.vllm import speculative_config
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError
 from dflash.eval.decode import EvalStopped
 from dflash.logs import ProgressLine, RunLog
 from dflash.model.drafter import DFlashDrafter
@@ -349,8 +349,9 @@ class Coordinator:
             vocab = llamacpp.target_vocab(cfg.target.kind, cfg.target.path, cfg.data.cache_dir)
             write_gguf(model.spec, model.state_dict(), read_target_gguf(vocab, cfg.target.path), out,
                        cfg.checkpoint.export_gguf)  # fmt: skip
-        except DFlashError as err:
-            self.emit("warning", message=f"final.gguf not written: {err}")
+        except Exception as err:  # the drafter is in <run>/final: a warning, not a lost run
+            why = " ".join(str(err).split()) or type(err).__name__
+            self.emit("warning", message=f"final.gguf not written: {why}")
             return
         self.emit("export", step=self.steps, path=str(out), format="gguf", gguf_type=cfg.checkpoint.export_gguf)
 

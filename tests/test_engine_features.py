@@ -83,7 +83,8 @@ def _in_vllm(root: Path, config: Path) -> tuple[dict[str, Any], dict[str, torch.
 
     script, raw = root / "extract.py", root / "raw.safetensors"
     script.write_text(SCRIPT, encoding="utf-8")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}  # the KV cache: sized by dflash
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     proc = subprocess.run(
         [str(ENGINES_PY), str(script), str(config), str(raw)],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,

@@ -181,7 +181,8 @@ def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     end = next(r for r in json_lines(trained.stdout) if r["event"] == "run_end")
     drafter = Path(end["export_dir"])
     assert end["vllm_speculative_config"]["method"] == "dflash"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # the KV cache: sized by dflash (vLLM alone wants 0.92 of memory)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
     def in_vllm(export: Path) -> dict:
         proc = subprocess.run(
@@ -268,3 +269,24 @@ def test_a_head_only_target_is_checked_by_vllm_alone(tmp_path, monkeypatch):
     args = ["eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", str(tmp_path), "--tensor-parallel", "2"]
     with pytest.raises(ConfigError, match="--tensor-parallel: only with --engine vllm"):
         raise CliRunner().invoke(main, args).exception or AssertionError("not refused")
+
+
+def test_vllms_kv_cache_is_sized_for_what_dflash_runs(tmp_path, monkeypatch):
+    """Two layers × 2 (K, V) × 1 KV head × 32 × 4 bytes a token for the target, the same for the
+    drafter; 6 sequences of 40 tokens (+ the block, in 16-token blocks, one spare): a quarter
+    more and 64 MiB. The user's VLLM_CPU_KVCACHE_SPACE wins; an engine that does not start is
+    one line naming it."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    per_token = 2 * 2 * 1 * 32 * 4
+    drafter = dataclasses.replace(SPEC, num_layers=2)
+    tokens = 6 * (3 + 1) * 16  # ceil((40 + 4) / 16) + 1 blocks a sequence
+    expected = int(2 * per_token * tokens * 1.25) + (64 << 20)
+    assert vllm.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter) == expected
+    assert vllm.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter, total_tokens=100) < expected
+    assert vllm.kv_cache_bytes(tmp_path / "missing", "float32", 6, 40) is None  # vLLM sizes it then
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert vllm.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter) is None
+    err = vllm.engine_failed(RuntimeError("Engine core initialization failed.\nSee root cause above."), expected)
+    assert "\n" not in str(err) and "VLLM_CPU_KVCACHE_SPACE=GiB" in str(err) and "0.06 GiB" in str(err)

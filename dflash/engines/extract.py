@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.engines.vllm import shut_down
+from dflash.engines.vllm import MAX_SEQS, engine_failed, kv_cache_bytes, shut_down
 from dflash.errors import ConfigError, DFlashError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, write_part
 
@@ -155,17 +155,22 @@ def _engine(folder: Path, meta: FeatureMeta, scratch: Path, settings: EngineSett
         "kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
     }  # fmt: skip
+    kv_bytes = kv_cache_bytes(folder, meta.dtype, MAX_SEQS, max_len, None,
+                              settings.tensor_parallel * settings.pipeline_parallel, settings.chunk_tokens)  # fmt: skip
+    sized = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes is not None else {}
     try:
         return LLM(
             model=str(folder), skip_tokenizer_init=True, dtype=meta.dtype, max_model_len=max_len, seed=0,
             tensor_parallel_size=settings.tensor_parallel, pipeline_parallel_size=settings.pipeline_parallel,
-            enforce_eager=current_platform.is_cpu(), speculative_config=spec, kv_transfer_config=kv,
+            enforce_eager=current_platform.is_cpu(), speculative_config=spec, kv_transfer_config=kv, **sized,
         )  # fmt: skip
     except NotImplementedError as err:  # what vLLM refuses for this method, e.g. pipeline parallelism
         why = " ".join(str(err).split())
         if settings.pipeline_parallel > 1:
             why += f" ({PP_REFUSED})"
         raise ConfigError(f"dflash features: vLLM cannot extract hidden states this way: {why}") from None
+    except RuntimeError as err:  # after NotImplementedError, one of its kind
+        raise engine_failed(err, kv_bytes) from None
 
 
 def _greedy_next(out: Any) -> torch.Tensor:

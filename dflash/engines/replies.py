@@ -152,7 +152,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 class ReplyEngine:
     """One vLLM engine over the target folder, answering token-id prompts."""
 
-    def __init__(self, folder: Path, dtype: str, max_len: int, settings: ReplySettings) -> None:
+    def __init__(self, folder: Path, dtype: str, max_len: int, settings: ReplySettings, seqs: int = 256) -> None:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -161,7 +161,7 @@ class ReplyEngine:
         self._params = lambda i: SamplingParams(
             **sampling_options(settings, i), output_kind=RequestOutputKind.FINAL_ONLY
         )
-        self.llm = open_engine(folder, None, None, dtype, max_len)
+        self.llm = open_engine(folder, None, None, dtype, max_len, seqs=seqs)  # KV cache for `seqs` at once
         self.slots = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
         self.running: set[str] = set()
         self.added = 0
@@ -240,7 +240,7 @@ class VllmReplier:
         max_len = model_len(self.folder, max(len(ids) for _, ids in items), self.max_new)
         with sigterm_as_interrupt():
             t0 = time.perf_counter()
-            engine = ReplyEngine(self.folder, self.target_dtype, max_len, self.settings)
+            engine = ReplyEngine(self.folder, self.target_dtype, max_len, self.settings, len(items))
             self.start_s = time.perf_counter() - t0
             try:
                 self._answer(engine, iter(items), out, time.perf_counter() + budget_s)

@@ -14,7 +14,11 @@ Facts this module encodes (vLLM 0.32):
   only, for the target too; drafters mixing full and sliding layers need its V2 runner,
   which needs Triton (none on CPU), and on a GPU `VLLM_USE_V2_MODEL_RUNNER=1` (`runner_env`).
 - On a GPU it claims `gpu_memory_utilization` of the whole device at start, and refuses to
-  start when less is free: `gpu_share` asks for 0.9 of what is free beside our models.
+  start when less is free: `gpu_share` asks for 0.9 of what is free beside our models. On a
+  CPU the same setting claims that share of all memory (0.92 by default: refused on a machine
+  with a few GiB in use), unless its KV cache is sized: every engine dflash starts gets
+  `kv_cache_memory_bytes` for what it will run (`kv_cache_bytes`), unless
+  `VLLM_CPU_KVCACHE_SPACE` is set.
 
 vLLM is an optional dependency, installed in a venv of its own (`make engines`); the main
 venv's `dflash eval --engine vllm` says so in one line.
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.engines import EngineRun
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DFlashError
 from dflash.model.drafter import DrafterSpec
 
 __all__ = [
@@ -39,7 +43,9 @@ __all__ = [
     "EngineRun",
     "decode",
     "engine_device",
+    "engine_failed",
     "gpu_share",
+    "kv_cache_bytes",
     "open_engine",
     "problem",
     "require_vllm",
@@ -170,11 +176,77 @@ def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+MAX_SEQS = 256  # vLLM's max_num_seqs: sequences it schedules at once
+
+
+def kv_cache_bytes(
+    target: Path,
+    dtype: str,
+    seqs: int,
+    max_len: int,
+    spec: DrafterSpec | None = None,
+    tensor_parallel: int = 1,
+    total_tokens: int | None = None,
+) -> int | None:
+    """The KV cache vLLM needs for what dflash will run: `seqs` sequences (at most vLLM's
+    `MAX_SEQS` at once) of `max_len` tokens in 16-token blocks (at most `total_tokens` in
+    all, when the work is cut in chunks of that many), for the target (its folder's
+    config.json) and the drafter, per device of `tensor_parallel`, with a quarter more for
+    vLLM's own rounding. None where the user sized it (`VLLM_CPU_KVCACHE_SPACE`) or the
+    target's config cannot be read (vLLM sizes it then)."""
+    import json
+    import math
+
+    if os.environ.get(_KV_SPACE):
+        return None
+    try:
+        cfg = json.loads((target / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    try:
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_token = int(cfg["num_hidden_layers"]) * 2 * int(cfg.get("num_key_value_heads") or heads) * head_dim
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if spec is not None:
+        per_token += spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
+    width = 4 if dtype == "float32" else 2
+    seqs = min(max(seqs, 1), MAX_SEQS)
+    tokens = (math.ceil((max_len + (spec.block_size if spec else 0)) / 16) + 1) * 16 * seqs
+    if total_tokens is not None:
+        tokens = min(tokens, total_tokens + 32 * seqs)
+    need = per_token * width * tokens / max(tensor_parallel, 1)
+    return int(need * 1.25) + (64 << 20)
+
+
+def engine_failed(err: BaseException, kv_bytes: int | None) -> DFlashError:
+    """One line for an engine vLLM could not start (its own log, above, says why)."""
+    sized = (
+        f"dflash sized its KV cache at {kv_bytes / 2**30:.2f} GiB for what it runs"
+        if kv_bytes is not None else "its KV cache was sized by VLLM_CPU_KVCACHE_SPACE or by vLLM"
+    )  # fmt: skip
+    why = " ".join(str(err).split())[:200]
+    return DFlashError(
+        f"vLLM's engine did not start ({why}; its log above says why): {sized}; on a CPU set "
+        f"{_KV_SPACE}=GiB to size it yourself, on a GPU free memory (vLLM takes 0.9 of what is free)"
+    )
+
+
 def open_engine(
-    target: Path, drafter: Path | None, spec: DrafterSpec | None, dtype: str, max_len: int, tensor_parallel: int = 1
+    target: Path,
+    drafter: Path | None,
+    spec: DrafterSpec | None,
+    dtype: str,
+    max_len: int,
+    tensor_parallel: int = 1,
+    seqs: int = MAX_SEQS,
 ) -> Any:
     """vLLM's offline engine for the target folder (token ids in and out: no tokenizer), with the
-    export at `drafter` as its DFlash drafter when given, over `tensor_parallel` devices."""
+    export at `drafter` as its DFlash drafter when given, over `tensor_parallel` devices, its KV
+    cache sized for `seqs` sequences of `max_len` tokens (`kv_cache_bytes`)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -184,9 +256,16 @@ def open_engine(
     share = gpu_share(engine_device())
     if share is not None:
         kwargs["gpu_memory_utilization"] = share
+    drafted = spec if drafter is not None else None
+    kv = kv_cache_bytes(target, dtype, seqs, max_len, drafted, tensor_parallel)
+    if kv is not None:
+        kwargs["kv_cache_memory_bytes"] = kv
     if drafter is not None and spec is not None:
         kwargs["speculative_config"] = speculative_config(drafter, spec)
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except RuntimeError as err:
+        raise engine_failed(err, kv) from None
 
 
 def shut_down(llm: Any) -> None:
@@ -237,7 +316,8 @@ def decode(
     max_len = longest + max_new + (spec.block_size if spec is not None else 0) + 8
     params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=sorted(stop_ids), detokenize=False)
     with runner_env(spec if drafter is not None else None, engine_device()):
-        llm = open_engine(target, drafter, spec, dtype, max_len, tensor_parallel)
+        seqs = max((len(prompts) for prompts in prompt_sets), default=1)
+        llm = open_engine(target, drafter, spec, dtype, max_len, tensor_parallel, seqs)
         try:
             runs = [_generate(llm, params, prompts, drafter is not None) for prompts in prompt_sets]
         finally:

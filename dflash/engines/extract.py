@@ -37,7 +37,7 @@ import torch
 from dflash.config import Config
 from dflash.engines.vllm import MAX_SEQS, engine_failed, kv_cache_bytes, shut_down
 from dflash.errors import ConfigError, DFlashError
-from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, write_part
+from dflash.features.files import Entry, FeatureMeta, folder_for, ids_key, next_part_index, write_part
 
 __all__ = ["EngineSettings", "extract_features", "target_meta", "vllm_layer_ids"]
 
@@ -104,23 +104,23 @@ def _file_samples(cfg: Config, tokenizer: Any) -> list[tuple[Path, list[list[int
     for file in cfg.data.files:
         one = cfg.data.model_copy(update={"files": [file.model_copy(update={"weight": 1.0})]})
         samples, _ = load_samples(one, tokenizer, progress=False)
-        distinct = {tuple(s.input_ids.tolist()): None for s in samples}
-        out.append((folder_for(local_path(file.path)), [list(k) for k in distinct]))
+        distinct = {ids_key(s.input_ids): s.input_ids.tolist() for s in samples}  # first of each, in order
+        out.append((folder_for(local_path(file.path)), list(distinct.values())))
     return out
 
 
-def _stored(folder: Path, meta: FeatureMeta) -> set[tuple[int, ...]]:
-    """The token ids of the entries already in `folder` made the way `meta` says."""
+def _stored(folder: Path, meta: FeatureMeta) -> set[bytes]:
+    """The keys (`ids_key`) of the entries already in `folder` made the way `meta` says."""
     from safetensors import SafetensorError, safe_open
 
-    have: set[tuple[int, ...]] = set()
+    have: set[bytes] = set()
     for path in sorted(folder.glob("part-*.safetensors")) if folder.is_dir() else []:
         try:
             with safe_open(str(path), framework="pt") as f:
                 theirs = FeatureMeta.from_header(f.metadata(), path)
                 if theirs.differs_from(meta) or not theirs.greedy:  # ours carry `next`: only such entries count
                     continue
-                have.update(tuple(f.get_tensor(k).tolist()) for k in f.keys() if k.endswith(".ids"))  # noqa: SIM118
+                have.update(ids_key(f.get_tensor(k)) for k in f.keys() if k.endswith(".ids"))  # noqa: SIM118
         except (SafetensorError, OSError, ValueError):
             continue
     return have
@@ -221,7 +221,7 @@ def extract_features(cfg: Config, settings: EngineSettings, seen: Seen | None = 
     todo = []
     for out, samples in per_file:
         have = _stored(out, meta)
-        todo.append((out, [ids for ids in samples if tuple(ids) not in have]))
+        todo.append((out, [ids for ids in samples if ids_key(ids) not in have]))
     stats: dict[str, Any] = {
         "engine": "vllm", "target": meta.target, "dtype": meta.dtype, "layer_ids": meta.layer_ids,
         "samples": sum(len(s) for _, s in per_file), "already_stored": 0, "written": 0, "tokens": 0, "parts": 0,

@@ -33,6 +33,7 @@ first epoch skips the target as later ones do. Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ __all__ = [
     "Entry",
     "FeatureMeta",
     "folder_for",
+    "ids_key",
     "next_part_index",
     "read_folder",
     "read_meta",
@@ -106,6 +108,13 @@ class Entry:
     ids: torch.Tensor  # (S,) int64
     features: torch.Tensor  # (S, k·H) bfloat16
     next: torch.Tensor | None  # (S,) int64, greedy regen only
+
+
+def ids_key(ids: torch.Tensor | Sequence[int]) -> bytes:
+    """A token-id sequence's key in the feature indexes: 16 bytes of BLAKE2b over its int32
+    ids (a tuple of Python ints would cost ~36 bytes a token in memory)."""
+    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.int32)
+    return hashlib.blake2b(t.to(torch.int32).contiguous().numpy().tobytes(), digest_size=16).digest()
 
 
 def folder_for(data_file: Path) -> Path:
@@ -223,30 +232,32 @@ def seed_cache(
         if folders:
             warn.append(f"feature files {folders[0]} not used: loss.distill needs the target's top-k logits")
         return stats
-    index = _index_parts(folders, want, teacher_topk, warn)
+    index = _index_parts(folders, want, teacher_topk, warn, max_len)
     stats["feature_files_entries"] = index.entries
     if not index.where:
         return stats
-    matched = _match(samples, index.where, max_len)
+    matched = _match(samples, index, max_len)
     stats["feature_files_samples"] = _seed(cache, matched, index.widths, teacher_topk, warn)
     return stats
 
 
-Key = tuple[int, ...]  # a stored entry's token ids
-
-
 @dataclass
 class _PartIndex:
-    """The entries of the parts that can serve a run, by their token ids (features stay on disk)."""
+    """The entries of the parts that can serve a run, by the keys of their token ids
+    (`ids_key`; features stay on disk)."""
 
-    where: dict[Key, tuple[Path, int]] = field(default_factory=dict)  # ids -> (part, entry)
+    where: dict[bytes, tuple[Path, int]] = field(default_factory=dict)  # key -> (part, entry)
+    cut: dict[bytes, tuple[Path, int]] = field(default_factory=dict)  # entries longer than max_len, cut there
     widths: dict[Path, int] = field(default_factory=dict)  # part -> feature width
     entries: int = 0  # entries in those parts, repeats included
 
 
-def _index_parts(folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, warn: list[str]) -> _PartIndex:
+def _index_parts(
+    folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, warn: list[str], max_len: int = 0
+) -> _PartIndex:
     """Every part of `folders` that can serve this run, indexed; one `warn` line per reason a
-    part could not (naming the first such part)."""
+    part could not (naming the first such part). An entry longer than `max_len` is also
+    indexed by its first `max_len` ids (a sample truncated at data.max_seq_len)."""
     index = _PartIndex()
     skipped: dict[str, str] = {}  # why -> first part skipped for it
     for path in (p for folder in folders for p in sorted(folder.glob("part-*.safetensors"))):
@@ -263,28 +274,25 @@ def _index_parts(folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, 
             continue
         index.widths[path] = meta.width
         for j, entry_ids in enumerate(ids):
-            index.where[tuple(entry_ids.tolist())] = (path, j)
+            index.where[ids_key(entry_ids)] = (path, j)
+            if max_len and len(entry_ids) > max_len:
+                index.cut[ids_key(entry_ids[:max_len])] = (path, j)
         index.entries += len(ids)
     for why, path in skipped.items():
         warn.append(f"feature files {path} (and any like it) not used: {why}")
     return index
 
 
-def _match(
-    samples: Sequence[Sample], where: dict[Key, tuple[Path, int]], max_len: int
-) -> dict[Path, list[tuple[int, int, int]]]:
+def _match(samples: Sequence[Sample], index: _PartIndex, max_len: int) -> dict[Path, list[tuple[int, int, int]]]:
     """The samples that have a stored entry, by part: [(entry, sample id, length)]."""
     matched: dict[Path, list[tuple[int, int, int]]] = {}
-    cut: dict[Key, tuple[Path, int]] | None = None  # entries cut at max_len
     for s in samples:
-        key = tuple(s.input_ids.tolist())
-        hit = where.get(key)
-        if hit is None and len(key) == max_len:  # a sample truncated at data.max_seq_len: a stored prefix
-            if cut is None:
-                cut = {k[:max_len]: v for k, v in where.items() if len(k) > max_len}
-            hit = cut.get(key)
+        n, key = len(s.input_ids), ids_key(s.input_ids)
+        hit = index.where.get(key)
+        if hit is None and n == max_len:  # a sample truncated at data.max_seq_len: a stored prefix
+            hit = index.cut.get(key)
         if hit is not None:
-            matched.setdefault(hit[0], []).append((hit[1], s.sample_id, len(key)))
+            matched.setdefault(hit[0], []).append((hit[1], s.sample_id, n))
     return matched
 
 

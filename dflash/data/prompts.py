@@ -4,6 +4,7 @@ into training prompts (answered in order) and held-out ones (for eval)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
@@ -167,4 +168,7 @@ def load_prompts(cfg: Config) -> Prompts:
 
 
 def prompt_key(messages: Messages) -> str:
-    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+    """A prompt's key in regen's sets of prompts answered or held out: 32 hex digits of
+    BLAKE2b over its canonical JSON (not the JSON itself: the sets stay small)."""
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()

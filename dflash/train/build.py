@@ -484,7 +484,10 @@ def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any],
 def _loss_vocab(replicas: list[DrafterReplica], samples: list[Sample], negatives: int) -> int:
     """`loss.vocab = "data"`: each replica's loss head over the data's tokens (on its own
     device); how many distinct tokens that is."""
-    tokens = torch.cat([s.input_ids for s in samples])
+    present = torch.zeros(replicas[0].head.lm_head.shape[0], dtype=torch.bool)
+    for s in samples:  # one pass, memory of the vocabulary's size, not the data's
+        present[s.input_ids] = True
+    tokens = present.nonzero().flatten()
     for r in replicas:
         r.loss_vocab = LossVocab.of(r.head.lm_head, tokens, negatives)
     return len(replicas[0].loss_vocab.lm_head)  # type: ignore[union-attr]  # set just above

@@ -422,15 +422,20 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
               help="vLLM's tensor_parallel_size")  # fmt: skip
 @click.option("--pipeline-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="vLLM's pipeline_parallel_size")  # fmt: skip
+@click.option("--upgrade", is_flag=True,
+              help="only rewrite feature folders of an earlier format beside the data files (no engine)")  # fmt: skip
 def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_parallel: int,
-                 pipeline_parallel: int) -> None:  # fmt: skip
+                 pipeline_parallel: int, upgrade: bool) -> None:  # fmt: skip
     """Compute the target features of the [data] files' samples in an engine and write them
-    beside each data file (data.jsonl -> data.features/), where `dflash run` with
-    data.feature_cache_mb set takes them instead of running the target (resumable)."""
+    beside each data file (data.jsonl -> data.features/), the feature store `dflash run`
+    reads instead of running the target (resumable)."""
     from dflash import logs
     from dflash.config import load_config
     from dflash.engines.vllm import require_vllm
 
+    if upgrade:
+        _upgrade_features(load_config(config, list(overrides)))
+        return
     require_vllm()  # before anything loads
     cfg = load_config(config, list(overrides))
     logs.configure(sys.stdout)
@@ -445,6 +450,16 @@ def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_p
         f"{stats['parts']} parts), {stats['already_stored']} already there, {stats['wall_s']}s -> "
         + ", ".join(stats["folders"])
     )
+
+
+def _upgrade_features(cfg: Any) -> None:
+    from dflash import logs
+    from dflash.features.files import folder_for, upgrade_folder
+    from dflash.store.packages import local_path
+
+    folders = [folder_for(local_path(f.path)) for f in cfg.data.files] if cfg.data.source == "files" else []
+    for folder in (f for f in folders if f.is_dir()):
+        logs.human(f"dflash features --upgrade: {upgrade_folder(folder)} parts rewritten in {folder}")
 
 
 @main.command()

@@ -226,7 +226,7 @@ def test_jsonl_messages_loads_every_record(word_tok: Any, tmp_path: Path) -> Non
     samples, stats = load(data_cfg(path), word_tok, tmp_path)
     assert [s.sample_id for s in samples] == [0, 1, 2, 3]
     for s in samples:
-        assert s.input_ids.dtype == torch.long and s.loss_mask.dtype == torch.bool
+        assert s.input_ids.dtype == torch.int32 and s.loss_mask.dtype == torch.bool  # views of the mapped cache
         assert s.input_ids.shape == s.loss_mask.shape and s.input_ids.dim() == 1
         assert "<unk>" not in tokens(word_tok, s)
     assert stats == {
@@ -563,16 +563,23 @@ def test_cache_invalidation(word_tok: Any, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("target", ["safetensors", "json", "truncated"])
 def test_corrupt_cache_is_rebuilt(target: str, word_tok: Any, tmp_path: Path) -> None:
-    """A corrupt or truncated cache file is a miss: the same samples are rebuilt and re-cached."""
+    """A corrupt or truncated cache file is a miss: the same samples are rebuilt and re-cached.
+    (Samples are views of the mapped cache; dflash replaces a cache file, never rewrites it in
+    place as this test does: copies keep the first load's values.)"""
     path = write_jsonl(tmp_path / "c.jsonl", GOOD)
-    first, _ = load(data_cfg(path), word_tok, tmp_path)
+    loaded, _ = load(data_cfg(path), word_tok, tmp_path)
+    first = [Sample(s.sample_id, s.input_ids.clone(), s.loss_mask.clone()) for s in loaded]
+    del loaded
     (st_file,) = (tmp_path / "cache").glob("*.safetensors")
+    data = st_file.read_bytes()
+    st_file.unlink()  # a new file, as a user's copy or a crash would leave: no mapping sees it change
     if target == "safetensors":
         st_file.write_bytes(b"\x00garbage" * 64)
     elif target == "json":
+        st_file.write_bytes(data)
         st_file.with_suffix(".json").write_text("{not json", encoding="utf-8")
     else:
-        st_file.write_bytes(st_file.read_bytes()[:-7])
+        st_file.write_bytes(data[:-7])
     again, stats = load(data_cfg(path), word_tok, tmp_path)
     assert stats["cache_hit"] == 0 and same_samples(first, again)
     assert load(data_cfg(path), word_tok, tmp_path)[1]["cache_hit"] == 1

@@ -59,22 +59,6 @@ def test_budget_bounds_memory():
     assert len(cache) == 1 and cache.bytes <= cache.max_bytes
 
 
-def test_seeded_features_serve_a_batch_and_respect_the_budget():
-    """`seed` (feature files) stores one document's features and top-k as `put` would; past
-    the budget it refuses (False) and stores nothing."""
-    s = _samples()
-    cache = FeatureCache((5 + 3) * 6 * 2 + (5 + 3) * 8)  # samples 0 and 1 with a top-1 each
-    feats = [torch.randn(n.length, 6) for n in s]
-    tops = [(torch.zeros(n.length, 1), torch.arange(n.length)[:, None] + 10) for n in s]
-    assert cache.seed(0, feats[0], tops[0]) and cache.seed(1, feats[1], tops[1])
-    assert not cache.seed(2, feats[2], tops[2]) and len(cache) == 2
-    hit = cache.get(collate([s[1], s[0]], 0, 0), torch.float32)
-    assert hit is not None and hit[1] is not None
-    torch.testing.assert_close(hit[0][1, :5], feats[0].bfloat16().float())
-    assert hit[1][1][0, :3, 0].tolist() == [10, 11, 12]
-    assert cache.get(collate([s[2]], 1, 0), torch.float32) is None
-
-
 @pytest.mark.parametrize("mode", ["pipeline", "serial"])
 def test_later_epochs_hit_the_cache(tiny_config, monkeypatch, mode):
     """With data.feature_cache_mb, every batch is looked up once; a hit skips the target

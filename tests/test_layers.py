@@ -169,7 +169,7 @@ def test_no_circular_import():
 
 
 # The pipeline's stages (dflash/stages/__init__.py), one module each.
-PIPELINE_STAGES = {"prefetch", "target_forward", "pack", "transfer", "drafter_step", "optimizer"}
+PIPELINE_STAGES = {"prefetch", "feature_read", "target_forward", "pack", "transfer", "drafter_step", "optimizer"}
 
 
 def test_the_pipeline_stages_live_in_dflash_stages():

@@ -701,45 +701,46 @@ def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple
     assert torch.equal(redone.next, top[0, :, 0])
 
 
-def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: tuple[Any, Any]) -> None:
+def test_training_reads_regen_features_from_the_store(env: Env, loaded: tuple[Any, Any]) -> None:
     """A run on a regen output with feature files needs no target forward at all (target
-    labels included); features made by another target layout, distillation, a sampled regen
-    with target labels, or no feature cache: not used, with a warning that says why."""
+    labels included): every batch is read from the store; features made by another target
+    layout, distillation, or a sampled regen with target labels: not used, with a warning
+    that says why."""
     from dflash.train.build import build_training
     from tests.conftest import run_records
 
     _, folder = _feature_regen(env, loaded, "seeded")
     data = f'data.files=[{{path = "{env.run_dir("seeded") / "regen.jsonl"}"}}]'
-    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "data.feature_cache_mb=16", "train.epochs=2")
+    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "train.epochs=2")
     cfg = env.cfg("seeded", *base, 'loss.labels="target"')
     records = run_records(cfg, timeout_s=120)
     (setup,) = [r for r in records if r["event"] == "setup"]
     assert setup["data"]["feature_files_samples"] == setup["samples"] == 12
     (end,) = [r for r in records if r["event"] == "run_end"]
-    assert end["feature_cache"]["misses"] == 0 and end["feature_cache"]["hits"] == end["steps"] == 4
+    assert end["feature_store"]["misses"] == 0 and end["feature_store"]["hits"] == end["steps"] == 4
+    forwards = [r for r in records if r["event"] == "profile" and "target.model_forward" in r["stages"]]
+    assert forwards == [] and (folder / "index.safetensors").is_file()
 
     def warned(*sets: str) -> str:
         t = build_training(env.cfg("seeded", *base, *sets))
-        assert t.data_stats.get("feature_files_samples", 0) == 0
-        assert t.cache is None or len(t.cache) == 0
+        assert t.data_stats.get("feature_files_samples", 0) == 0 and t.store is None
         (w,) = [w for w in t.warnings if "feature files" in w]
         return w
 
     assert "layer_ids" in warned("target.layer_ids=[0]")
     assert "top-k" in warned("loss.distill=0.5")
-    assert "feature_cache_mb" in warned("data.feature_cache_mb=0")
     _feature_regen(env, loaded, "sampled", "regen.temperature=1.0")
     sampled = f'data.files=[{{path = "{env.run_dir("sampled") / "regen.jsonl"}"}}]'
     assert "sampled" in warned(sampled, 'loss.labels="target"')
     t = build_training(env.cfg("seeded", *base, sampled, 'loss.labels="data"'))  # features alone serve data labels
-    assert t.data_stats["feature_files_samples"] == 12 and t.cache is not None and len(t.cache) == 12
+    assert t.data_stats["feature_files_samples"] == 12 and t.store is not None
 
     from dflash.model.target import Target
 
     other = (Target(loaded[0].model, [0]), loaded[1])  # another layer: regen will not append its features
     with pytest.raises(DataError, match="layer_ids"):
         _feature_regen(env, other, "seeded", "regen.max_prompts=16")
-    assert len(list(folder.iterdir())) == 3
+    assert len(list(folder.glob("part-*"))) == 3
     with pytest.raises(DataError, match="sampled"):  # nor mix sampled parts into greedy ones
         _feature_regen(env, loaded, "seeded", "regen.max_prompts=16", "regen.temperature=1.0")
 
@@ -755,7 +756,7 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     assert t.data_stats["feature_files_samples"] == 8 and "unreadable" in " ".join(t.warnings)
     bad = folder / "part-00002.safetensors"
     tensors = load_file(bad)
-    tensors["0.next"] = tensors["0.next"][:1]  # a label row shorter than its ids
+    tensors["next"] = tensors["next"][:1]  # a label column shorter than its ids
     from safetensors import safe_open
 
     with safe_open(str(folder / "part-00000.safetensors"), framework="pt") as f:
@@ -763,6 +764,48 @@ def test_training_seeds_its_feature_cache_from_regen_features(env: Env, loaded: 
     save_file(tensors, str(bad), metadata=header)
     t = build_training(env.cfg("seeded", *base, 'loss.labels="target"'))
     assert t.data_stats["feature_files_samples"] == 4 and "shapes do not fit" in " ".join(t.warnings)
+
+    # An index that no longer matches its parts (a part swapped for another of the same size)
+    # is one line naming both; a rebuilt index serves again.
+    index = folder / "index.safetensors"
+    good = folder / "part-00000.safetensors"
+    saved = good.read_bytes()
+    tensors = load_file(good)
+    tensors["ids"] = tensors["ids"].flip(0)
+    save_file(tensors, str(good), metadata=header)
+    t = build_training(env.cfg("seeded", *base))
+    assert t.store is not None
+    from dflash.data.samples import collate
+
+    store = t.store
+    in_first = next(s for s in t.plan.samples if (h := store.find(s.input_ids)) and store.indexes[0].part[h[1]] == 0)
+    with pytest.raises(DataError, match=r"index.safetensors does not match .*part-00000.safetensors"):
+        store.read(collate([in_first], 0, 0), torch.float32)
+    good.write_bytes(saved)
+    index.unlink()
+    assert build_training(env.cfg("seeded", *base)).data_stats["feature_files_samples"] == 4
+
+
+def test_store_fed_training_equals_cache_fed_and_serial(env: Env, loaded: tuple[Any, Any]) -> None:
+    """Training from the feature store gives the same losses, bit for bit, with the in-memory
+    cache above it (later epochs hit the cache) and without, in the pipeline and the serial loop."""
+    from tests.conftest import run_records
+
+    _feature_regen(env, loaded, "storefed")
+    data = f'data.files=[{{path = "{env.run_dir("storefed") / "regen.jsonl"}"}}]'
+    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "train.epochs=3")
+
+    def losses(name: str, *sets: str) -> tuple[list[float], dict[str, Any]]:
+        records = run_records(env.cfg(name, *base, *sets), timeout_s=120)
+        (end,) = [r for r in records if r["event"] == "run_end"]
+        return [r["loss"] for r in records if r["event"] == "train_step"], end
+
+    store_only, end = losses("sf_store", 'pipeline.mode="serial"')
+    assert end["feature_store"]["hits"] == end["steps"] == 6 and end["feature_cache"] is None
+    cached, end = losses("sf_cache", 'pipeline.mode="serial"', "data.feature_cache_mb=16")
+    assert end["feature_cache"]["hits"] == 4 and end["feature_store"]["hits"] == 2
+    assert cached == store_only
+    assert losses("sf_pipeline")[0] == store_only
 
 
 def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env, loaded: tuple[Any, Any]) -> None:
@@ -776,8 +819,7 @@ def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env,
     whole_target = loaded[0]
     _feature_regen(env, loaded, "head")
     data = f'data.files=[{{path = "{env.run_dir("head") / "regen.jsonl"}"}}]'
-    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "data.feature_cache_mb=16",
-            "train.epochs=2", 'loss.labels="target"')  # fmt: skip
+    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "train.epochs=2", 'loss.labels="target"')
     cfg = env.cfg("head", *base, 'target.load="head"')
     t = load_target_head(cfg.target, torch.device("cpu"), cfg.drafter.num_layers, cfg.data.cache_dir)
     assert t.model is None and t.name == whole_target.name and t.layer_ids == whole_target.layer_ids
@@ -786,7 +828,7 @@ def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env,
 
     def losses(records: list[dict[str, Any]]) -> list[float]:
         (end,) = [r for r in records if r["event"] == "run_end"]
-        assert end["feature_cache"]["misses"] == 0
+        assert end["feature_store"]["misses"] == 0
         return [r["loss"] for r in records if r["event"] == "train_step"]
 
     head = run_records(cfg, timeout_s=120)
@@ -800,7 +842,6 @@ def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env,
         "eval.at_end=true": "eval.at_end = false",
         "drafter.init_from_target=true": "drafter.init_from_target = false",
         "loss.distill=0.5": "loss.distill = 0",
-        "data.feature_cache_mb=0": "data.feature_cache_mb",
         "data.feature_files=false": "data.feature_files = true",
     }
     for override, says in refused.items():

@@ -73,8 +73,9 @@ class DataConfig(_Section):
         0, ge=0, description="keep target features of seen samples in memory (MiB); later epochs skip the target"
     )
     feature_files: bool = Field(
-        True, description="seed the feature cache from the feature files regen left beside the data files "
-        "(regen.save_features); false: ignore them (e.g. to measure the target's forward)",
+        True, description="read target features from the feature store beside the data files (data.jsonl -> "
+        "data.features/, written by regen.save_features or `dflash features`) instead of running the target; "
+        "false: ignore it (e.g. to measure the target's forward)",
     )  # fmt: skip
     cache_dir: str = Field("", description="tokenization / model cache; default ~/.cache/dflash")
     chat_template_kwargs: dict[str, bool | int | float | str] = Field(
@@ -468,6 +469,10 @@ class PipelineConfig(_Section):
     batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")
     hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")
     hs_min_ready: int = Field(1, ge=1, description="drafters take only when this many are ready")
+    read_ahead: int = Field(
+        2, ge=1, le=64, description="batches the feature read stage (feature cache, feature store) reads ahead of "
+        "the target, per chain"
+    )
     prepare_ahead: bool | None = Field(
         None,
         description="a drafter takes and prepares its next batch while the optimizer steps (one replica "
@@ -562,7 +567,7 @@ class RegenConfig(_Section):
     save_features: bool = Field(
         False, description="keep the target features computed while generating (a folder beside the output: "
         "regen.jsonl -> regen.features/, k x hidden x 2 bytes a token); training on the output then skips the "
-        "target for those conversations, the first epoch too (needs data.feature_cache_mb)",
+        "target for those conversations, the first epoch too",
     )  # fmt: skip
     server: str = Field(
         "", description="URL of an OpenAI-compatible server (vLLM, SGLang, llama.cpp) serving the target, e.g. "

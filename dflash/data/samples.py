@@ -22,7 +22,7 @@ __all__ = ["Rows", "Sample", "batch_padding_fraction", "collate"]
 @dataclass(frozen=True)
 class Sample:
     sample_id: int  # global, unique in the data set: it becomes the token's doc id
-    input_ids: torch.Tensor  # (L,) int64
+    input_ids: torch.Tensor  # (L,) int32 (views of the tokenization cache) or int64
     loss_mask: torch.Tensor  # (L,) bool
 
     @property

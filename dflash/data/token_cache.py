@@ -3,12 +3,13 @@
 Tokenizing is the slow part, so each file's tokenized samples (before weighting, so
 changing a weight costs nothing) are stored under ``cache_dir`` as one safetensors file
 (flat int32 ids, bool mask, int64 offsets) plus a JSON sidecar with the counts — never a
-pickle. The key hashes the file's absolute path, size and mtime_ns (every file's, for a
-`datasets` folder), the tokenizer (vocabulary, chat template, special tokens) and the
-config fields that change tokenization (max_seq_len, overlong, skip_invalid). Both files
-go through `atomic_path`, the sidecar last, so a reader never sees half a cache; a cache
-that fails any check is treated as a miss and rewritten. A cache that cannot be written
-is a warning, never an error.
+pickle. A cache is read memory-mapped (`dflash/store/mapped.py`): training's samples are
+views of its pages, so a billion tokens cost page cache, not process memory. The key hashes
+the file's absolute path, size and mtime_ns (every file's, for a `datasets` folder), the
+tokenizer (vocabulary, chat template, special tokens) and the config fields that change
+tokenization (max_seq_len, overlong, skip_invalid). Both files go through `atomic_path`, the
+sidecar last, so a reader never sees half a cache; a cache that fails any check is treated
+as a miss and rewritten. A cache that cannot be written is a warning, never an error.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from dflash.config import DataConfig, DataFile
 from dflash.data.formats import resolve_format
 from dflash.store.atomic import atomic_path
+from dflash.store.mapped import map_safetensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,17 +109,15 @@ def read_cache(cache_dir: Path, key: str) -> FileSamples | None:
         return None
     # Any failure below — unreadable, truncated, foreign or inconsistent — means "rebuild".
     try:
-        from safetensors import safe_open
-
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         if meta.get("version") != CACHE_VERSION or meta.get("key") != key:
             return None
         if tensors_path.stat().st_size != meta["bytes"]:
             return None
-        with safe_open(str(tensors_path), framework="pt") as f:
-            if (f.metadata() or {}).get("key") != key:
-                return None
-            ids, mask, offsets = f.get_tensor("ids"), f.get_tensor("mask"), f.get_tensor("offsets")
+        header, t = map_safetensors(tensors_path)
+        if header.get("key") != key:
+            return None
+        ids, mask, offsets = t["ids"], t["mask"], t["offsets"]
         n = int(meta["samples"])
         ok = (
             ids.dtype == torch.int32

@@ -192,13 +192,13 @@ def _file_samples(
         )
         raise DataError(msg)
     write_cache(cache_dir, key, fs, str(file.path), len(tokenizer))
-    return fs, False
+    return read_cache(cache_dir, key) or fs, False  # mapped: the tokenized copy in memory goes
 
 
 def _split(fs: FileSamples) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     sizes = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
-    # One int64 buffer per file; samples are views into it (no per-sample copies).
-    ids = torch.split(fs.ids.to(torch.int64), sizes)
+    # One int32 buffer per file (mapped from the cache); samples are views into it (no copies).
+    ids = torch.split(fs.ids, sizes)
     mask = torch.split(fs.mask, sizes)
     return zip(ids, mask, strict=True)
 

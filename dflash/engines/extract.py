@@ -37,7 +37,7 @@ import torch
 from dflash.config import Config
 from dflash.engines.vllm import MAX_SEQS, engine_failed, kv_cache_bytes, shut_down
 from dflash.errors import ConfigError, DFlashError
-from dflash.features.files import Entry, FeatureMeta, folder_for, ids_key, next_part_index, write_part
+from dflash.features.files import Entry, FeatureMeta, FeatureStore, folder_for, ids_key, next_part_index, write_part
 
 __all__ = ["EngineSettings", "extract_features", "target_meta", "vllm_layer_ids"]
 
@@ -91,7 +91,7 @@ def target_meta(cfg: Config) -> tuple[Path, FeatureMeta]:
     return folder, FeatureMeta(name, str(dtype).removeprefix("torch."), layer_ids, len(layer_ids) * hidden, True)
 
 
-def _file_samples(cfg: Config, tokenizer: Any) -> list[tuple[Path, list[list[int]]]]:
+def _file_samples(cfg: Config, tokenizer: Any) -> list[tuple[Path, list[torch.Tensor]]]:
     """Per data file: where its features go, and its samples' token ids as training has them
     (each distinct sequence once)."""
     from dflash.data.tokenize import load_samples
@@ -104,37 +104,31 @@ def _file_samples(cfg: Config, tokenizer: Any) -> list[tuple[Path, list[list[int
     for file in cfg.data.files:
         one = cfg.data.model_copy(update={"files": [file.model_copy(update={"weight": 1.0})]})
         samples, _ = load_samples(one, tokenizer, progress=False)
-        distinct = {ids_key(s.input_ids): s.input_ids.tolist() for s in samples}  # first of each, in order
-        out.append((folder_for(local_path(file.path)), list(distinct.values())))
+        seen: set[bytes] = set()  # 16 bytes a sample; the ids stay views of the tokenized file
+        distinct = []
+        for s in samples:  # the first of each, in order
+            key = ids_key(s.input_ids)
+            if key not in seen:
+                seen.add(key)
+                distinct.append(s.input_ids)
+        out.append((folder_for(local_path(file.path)), distinct))
     return out
 
 
-def _stored(folder: Path, meta: FeatureMeta) -> set[bytes]:
-    """The keys (`ids_key`) of the entries already in `folder` made the way `meta` says."""
-    from safetensors import SafetensorError, safe_open
-
-    have: set[bytes] = set()
-    for path in sorted(folder.glob("part-*.safetensors")) if folder.is_dir() else []:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                theirs = FeatureMeta.from_header(f.metadata(), path)
-                if theirs.differs_from(meta) or not theirs.greedy:  # ours carry `next`: only such entries count
-                    continue
-                have.update(ids_key(f.get_tensor(k)) for k in f.keys() if k.endswith(".ids"))  # noqa: SIM118
-        except (SafetensorError, OSError, ValueError):
-            continue
-    return have
+def _stored(folder: Path, meta: FeatureMeta) -> FeatureStore | None:
+    """The entries already in `folder` made the way `meta` says (greedy: ours carry `next`)."""
+    return FeatureStore([folder], meta, 1, 0, []) if folder.is_dir() else None
 
 
-def _chunks(todo: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
-    """`todo` in runs of at most `budget` tokens (one prompt at least)."""
+def _chunks(todo: list[torch.Tensor], budget: int) -> Iterator[list[list[int]]]:
+    """`todo` in runs of at most `budget` tokens (one prompt at least), as lists of ids."""
     chunk: list[list[int]] = []
     used = 0
     for ids in todo:
         if chunk and used + len(ids) > budget:
             yield chunk
             chunk, used = [], 0
-        chunk.append(ids)
+        chunk.append(ids.tolist())
         used += len(ids)
     if chunk:
         yield chunk
@@ -221,7 +215,7 @@ def extract_features(cfg: Config, settings: EngineSettings, seen: Seen | None = 
     todo = []
     for out, samples in per_file:
         have = _stored(out, meta)
-        todo.append((out, [ids for ids in samples if ids_key(ids) not in have]))
+        todo.append((out, [ids for ids in samples if have is None or have.find(ids) is None]))
     stats: dict[str, Any] = {
         "engine": "vllm", "target": meta.target, "dtype": meta.dtype, "layer_ids": meta.layer_ids,
         "samples": sum(len(s) for _, s in per_file), "already_stored": 0, "written": 0, "tokens": 0, "parts": 0,
@@ -247,7 +241,7 @@ def extract_features(cfg: Config, settings: EngineSettings, seen: Seen | None = 
 def _write_file(
     llm: Any,
     out: Path,
-    prompts: list[list[int]],
+    prompts: list[torch.Tensor],
     meta: FeatureMeta,
     settings: EngineSettings,
     seen: Seen | None,

@@ -15,7 +15,6 @@ target's top-k next-token logits and ids at each position are kept beside the fe
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 
@@ -23,7 +22,25 @@ import torch
 
 from dflash.runtime.messages import Batch, Teacher
 
-__all__ = ["FeatureCache"]
+__all__ = ["FeatureCache", "doc_spans"]
+
+
+def doc_spans(batch: Batch) -> list[tuple[int, int, int, int]]:
+    """(row, start, end, sample id) of every document in the batch, row by row."""
+    docs = batch.doc_ids
+    R, T = docs.shape
+    starts = torch.ones(R, T, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    rows, cols = starts.nonzero(as_tuple=True)  # row-major: a row's runs in order
+    ends = torch.full_like(cols, T)
+    same_row = rows[1:] == rows[:-1]
+    ends[:-1] = torch.where(same_row, cols[1:], T)
+    ids = docs[rows, cols]
+    return [
+        (r, s, e, d)
+        for r, s, e, d in zip(rows.tolist(), cols.tolist(), ends.tolist(), ids.tolist(), strict=True)
+        if d >= 0
+    ]
 
 
 class FeatureCache:
@@ -47,21 +64,6 @@ class FeatureCache:
     def stats(self) -> dict[str, float]:
         return {"hits": self.hits, "misses": self.misses, "samples": len(self), "mb": round(self.bytes / 2**20, 1)}
 
-    @staticmethod
-    def _spans(batch: Batch) -> list[tuple[int, int, int, int]]:
-        """(row, start, end, sample id) of every document in the batch."""
-        out = []
-        docs = batch.doc_ids
-        for r in range(docs.shape[0]):
-            row = docs[r]
-            change = torch.nonzero(row[1:] != row[:-1]).flatten().add(1).tolist()
-            bounds = [0, *change, row.numel()]
-            for s, e in itertools.pairwise(bounds):
-                d = int(row[s])
-                if d >= 0:
-                    out.append((r, s, e, d))
-        return out
-
     def get(
         self, batch: Batch, dtype: torch.dtype, alloc: Callable[..., torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, Teacher | None] | None:
@@ -72,7 +74,7 @@ class FeatureCache:
         def zeros(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt) if alloc is None else alloc(shape, dt).zero_()
 
-        spans = self._spans(batch)
+        spans = doc_spans(batch)
         with self._lock:
             parts = [self._store.get(d) for *_, d in spans]
             # all or nothing, the top-k included: a missing one would leave zeros as labels
@@ -96,29 +98,12 @@ class FeatureCache:
                 teacher[1][r, s:e] = p[2]
         return out, teacher
 
-    def seed(self, sample_id: int, features: torch.Tensor, teacher: Teacher | None = None) -> bool:
-        """Store one document's (L, k·H) features (and (L, k) top-k) made elsewhere (feature
-        files); False when the budget has no room for it."""
-        piece = features.to(self.dtype)
-        vals = idx = None
-        size = piece.numel() * piece.element_size()
-        if teacher is not None:
-            vals, idx = teacher[0].to(torch.float32), teacher[1].to(torch.int32)
-            size += vals.numel() * 4 + idx.numel() * 4
-        with self._lock:
-            if self.bytes + size > self.max_bytes:
-                return False
-            if sample_id not in self._store:
-                self._store[sample_id] = (piece, vals, idx)
-                self.bytes += size
-        return True
-
     def put(self, batch: Batch, hidden: torch.Tensor, teacher: Teacher | None = None) -> None:
         """Store each document's slice of host features `hidden` (R, T, k·H), and of the
         teacher's top-k when given, budget permitting."""
         if self.bytes >= self.max_bytes:
             return
-        for r, s, e, d in self._spans(batch):
+        for r, s, e, d in doc_spans(batch):
             with self._lock:
                 if d in self._store:
                     continue

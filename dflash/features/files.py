@@ -1,67 +1,81 @@
-"""Feature files: the target features `dflash regen` computes anyway, kept for training.
+"""The feature store: target features kept on disk for training, read back with bounded memory.
 
-While regen generates a reply, the target runs over the prompt (prefill) and then over each
-reply token it feeds back: the chosen layers' outputs at every one of those positions are
-exactly the features training would compute again with a full forward (equal to float
-rounding). With `regen.save_features`, regen keeps them: a folder beside its JSONL
-(`regen.jsonl` → `regen.features/`), one safetensors file per batch of replies,
-`part-NNNNN.safetensors`, written atomically after the batch's replies; for reply j of
-the batch:
+`dflash regen` (with `regen.save_features`) and `dflash features` write the target's features
+beside a data file (`regen.jsonl` → `regen.features/`) as **shards**: one safetensors file per
+batch of samples, `part-NNNNN.safetensors`, each written atomically (a temporary file renamed
+into place: a run killed mid-write leaves the store as it was, and a rerun writes the part
+again). A shard holds its samples back to back:
 
-- `j.ids` (S,) int32: the token ids of the conversation *as training tokenizes it* (chat
-  template, the reply as written to the JSONL),
-- `j.features` (S, k·H) bfloat16: the chosen layers' outputs there (the end-of-turn tokens
-  after the reply, never fed while generating, are zeros: they are only context for
+- `ids` (N,) int32: the token ids of every sample *as training tokenizes it* (chat template,
+  the reply as written to the JSONL), sample after sample,
+- `features` (N, k·H) bfloat16: the chosen layers' outputs there (the end-of-turn tokens
+  after a regen reply, never fed while generating, are zeros: they are only context for
   blocks that start after the conversation ends, which carry no loss),
-- `j.next` (S,) int32, greedy regen only: the target's greedy next token at each position
-  of the reply (the next reply token; after the last one, what the target generated next:
-  its end of turn, or the token after a reply cut at `max_new_tokens`) — the labels of
-  `loss.labels = "target"`; elsewhere the next data token (in the prompt never a label;
-  after the end-of-turn token, the template's "\n": the one label that is the data's).
+- `next` (N,) int32, greedy only: the target's greedy next token at each position of a reply
+  (the labels of `loss.labels = "target"`; elsewhere the next data token),
+- `offsets` (n+1,) int64: sample j is rows `offsets[j]:offsets[j+1]`,
+- `keys` (n, 16) uint8: each sample's `ids_key` (16 bytes of BLAKE2b over its int32 ids).
 
-Where re-tokenizing the written reply does not give back the generated tokens (whitespace
-stripped, merges across the reply's end), regen runs the target once more over the
-training tokenization of that conversation: every stored entry matches training token for
-token.
+The header's metadata names what made them (format, target, dtype, layer ids, feature width,
+whether `next` is there).
 
-The header's metadata names what made them (format, target, dtype, layer ids, feature
-width, whether `next` is there). Training (`dflash run`) finds the folder beside each data
-file and, when the metadata matches its own target, seeds the feature cache with every
-sample whose token ids equal a stored entry's (a truncated sample: its prefix), so the
-first epoch skips the target as later ones do. Nothing here unpickles anything.
+**The index**, `index.safetensors` in the same folder, is flat: five columns sorted by key
+(the key's two 64-bit halves, part, row offset, length), one row per stored sample (and one
+more for each sample longer than `data.max_seq_len`: its prefix, which is what a truncated
+training sample holds). It is memory-mapped and searched with `numpy.searchsorted`; no
+Python object per sample exists anywhere. It is rebuilt from the shards' `keys` (a few bytes
+a sample, never the features) whenever the parts it lists differ from the folder's, or it was
+built for another `max_seq_len`.
+
+Training (`FeatureStore`, the `target.feature_store_read` stage) looks up each batch's
+documents by key and copies their rows out of the memory-mapped shards: nothing is loaded at
+set-up, and memory does not grow with the store. A folder of the earlier per-sample format
+(`dflash-features/1`) is refused in one line naming `dflash features CONFIG --upgrade`, which
+rewrites it. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dflash.data.samples import Sample
-from dflash.features.cache import FeatureCache
+from dflash.errors import DataError
+from dflash.features.cache import doc_spans
+from dflash.runtime.messages import Batch, Teacher
 from dflash.store.atomic import atomic_path
+from dflash.store.mapped import map_safetensors
 
 __all__ = [
     "FORMAT",
     "Entry",
     "FeatureMeta",
+    "FeatureStore",
+    "build_index",
     "folder_for",
     "ids_key",
     "next_part_index",
     "read_folder",
     "read_meta",
-    "seed_cache",
+    "upgrade_folder",
     "write_part",
 ]
 
-FORMAT = "dflash-features/1"
+FORMAT = "dflash-features/2"
+OLD_FORMAT = "dflash-features/1"  # one tensor triple per sample: `dflash features --upgrade` rewrites it
+INDEX = "index.safetensors"
+INDEX_FORMAT = "dflash-feature-index/1"
+UPGRADE = "dflash features CONFIG --upgrade"
 
 
 @dataclass(frozen=True)
@@ -85,8 +99,12 @@ class FeatureMeta:
 
     @classmethod
     def from_header(cls, header: dict[str, str] | None, where: Path) -> FeatureMeta:
-        if not header or header.get("format") != FORMAT:
-            msg = f"{where}: not a dflash feature file (format {None if not header else header.get('format')!r})"
+        fmt = None if not header else header.get("format")
+        if fmt == OLD_FORMAT:
+            msg = f"{where}: feature files in an earlier format (one entry a sample); rewrite them with `{UPGRADE}`"
+            raise DataError(msg)
+        if not header or fmt != FORMAT:
+            msg = f"{where}: not a dflash feature file (format {fmt!r})"
             raise ValueError(msg)
         try:
             return cls(**json.loads(header["meta"]))
@@ -105,220 +123,389 @@ class FeatureMeta:
 
 @dataclass(frozen=True)
 class Entry:
-    ids: torch.Tensor  # (S,) int64
+    ids: torch.Tensor  # (S,) int
     features: torch.Tensor  # (S, k·H) bfloat16
-    next: torch.Tensor | None  # (S,) int64, greedy regen only
+    next: torch.Tensor | None  # (S,) int, greedy only
 
 
 def ids_key(ids: torch.Tensor | Sequence[int]) -> bytes:
-    """A token-id sequence's key in the feature indexes: 16 bytes of BLAKE2b over its int32
-    ids (a tuple of Python ints would cost ~36 bytes a token in memory)."""
+    """A token-id sequence's key in the feature store: 16 bytes of BLAKE2b over its int32 ids
+    (a tuple of Python ints would cost ~36 bytes a token in memory)."""
     t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.int32)
     return hashlib.blake2b(t.to(torch.int32).contiguous().numpy().tobytes(), digest_size=16).digest()
 
 
+def _halves(key: bytes) -> tuple[int, int]:
+    hi, lo = np.frombuffer(key, dtype="<i8")
+    return int(hi), int(lo)
+
+
 def folder_for(data_file: Path) -> Path:
-    """Where the feature files of a data file live: `regen.jsonl` → `regen.features`."""
+    """Where the features of a data file live: `regen.jsonl` → `regen.features`."""
     return data_file.with_suffix(".features")
 
 
+def _parts(folder: Path) -> list[Path]:
+    return sorted(folder.glob("part-*.safetensors")) if folder.is_dir() else []
+
+
 def write_part(folder: Path, index: int, entries: Sequence[Entry], meta: FeatureMeta) -> Path:
-    """One batch's entries as `part-{index:05d}.safetensors`, atomically; returns its path."""
+    """One batch's entries as the shard `part-{index:05d}.safetensors`, atomically; returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for j, e in enumerate(entries):
-        tensors[f"{j}.ids"] = e.ids.to(torch.int32).contiguous()
-        tensors[f"{j}.features"] = e.features.to(torch.bfloat16).contiguous()
-        if e.next is not None:
-            tensors[f"{j}.next"] = e.next.to(torch.int32).contiguous()
+    ids = [e.ids.to(torch.int32).reshape(-1) for e in entries]
+    lengths = torch.tensor([0, *(len(i) for i in ids)], dtype=torch.int64)
+    keys = torch.tensor(np.frombuffer(b"".join(ids_key(i) for i in ids), dtype=np.uint8).reshape(len(ids), 16))
+    tensors = {
+        "ids": torch.cat(ids),
+        "features": torch.cat([e.features.to(torch.bfloat16) for e in entries]).contiguous(),
+        "offsets": torch.cumsum(lengths, 0),
+        "keys": keys,
+    }
+    if all(e.next is not None for e in entries):
+        tensors["next"] = torch.cat([e.next.to(torch.int32).reshape(-1) for e in entries])  # type: ignore[union-attr]
     dest = folder / f"part-{index:05d}.safetensors"
-    with atomic_path(dest, durable=False) as tmp:  # a cache: atomic, a power cut may lose it
+    with atomic_path(dest, durable=False) as tmp:  # a cache: atomic; a power cut may lose it
         save_file(tensors, str(tmp), metadata=meta.to_header())
     return dest
 
 
 def next_part_index(folder: Path) -> int:
     """The index the next part written to `folder` takes (a resumed regen appends)."""
-    if not folder.is_dir():
-        return 0
-    taken = [int(p.stem.split("-")[1]) for p in folder.glob("part-*.safetensors") if p.stem.split("-")[1].isdigit()]
+    taken = [int(p.stem.split("-")[1]) for p in _parts(folder) if p.stem.split("-")[1].isdigit()]
     return max(taken, default=-1) + 1
 
 
 def read_meta(folder: Path) -> FeatureMeta | None:
-    """The metadata of the folder's first part, or None (no folder, no part, unreadable)."""
-    parts = sorted(folder.glob("part-*.safetensors")) if folder.is_dir() else []
+    """The metadata of the folder's first part, or None (no folder, no part, unreadable).
+    Raises DataError for a folder of the earlier format (it needs `--upgrade` first)."""
+    parts = _parts(folder)
     if not parts:
         return None
     try:
-        with safe_open(str(parts[0]), framework="pt") as f:
-            return FeatureMeta.from_header(f.metadata(), parts[0])
-    except (SafetensorError, OSError, ValueError):
+        meta, _ = map_safetensors(parts[0])
+        return FeatureMeta.from_header(meta, parts[0])
+    except (OSError, ValueError):
         return None
 
 
-def _check(path: Path, j: int, ids: torch.Tensor, features: torch.Tensor, nxt: torch.Tensor | None, width: int) -> None:
-    n = ids.shape[0] if ids.ndim == 1 else -1
-    if n < 0 or features.ndim != 2 or features.shape != (n, width) or (nxt is not None and nxt.shape != ids.shape):
-        got = [tuple(t.shape) if t is not None else None for t in (ids, features, nxt)]
-        msg = f"{path}: entry {j}: shapes do not fit (ids, features, next: {got}; width {width})"
+def _open_part(path: Path) -> tuple[FeatureMeta, dict[str, torch.Tensor]]:
+    """A shard's metadata and its tensors, mapped, shapes checked. ValueError names the file."""
+    try:
+        header, t = map_safetensors(path)
+    except OSError as err:
+        msg = f"{path}: unreadable feature file: {err.strerror or err}"
+        raise ValueError(msg) from None
+    meta = FeatureMeta.from_header(header, path)
+    need = ["ids", "features", "offsets", "keys", *(["next"] if meta.greedy else [])]
+    missing = [k for k in need if k not in t]
+    if missing:
+        msg = f"{path}: malformed feature file: no {', '.join(missing)}"
         raise ValueError(msg)
+    ids, feats, offs, keys = t["ids"], t["features"], t["offsets"], t["keys"]
+    n, rows = len(offs) - 1, len(ids)
+    ok = (
+        ids.ndim == 1 and feats.shape == (rows, meta.width) and offs.ndim == 1 and n >= 0
+        and keys.shape == (n, 16) and ("next" not in t or t["next"].shape == ids.shape)
+        and (n == 0 or (int(offs[0]) == 0 and int(offs[-1]) == rows and bool((offs[1:] >= offs[:-1]).all())))
+    )  # fmt: skip
+    if not ok:
+        shapes = {k: tuple(v.shape) for k, v in t.items()}
+        msg = f"{path}: malformed feature file: shapes do not fit ({shapes}, width {meta.width})"
+        raise ValueError(msg)
+    return meta, t
 
 
-def _part_ids(path: Path) -> tuple[FeatureMeta, list[torch.Tensor]]:
-    """A part's metadata and its entries' ids (features stay on disk)."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = FeatureMeta.from_header(f.metadata(), path)
-        keys = set(f.keys())
-        ids = []
-        while f"{len(ids)}.ids" in keys:
-            j = len(ids)
-            entry_ids = f.get_tensor(f"{j}.ids")
-            if entry_ids.ndim != 1 or f"{j}.features" not in keys or (meta.greedy and f"{j}.next" not in keys):
-                shape = tuple(entry_ids.shape)
-                msg = f"{path}: entry {j}: malformed (ids of shape {shape}, or features / next missing)"
-                raise ValueError(msg)
-            ids.append(entry_ids.long())
-        return meta, ids
-
-
-def _load(path: Path, js: Sequence[int], width: int) -> dict[int, Entry]:
-    """Entries `js` of one part, whole, shapes checked."""
-    out = {}
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        for j in js:
-            ids, feats = f.get_tensor(f"{j}.ids").long(), f.get_tensor(f"{j}.features")
-            nxt = f.get_tensor(f"{j}.next").long() if f"{j}.next" in keys else None
-            _check(path, j, ids, feats, nxt, width)
-            out[j] = Entry(ids, feats, nxt)
-    return out
+def read_part(path: Path) -> tuple[FeatureMeta, list[Entry]]:
+    """A shard's entries, copied out of the file."""
+    meta, t = _open_part(path)
+    offs = t["offsets"].tolist()
+    out = []
+    for a, b in itertools.pairwise(offs):
+        nxt = t["next"][a:b].long() if "next" in t else None
+        out.append(Entry(t["ids"][a:b].long(), t["features"][a:b].clone(), nxt))
+    return meta, out
 
 
 def read_folder(folder: Path) -> Iterator[tuple[FeatureMeta, Entry]]:
     """Every entry of every part in `folder`, in part order. Raises ValueError naming the file
     on a malformed one."""
-    for path in sorted(folder.glob("part-*.safetensors")):
+    for path in _parts(folder):
+        meta, entries = read_part(path)
+        for e in entries:
+            yield meta, e
+
+
+# ---- the earlier format, read only to rewrite it ------------------------------------------
+
+
+def _old_entries(path: Path) -> tuple[FeatureMeta, list[Entry]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        header = dict(f.metadata() or {})
+        header["format"] = FORMAT
+        meta = FeatureMeta.from_header(header, path)
+        keys, out = set(f.keys()), []
+        while f"{len(out)}.ids" in keys:
+            j = len(out)
+            nxt = f.get_tensor(f"{j}.next") if f"{j}.next" in keys else None
+            out.append(Entry(f.get_tensor(f"{j}.ids"), f.get_tensor(f"{j}.features"), nxt))
+    return meta, out
+
+
+def upgrade_folder(folder: Path) -> int:
+    """Rewrite every part of `folder` still in the earlier format as a shard of this one, part
+    by part (one part in memory at a time; each replaced atomically); returns how many."""
+    done = 0
+    for path in _parts(folder):
         try:
-            meta, ids = _part_ids(path)
-            entries = _load(path, range(len(ids)), meta.width)
-        except (SafetensorError, OSError) as err:
-            msg = f"{path}: unreadable feature file: {err}"
-            raise ValueError(msg) from None
-        for j in range(len(ids)):
-            yield meta, entries[j]
+            header, _ = map_safetensors(path)
+        except (OSError, ValueError):
+            continue
+        if header.get("format") != OLD_FORMAT:
+            continue
+        try:
+            meta, entries = _old_entries(path)
+        except Exception as err:  # safetensors' own errors: one line naming the part
+            msg = f"{path}: unreadable feature file: {str(err).splitlines()[0]}"
+            raise DataError(msg) from None
+        write_part(folder, int(path.stem.split("-")[1]), entries, meta)
+        done += 1
+    return done
 
 
-def seed_cache(
-    cache: FeatureCache,
-    samples: Sequence[Sample],
-    folders: Sequence[Path],
-    want: FeatureMeta,
-    teacher_topk: int,
-    max_len: int,
-    warn: list[str],
-) -> dict[str, int]:
-    """Put into `cache` the stored features of every sample that has them; returns counts.
-
-    `want`: the run's target (its `greedy` is ignored). `teacher_topk`: 0 (features only) or
-    1 (target labels: greedy `next` needed); more (distillation's top-k) cannot be served
-    from feature files. `max_len`: data.max_seq_len (a sample that long may be a stored
-    entry's prefix). First only the ids are read (an index: key -> part, entry); features are
-    loaded for matched samples only, part by part, until the cache's budget is spent. A part
-    that cannot serve this run (another target layout, sampled with target labels, malformed,
-    unreadable) is skipped with a `warn` line naming it; the others still serve."""
-    stats = {"feature_files_samples": 0, "feature_files_entries": 0}
-    if teacher_topk > 1:
-        if folders:
-            warn.append(f"feature files {folders[0]} not used: loss.distill needs the target's top-k logits")
-        return stats
-    index = _index_parts(folders, want, teacher_topk, warn, max_len)
-    stats["feature_files_entries"] = index.entries
-    if not index.where:
-        return stats
-    matched = _match(samples, index, max_len)
-    stats["feature_files_samples"] = _seed(cache, matched, index.widths, teacher_topk, warn)
-    return stats
+# ---- the index -----------------------------------------------------------------------------
 
 
 @dataclass
-class _PartIndex:
-    """The entries of the parts that can serve a run, by the keys of their token ids
-    (`ids_key`; features stay on disk)."""
+class _Index:
+    """One folder's flat index: columns sorted by (hi, lo), and its parts."""
 
-    where: dict[bytes, tuple[Path, int]] = field(default_factory=dict)  # key -> (part, entry)
-    cut: dict[bytes, tuple[Path, int]] = field(default_factory=dict)  # entries longer than max_len, cut there
-    widths: dict[Path, int] = field(default_factory=dict)  # part -> feature width
-    entries: int = 0  # entries in those parts, repeats included
+    folder: Path
+    hi: np.ndarray  # (M,) int64
+    lo: np.ndarray
+    part: np.ndarray  # (M,) int32, into `names`
+    offset: np.ndarray  # (M,) int64, the sample's first row in its part
+    length: np.ndarray  # (M,) int32, rows it holds
+    names: list[str]
+    metas: list[dict[str, Any] | None]  # each part's FeatureMeta as a dict, None: unreadable
+    counts: list[int]  # samples in each part
+    problems: dict[str, str]  # part name -> why it could not be indexed
+
+    def find(self, key: bytes) -> int:
+        """The row of `key`, or -1."""
+        hi, lo = _halves(key)
+        i = int(np.searchsorted(self.hi, hi))
+        while i < len(self.hi) and int(self.hi[i]) == hi:
+            if int(self.lo[i]) == lo:
+                return i
+            i += 1
+        return -1
 
 
-def _index_parts(
-    folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, warn: list[str], max_len: int = 0
-) -> _PartIndex:
-    """Every part of `folders` that can serve this run, indexed; one `warn` line per reason a
-    part could not (naming the first such part). An entry longer than `max_len` is also
-    indexed by its first `max_len` ids (a sample truncated at data.max_seq_len)."""
-    index = _PartIndex()
-    skipped: dict[str, str] = {}  # why -> first part skipped for it
-    for path in (p for folder in folders for p in sorted(folder.glob("part-*.safetensors"))):
+def _listing(folder: Path) -> list[list[Any]]:
+    return [[p.name, p.stat().st_size] for p in _parts(folder)]
+
+
+def build_index(folder: Path, max_len: int, write: bool = True) -> _Index:
+    """`folder`'s index built from its shards' keys (a sample longer than `max_len` also under
+    its first `max_len` ids), written atomically as `index.safetensors` when `write` (a folder
+    that cannot be written keeps it in memory only). An unreadable part is left out and named
+    in `problems`; a part of the earlier format raises DataError naming `--upgrade`."""
+    listing = _listing(folder)
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("hi", "lo", "part", "offset", "length")}
+    metas: list[dict[str, Any] | None] = []
+    counts: list[int] = []
+    problems: dict[str, str] = {}
+    for pi, (name, _) in enumerate(listing):
+        path = folder / name
         try:
-            meta, ids = _part_ids(path)
-        except (SafetensorError, OSError, ValueError) as err:
-            skipped.setdefault(f"unreadable ({str(err).splitlines()[0]})", str(path))
+            meta, t = _open_part(path)
+        except ValueError as err:
+            metas.append(None)
+            counts.append(0)
+            problems[name] = str(err).splitlines()[0].removeprefix(f"{path}: ")
             continue
-        why = meta.differs_from(want)
-        if not why and teacher_topk and not meta.greedy:
-            why = "made by sampled regen (temperature > 0): no greedy labels for loss.labels = 'target'"
-        if why:
-            skipped.setdefault(why, str(path))
-            continue
-        index.widths[path] = meta.width
-        for j, entry_ids in enumerate(ids):
-            index.where[ids_key(entry_ids)] = (path, j)
-            if max_len and len(entry_ids) > max_len:
-                index.cut[ids_key(entry_ids[:max_len])] = (path, j)
-        index.entries += len(ids)
-    for why, path in skipped.items():
-        warn.append(f"feature files {path} (and any like it) not used: {why}")
-    return index
-
-
-def _match(samples: Sequence[Sample], index: _PartIndex, max_len: int) -> dict[Path, list[tuple[int, int, int]]]:
-    """The samples that have a stored entry, by part: [(entry, sample id, length)]."""
-    matched: dict[Path, list[tuple[int, int, int]]] = {}
-    for s in samples:
-        n, key = len(s.input_ids), ids_key(s.input_ids)
-        hit = index.where.get(key)
-        if hit is None and n == max_len:  # a sample truncated at data.max_seq_len: a stored prefix
-            hit = index.cut.get(key)
-        if hit is not None:
-            matched.setdefault(hit[0], []).append((hit[1], s.sample_id, n))
-    return matched
-
-
-def _seed(
-    cache: FeatureCache,
-    matched: dict[Path, list[tuple[int, int, int]]],
-    widths: dict[Path, int],
-    teacher_topk: int,
-    warn: list[str],
-) -> int:
-    """The matched entries into `cache`, part by part, until its budget is spent; returns how
-    many samples it took. A part that fails to load is skipped with a `warn` line."""
-    seeded = 0
-    for path, wants in matched.items():
+        metas.append(asdict(meta))
+        counts.append(len(t["offsets"]) - 1)
+        offs = t["offsets"].numpy()
+        keys = t["keys"].numpy().view("<i8").reshape(-1, 2)
+        lengths = np.diff(offs)
+        long = np.flatnonzero(lengths > max_len) if max_len else np.empty(0, dtype=np.int64)
+        cut = [np.frombuffer(ids_key(t["ids"][offs[j] : offs[j] + max_len]), dtype="<i8") for j in long]
+        cut_keys = np.stack(cut) if cut else np.empty((0, 2), dtype=np.int64)
+        cols["hi"] += [keys[:, 0], cut_keys[:, 0]]
+        cols["lo"] += [keys[:, 1], cut_keys[:, 1]]
+        cols["part"].append(np.full(len(keys) + len(long), pi, dtype=np.int32))
+        cols["offset"] += [offs[:-1], offs[long]]
+        cols["length"] += [lengths.astype(np.int32), np.full(len(long), max_len, dtype=np.int32)]
+    flat = {k: np.concatenate(v) if v else np.empty(0, dtype=np.int64) for k, v in cols.items()}
+    order = np.lexsort((flat["lo"], flat["hi"]))  # stable: of two equal keys, the earlier part's first
+    flat = {k: np.ascontiguousarray(v[order]) for k, v in flat.items()}
+    flat["part"] = flat["part"].astype(np.int32)
+    flat["length"] = flat["length"].astype(np.int32)
+    flat["offset"] = flat["offset"].astype(np.int64)
+    header = {"format": INDEX_FORMAT, "max_len": str(max_len), "parts": json.dumps(listing),
+              "metas": json.dumps(metas), "counts": json.dumps(counts), "problems": json.dumps(problems)}  # fmt: skip
+    if write and listing:
         try:
-            entries = _load(path, sorted({j for j, _, _ in wants}), widths[path])
-        except (SafetensorError, OSError, ValueError) as err:
-            warn.append(f"feature files {path} not used: {str(err).splitlines()[0]}")
-            continue
-        for j, sample_id, n in wants:
-            e = entries[j]
-            teacher = None
-            if teacher_topk:
-                assert e.next is not None  # greedy parts only, checked above
-                teacher = (torch.zeros(n, 1), e.next[:n, None])  # top-1: the ids; its logit is never read
-            if not cache.seed(sample_id, e.features[:n], teacher):
-                return seeded  # the cache's budget is spent
-            seeded += 1
-    return seeded
+            with atomic_path(folder / INDEX, durable=False) as tmp:
+                save_file({k: torch.from_numpy(v) for k, v in flat.items()}, str(tmp), metadata=header)
+        except OSError:
+            pass  # a read-only folder: the index lives in memory for this run
+    names = [name for name, _ in listing]
+    cols_ = (flat["hi"], flat["lo"], flat["part"], flat["offset"], flat["length"])
+    return _Index(folder, *cols_, names, metas, counts, problems)
+
+
+def _read_index(folder: Path, max_len: int) -> _Index | None:
+    """The folder's written index when it is current (its parts and max_len), else None."""
+    path = folder / INDEX
+    if not path.is_file():
+        return None
+    try:
+        header, t = map_safetensors(path)
+        if header.get("format") != INDEX_FORMAT or int(header["max_len"]) != max_len:
+            return None
+        listing = json.loads(header["parts"])
+        if listing != _listing(folder):
+            return None
+        cols = {k: t[k].numpy() for k in ("hi", "lo", "part", "offset", "length")}
+        n = len(cols["hi"])
+        if any(c.ndim != 1 or len(c) != n for c in cols.values()):
+            return None
+        metas, counts, problems = (json.loads(header[k]) for k in ("metas", "counts", "problems"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or foreign: built again
+    names = [name for name, _ in listing]
+    cols_ = (cols["hi"], cols["lo"], cols["part"], cols["offset"], cols["length"])
+    return _Index(folder, *cols_, names, metas, counts, problems)
+
+
+def open_index(folder: Path, max_len: int) -> _Index:
+    """`folder`'s current index: the written one, or built (and written) now."""
+    return _read_index(folder, max_len) or build_index(folder, max_len)
+
+
+# ---- training's reader ---------------------------------------------------------------------
+
+
+class FeatureStore:
+    """The stored features of the folders' parts that can serve a run, read by token-id key.
+
+    `want`: the run's target (its `greedy` is ignored). `teacher_topk`: 0 (features only) or 1
+    (target labels: greedy `next` needed); more (distillation's top-k) cannot be served.
+    `max_len`: data.max_seq_len (a sample that long may be a stored entry's prefix). A part
+    that cannot serve this run (another target layout, sampled with target labels, unreadable)
+    is left out with one `warn` line per reason, naming the first such part."""
+
+    OPEN_PARTS = 64  # mapped parts kept open (LRU)
+
+    def __init__(
+        self, folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, max_len: int, warn: list[str]
+    ) -> None:
+        self.teacher_topk = teacher_topk
+        self.indexes = [open_index(f, max_len) for f in folders]
+        self.width = want.width
+        self.hits = self.misses = 0
+        skipped: dict[str, str] = {}  # why -> first part skipped for it
+        self._usable: list[np.ndarray] = []
+        for ix in self.indexes:
+            ok = np.zeros(len(ix.names), dtype=bool)
+            for pi, (name, m) in enumerate(zip(ix.names, ix.metas, strict=True)):
+                why = f"unreadable ({ix.problems.get(name, '?')})" if m is None else FeatureMeta(**m).differs_from(want)
+                if not why and teacher_topk and m is not None and not m["greedy"]:
+                    why = "made by sampled regen (temperature > 0): no greedy labels for loss.labels = 'target'"
+                if why:
+                    skipped.setdefault(why, str(ix.folder / name))
+                ok[pi] = not why
+            self._usable.append(ok)
+        for why, path in skipped.items():
+            warn.append(f"feature files {path} (and any like it) not used: {why}")
+        pairs = zip(self.indexes, self._usable, strict=True)
+        self.entries = sum(n for ix, ok in pairs for n, o in zip(ix.counts, ok, strict=True) if o)  # serving samples
+        self._open: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()  # (folder, part)
+        self._lock = threading.Lock()  # several target chains read from their own threads
+
+    def find(self, ids: torch.Tensor) -> tuple[int, int] | None:
+        """(folder, index row) of a sample whose token ids are `ids`, or None."""
+        key = ids_key(ids)
+        for f, (ix, ok) in enumerate(zip(self.indexes, self._usable, strict=True)):
+            row = ix.find(key)
+            if row >= 0 and ok[ix.part[row]] and int(ix.length[row]) >= len(ids):
+                return f, row
+        return None
+
+    def covered(self, samples: Sequence[Any]) -> int:
+        """How many of `samples` have stored features."""
+        return sum(self.find(s.input_ids) is not None for s in samples)
+
+    def _part(self, folder: int, part: int) -> dict[str, torch.Tensor]:
+        ix = self.indexes[folder]
+        with self._lock:
+            t = self._open.get((folder, part))
+            if t is not None:
+                self._open.move_to_end((folder, part))
+                return t
+        path = ix.folder / ix.names[part]
+        try:
+            _, t = _open_part(path)
+        except (ValueError, DataError) as err:
+            msg = f"{err}; its index {ix.folder / INDEX} no longer matches it (delete the index to rebuild it)"
+            raise DataError(msg) from None
+        with self._lock:
+            self._open[(folder, part)] = t
+            while len(self._open) > self.OPEN_PARTS:
+                self._open.popitem(last=False)
+        return t
+
+    def read(
+        self, batch: Batch, dtype: torch.dtype, alloc: Callable[..., torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, Teacher | None] | None:
+        """(R, T, k·H) features (and with target labels the top-1 teacher) of a batch whose
+        every document is stored, else None; in buffers from `alloc(shape, dtype)` when given.
+        Raises DataError naming the part when it no longer holds what the index says."""
+        spans = doc_spans(batch)
+        found = []
+        for r, s, e, _ in spans:
+            hit = self.find(batch.input_ids[r, s:e])
+            if hit is None:
+                self.misses += 1
+                return None
+            found.append(hit)
+        self.hits += 1
+        R, T = batch.input_ids.shape
+
+        def empty(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dt) if alloc is None else alloc(shape, dt)
+
+        # Every row is its documents back to back, then padding: only the padding is zeroed.
+        out = empty((R, T, self.width), dtype)
+        teacher = None
+        if self.teacher_topk:  # top-1: the labels; its logit is never read
+            teacher = (empty((R, T, 1), torch.float32).zero_(), empty((R, T, 1), torch.int64))
+        filled = [0] * R
+        for r, _, e, _ in spans:
+            filled[r] = max(filled[r], e)
+        for r, end in enumerate(filled):
+            out[r, end:] = 0
+            if teacher is not None:
+                teacher[1][r, end:] = 0
+        for (r, s, e, _), (f, row) in zip(spans, found, strict=True):
+            ix = self.indexes[f]
+            t = self._part(f, int(ix.part[row]))
+            a = int(ix.offset[row])
+            if not torch.equal(t["ids"][a : a + e - s], batch.input_ids[r, s:e].to(torch.int32)):
+                part = ix.folder / ix.names[int(ix.part[row])]
+                msg = (
+                    f"{ix.folder / INDEX} does not match {part} (rows {a}..{a + e - s} hold other tokens); "
+                    "delete the index to rebuild it"
+                )
+                raise DataError(msg)
+            out[r, s:e] = t["features"][a : a + e - s]
+            if teacher is not None:
+                teacher[1][r, s:e, 0] = t["next"][a : a + e - s]
+        return out, teacher
+
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses}

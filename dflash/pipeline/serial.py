@@ -4,7 +4,8 @@ Every stage function the pipeline runs, called one after another, top to bottom:
 pipeline (dflash/pipeline/topology.py) computes exactly this — the same losses and the same
 weights for one target and one replica — only with the stages overlapped. (With a feature
 cache, which later batches find their features cached depends on timing, and cached
-features are bf16: then the two agree to rounding, not bit for bit.) Each call still
+features are bf16: then the two agree to rounding, not bit for bit. A feature store holds the
+same for every run: store-fed runs agree bit for bit.) Each call still
 goes through its stage's `Device` (so it runs off the event loop, is timed under the same
 stage names, and on CUDA on the same streams, each waiting on the `ready` event of the
 work it consumes), but nothing overlaps: the loop awaits each call before the next.
@@ -16,9 +17,9 @@ import asyncio
 from collections.abc import Sequence
 
 from dflash.runtime.devices import Device
-from dflash.runtime.messages import StepGrads
+from dflash.runtime.messages import Batch, StepGrads, TargetFeatures
 from dflash.runtime.profiler import Profiler, Stage
-from dflash.stages import drafter_step, pack, prefetch, target_forward, transfer
+from dflash.stages import drafter_step, feature_read, pack, prefetch, target_forward, transfer
 from dflash.stages import optimizer as optimizer_stage
 from dflash.train.build import Training
 from dflash.train.hooks import StepBook
@@ -36,11 +37,13 @@ async def train(
     book: StepBook,
     stop: asyncio.Event,
     profiler: Profiler,
+    reader: Sequence[Device] = (),
 ) -> int:
     """Train until the data, `train.max_steps`, `train.max_minutes` or a stop request ends it;
     the last step."""
     plan = iter(training.plan)  # (index, epoch, rows) in the run's fixed order, from the resume cursor
-    cache = training.cache
+    cache, store = training.cache, training.store
+    tgt = training.targets[0]
     updated, result = None, None  # the last update's ready event: the next forward reads those weights
     while not stop.is_set() and not training.steps.ended(book.progress.step):  # the budget: read by the last update
         step = book.progress.step
@@ -52,7 +55,10 @@ async def train(
                 batch, _ = await data.run(Stage.PREFETCH, prefetch.next_batch, plan, training.pin)
                 if batch is None:  # the data is done
                     break
-                feats = await target_forward.features(training.targets[0], target, batch, profiler, cache)
+                item: Batch | TargetFeatures = batch
+                if reader:  # the store (and the cache above it)
+                    item = await feature_read.lookup(reader[0], target, batch, tgt.embed_weight.dtype, cache, store)
+                feats = await target_forward.features(tgt, target, item, profiler, None if reader else cache)
                 packed = await pack.packed(target, feats)
                 host = await transfer.host_features(target, packed, 0, cache)
                 prepared = await drafter_step.prepare(rep, training.micro, dev, host, step)

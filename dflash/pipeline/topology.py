@@ -1,12 +1,13 @@
 """Topology: the channels, devices and stage tasks of a run — the one place that knows
 every stage.
 
-    prefetch ─► [batches] ─┬─► target_forward₀ ─► pack₀ ─► transfer₀ ─┐
-                           └─► target_forward₁ ─► pack₁ ─► transfer₁ ─┴─► [hidden_states]
+    prefetch ─► [batches] ─┬─► (read₀ ─►) target_forward₀ ─► pack₀ ─► transfer₀ ─┐
+                           └─► (read₁ ─►) target_forward₁ ─► pack₁ ─► transfer₁ ─┴─► [hidden_states]
     [hidden_states] ─┬─► drafter_step₀ ─┐
                      └─► drafter_step₁ ─┴─► [grads] ─► optimizer ─► [replies₀], [replies₁]
 
-One target chain per `pipeline.target_devices` entry, one drafter replica per
+A chain starts with feature read (`readᵢ`, its own worker `reader{i}`) when the run has a
+feature store. One target chain per `pipeline.target_devices` entry, one drafter replica per
 `pipeline.drafter_devices` entry. Task names are the stage names of the profiler and of
 fault injection (`Stage`), with the chain or replica index: `target.model_forward[0]`.
 `pipeline.mode = "serial"` builds one task instead, the serial loop (dflash/pipeline/serial.py),
@@ -24,12 +25,13 @@ import torch
 
 from dflash.config import Config, PipelineConfig
 from dflash.features.cache import FeatureCache
+from dflash.features.files import FeatureStore
 from dflash.pipeline import serial
 from dflash.runtime.channel import Channel
 from dflash.runtime.devices import Device, DeviceFactory, PinnedPool
 from dflash.runtime.messages import Batch, HostFeatures, PackedFeatures, StepGrads, StepReply, TargetFeatures
 from dflash.runtime.profiler import Profiler, Stage
-from dflash.stages import drafter_step, optimizer, pack, prefetch, target_forward, transfer
+from dflash.stages import drafter_step, feature_read, optimizer, pack, prefetch, target_forward, transfer
 from dflash.train.build import Training
 from dflash.train.hooks import StepBook, StepHook
 
@@ -43,6 +45,7 @@ class Topology:
     optimizer: Device  # after a failure, its op in flight is waited for (no half update)
     book: StepBook
     cache: FeatureCache | None
+    store: FeatureStore | None = None
 
 
 def build(
@@ -64,14 +67,15 @@ def build(
     data = device("cpu", "data")
     targets = [device(str(tgt.device), f"target{i}") for i, tgt in enumerate(training.targets)]
     drafters = [device(str(rep.device), f"drafter{r}") for r, rep in enumerate(training.replicas)]
+    readers = [device("cpu", f"reader{i}") for i in range(len(targets))] if training.store is not None else []
     opt = device(str(training.replicas[0].device), "optimizer")
     book = StepBook(
         opt, profiler, emit, start_step=training.start_step, log_every=cfg.train.log_every,
         max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
     )  # fmt: skip
     if cfg.pipeline.mode == "serial":
-        loop = serial.train(training, data, targets[0], drafters, opt, book, stop, profiler)
-        return Topology([("serial", loop)], devices, opt, book, training.cache)
+        loop = serial.train(training, data, targets[0], drafters, opt, book, stop, profiler, readers[:1])
+        return Topology([("serial", loop)], devices, opt, book, training.cache, training.store)
 
     p = cfg.pipeline
     n_t, n_d = len(training.targets), len(training.replicas)
@@ -91,7 +95,8 @@ def build(
         (Stage.PREFETCH, prefetch.run(training.plan, data, batches, stop, training.pin, training.world))
     ]
     for i, dev in enumerate(targets):
-        tasks += _target_chain(i, training, p, dev, drafters, (batches, hs), profiler)
+        reader = readers[i] if readers else None
+        tasks += _target_chain(i, training, p, (dev, reader), drafters, (batches, hs), profiler)
     ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and drafters[0].accelerated)
     work = drafter_step.ReplicaWork(training.micro, training.steps.grad_accum, training.start_step, lookahead=ahead)
     for r, (rep, dev) in enumerate(zip(training.replicas, drafters, strict=True)):
@@ -105,21 +110,22 @@ def build(
             optimizer.run(training.apply, opt, grads, replies, book, stop, training.steps, training.world),
         )
     )
-    return Topology(tasks, devices, opt, book, training.cache)
+    return Topology(tasks, devices, opt, book, training.cache, training.store)
 
 
 def _target_chain(
     i: int,
     training: Training,
     p: PipelineConfig,
-    dev: Device,
+    devs: tuple[Device, Device | None],
     drafters: list[Device],
     channels: tuple[Channel[Batch], Channel[HostFeatures]],
     profiler: Profiler,
 ) -> list[tuple[str, Coroutine[Any, Any, Any]]]:
-    """Target chain `i`: forward, pack and transfer, joined by channels of their own."""
+    """Target chain `i`: (feature read,) forward, pack and transfer, joined by channels of their own."""
     batches, hs = channels
-    tgt, cache = training.targets[i], training.cache  # set-up's (seeded from feature files), or a stand-in's
+    dev, reader = devs
+    tgt, cache = training.targets[i], training.cache  # set-up's, or a stand-in's
     feats: Channel[TargetFeatures] = Channel(f"target{i}.features", 2)
     packed: Channel[PackedFeatures] = Channel(f"target{i}.packed", 2)
     # Features stay on the GPU when every replica is there and no cache wants them on
@@ -130,8 +136,18 @@ def _target_chain(
     all_gpus = dev.accelerated and all(d.accelerated for d in drafters)
     size = p.hs_queue_depth + 2 * len(training.replicas) + 2 + (p.hs_min_ready if len(training.targets) > 1 else 0)
     pool = PinnedPool(size, alloc=lambda n: dev.pinned((n,), torch.uint8)) if all_gpus and not keep else None
+    tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = []
+    inbox: Channel[Batch] | Channel[Batch | TargetFeatures] = batches
+    looks_up = cache  # where the cache is looked up: the target forward, or feature read ahead of it
+    if reader is not None:  # the store (and the cache above it): read ahead, bounded by the channel
+        found: Channel[Batch | TargetFeatures] = Channel(f"target{i}.read", p.read_ahead)
+        dtype = tgt.embed_weight.dtype
+        read = feature_read.run(reader, dev, dtype, batches, found, cache, training.store)
+        tasks.append((f"{Stage.TARGET_STORE_READ}[{i}]", read))
+        inbox, looks_up = found, None
     return [
-        (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, batches, feats, profiler, cache)),
+        *tasks,
+        (f"{Stage.TARGET_FORWARD}[{i}]", target_forward.run(tgt, dev, inbox, feats, profiler, looks_up)),
         (f"{Stage.TARGET_PACK}[{i}]", pack.run(dev, feats, packed)),
         (f"{Stage.TARGET_D2H}[{i}]", transfer.run(dev, packed, hs, profiler, i, cache, pool, keep)),
     ]

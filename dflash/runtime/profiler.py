@@ -33,6 +33,7 @@ class Stage:
     PREFETCH = "data.prefetch"
     TARGET_FORWARD = "target.model_forward"
     TARGET_CACHE_HIT = "target.feature_cache_hit"
+    TARGET_STORE_READ = "target.feature_store_read"
     TARGET_PACK = "target.pack_hidden"
     TARGET_D2H = "target.d2h_copy"
     TARGET_QUEUE_PUT = "target.queue_put_wait"

@@ -1,8 +1,10 @@
 """target forward: the frozen target runs over a batch; the chosen layers' outputs are kept.
 
-With a feature cache, a batch whose every document was seen before skips the target.
+A batch whose features the feature read stage found (cache or store) passes through untouched;
+without a feature store, a batch whose every document was seen before skips the target here.
 
-Waits for: a batch. Unblocks: pack. One such stage per target device.
+Waits for: a batch (or its features, from feature read). Unblocks: pack. One such stage per
+target device.
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ def forward(target: Target, batch: Batch, teacher_topk: int = 0) -> tuple[list[t
 
 
 async def features(
-    target: Target, device: Device, batch: Batch, profiler: Profiler, cache: FeatureCache | None
+    target: Target,
+    device: Device,
+    item: Batch | TargetFeatures,
+    profiler: Profiler,
+    cache: FeatureCache | None = None,
 ) -> TargetFeatures:
-    """A batch's features: from the cache when every document is there, else the target's."""
+    """A batch's features: as feature read found them, else from the cache when every
+    document is there (a run without a feature store: looked up here, as late as can be, so a
+    small data set's next epoch finds what this one stored), else the target's."""
+    if isinstance(item, TargetFeatures):  # a hit: one host tensor, the layers already concatenated
+        return item
+    batch = item
     if cache is not None:
-        # A hit skips the target: one host tensor with the layers already concatenated.
         alloc = device.pinned if device.accelerated else None
         hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype, alloc)
         if hit is not None:
@@ -46,9 +56,9 @@ async def features(
 async def run(
     target: Target,
     device: Device,
-    inbox: Channel[Batch],
+    inbox: Channel[Batch] | Channel[Batch | TargetFeatures],
     outbox: Channel[TargetFeatures],
     profiler: Profiler,
     cache: FeatureCache | None = None,
 ) -> None:
-    await relay(inbox, outbox, lambda batch: features(target, device, batch, profiler, cache))
+    await relay(inbox, outbox, lambda item: features(target, device, item, profiler, cache))

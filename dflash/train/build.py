@@ -31,7 +31,7 @@ from dflash.errors import ConfigError, DataError
 from dflash.eval.fit import check_checkpoint_target
 from dflash.eval.prompts import require_eval_prompts
 from dflash.features.cache import FeatureCache
-from dflash.features.files import FeatureMeta, folder_for, seed_cache
+from dflash.features.files import FeatureMeta, FeatureStore, folder_for
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.loss import LossSpec, LossVocab
@@ -78,7 +78,8 @@ class Training:
     warnings: list[str] = field(default_factory=list)
     evaluate: Callable[..., dict[str, Any]] | None = None  # evaluate(step, should_stop=None): decoding at a step
     world: World | None = None  # this process's rank among several (torchrun), else None
-    cache: FeatureCache | None = None  # data.feature_cache_mb: seeded from feature files beside the data files
+    cache: FeatureCache | None = None  # data.feature_cache_mb: features the target made this run
+    store: FeatureStore | None = None  # the feature store beside the data files (data.feature_files)
     batch: GlobalBatch = field(default_factory=GlobalBatch)  # batches per step over the whole run
     resumed: dict[str, Any] | None = None  # what --resume found and kept or changed (the `resume` record)
 
@@ -303,24 +304,26 @@ def eval_target(cfg: Config, target: Target) -> Target:
     return load_target(tcfg, target.device, cfg.drafter.num_layers, cfg.data.cache_dir)
 
 
-def _feature_cache(
+def _feature_store(
     cfg: Config, t0: TargetInfo, samples: list[Sample], stats: dict[str, Any], warn: list[str]
-) -> FeatureCache | None:
-    """The run's feature cache (data.feature_cache_mb), seeded from the feature files that
-    `dflash regen` left beside the data files (`regen.save_features`)."""
+) -> FeatureStore | None:
+    """The feature store beside the data files (`regen.save_features`, `dflash features`), read
+    from disk by the feature read stage; None when there is none, or none that serves this run.
+    Its index is memory-mapped (built first if the folder's parts changed); the samples it
+    covers are counted by key, with no per-sample object kept."""
     folders = []
     if cfg.data.source == "files" and cfg.data.feature_files:
         folders = [f for f in (folder_for(local_path(d.path)) for d in cfg.data.files) if f.is_dir()]
-    if not cfg.data.feature_cache_mb:
-        if folders:
-            warn.append(f"feature files {folders[0]} not used: set data.feature_cache_mb to hold them")
+    if not folders:
         return None
-    cache = FeatureCache.from_config(cfg.data.feature_cache_mb)
-    if folders:
-        want = FeatureMeta.of(t0)
-        topk = LossSpec.from_config(cfg).teacher_topk
-        stats.update(seed_cache(cache, samples, folders, want, topk, cfg.data.max_seq_len, warn))
-    return cache
+    topk = LossSpec.from_config(cfg).teacher_topk
+    if topk > 1:
+        warn.append(f"feature files {folders[0]} not used: loss.distill needs the target's top-k logits")
+        return None
+    store = FeatureStore(folders, FeatureMeta.of(t0), topk, cfg.data.max_seq_len, warn)
+    stats["feature_files_entries"] = store.entries
+    stats["feature_files_samples"] = store.covered(samples) if store.entries else 0
+    return store if stats["feature_files_samples"] else None
 
 
 def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, world: World | None = None) -> Training:
@@ -345,7 +348,8 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
     mask_id = _mask_id(cfg, t0, head, found.append)
     samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
-    cache = _feature_cache(cfg, t0, samples, stats, found)
+    store = _feature_store(cfg, t0, samples, stats, found)
+    cache = FeatureCache.from_config(cfg.data.feature_cache_mb)
     _check_all_stored(cfg, samples, stats, found)
     plan = BatchPlan.from_config(
         samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
@@ -374,6 +378,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
         apply=functools.partial(apply_step, replicas, grad_clip=cfg.optimizer.grad_clip, world=world, budget=budget),
         steps=steps,
         cache=cache,
+        store=store,
         total_steps=total,
         padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
         start_step=loaded.step if loaded else 0,
@@ -454,7 +459,6 @@ def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
     needs = [
         (cfg.data.source != "files", "data.source = 'files' (their feature files hold the features)"),
         (not cfg.data.feature_files, "data.feature_files = true"),
-        (not cfg.data.feature_cache_mb, "data.feature_cache_mb large enough to hold every sample's features"),
         (wants_eval, "eval.at_end = false and eval.every_steps = 0 (then decode in vLLM: "
          "`dflash eval CONFIG --drafter RUN/final --engine vllm`)"),
         (cfg.drafter.init_from_target, "drafter.init_from_target = false"),
@@ -467,16 +471,14 @@ def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
 
 
 def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any], warned: list[str]) -> None:
-    """`target.load = "head"`: every sample's features were found in the feature files (else
-    the error says why, with the first warning the seeding gave: a part that could not serve,
-    the cache's budget spent)."""
+    """`target.load = "head"`: every sample's features are in the feature store (else the
+    error says why, with the first warning opening it gave: a part that could not serve)."""
     stored = stats.get("feature_files_samples", 0)
     if cfg.target.load == "head" and stored < len(samples):
         why = next((w for w in warned if "feature" in w), "")
         msg = (
             f"target.load = 'head': {stored} of {len(samples)} samples have their features in the feature "
-            f"cache (data.feature_cache_mb = {cfg.data.feature_cache_mb}); store the rest with "
-            "`dflash features CONFIG`, or raise data.feature_cache_mb" + (f" ({why})" if why else "")
+            "store beside the data files; store the rest with `dflash features CONFIG`" + (f" ({why})" if why else "")
         )
         raise DataError(msg)
 

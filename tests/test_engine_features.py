@@ -133,7 +133,7 @@ def test_vllm_features_equal_the_targets_and_training_uses_them(tmp_path):
     (setup,) = [r for r in records if r["event"] == "setup"]
     assert setup["data"]["feature_files_samples"] == setup["samples"] == n
     (end,) = [r for r in records if r["event"] == "run_end"]
-    assert end["feature_cache"]["misses"] == 0 and end["feature_cache"]["hits"] == end["steps"] == 3
+    assert end["feature_store"]["misses"] == 0 and end["feature_store"]["hits"] == end["steps"] == 3
     print(f"whole test: {time.perf_counter() - t0:.1f}s")
 
 

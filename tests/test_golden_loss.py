@@ -47,7 +47,8 @@ FAMILY = {
                 "drafter.dflash2.selector_loss=0.5"],
     "dspark": ["train.max_steps=40", 'drafter.family="dspark"', "drafter.dspark.markov_rank=32"],
 }  # fmt: skip
-# name: (file, overrides, steps)
+# name: (file, overrides, steps); every step of a run up to LATE_STEP (its own, where named in
+# LATE_STEP_OF) is compared exactly
 RUNS: dict[str, tuple[Path, list[str], list[int]]] = {
     # the first steps, then every 32nd to the end
     "default": (FOLDER / "tiny_losses.json", QUIET, [1, 2, 32, 64, 96, 128, 160, 192, 224, 256]),
@@ -70,10 +71,16 @@ ABS = 1.5e-6
 REL_OF = {"loss": REL, "grad_norm": 5e-2}
 LATE_STEP = 64
 LATE_REL_OF = {"loss": 1e-2, "grad_norm": 0.25}
+# DFlash2's selector ranks the drafter's top-K logits: a float difference that swaps two near-equal
+# candidates changes its loss from that step on, so the same code on an AMD EPYC (AVX2) and the
+# file's maker agree exactly to step 30 and then part (step 40: loss 6.4e-5 relative, grad norm
+# 6 %). The families' runs are exact up to step 20, which any change to their terms moves by far
+# more, and after it catch gross changes only.
+LATE_STEP_OF = {"dflash2": 20, "dspark": 20}
 
 
-def _rel(key: str, step: int) -> float:
-    return LATE_REL_OF[key] if step > LATE_STEP else REL_OF[key]
+def _rel(key: str, step: int, name: str) -> float:
+    return LATE_REL_OF[key] if step > LATE_STEP_OF.get(name, LATE_STEP) else REL_OF[key]
 
 WHY = (
     "Losses of the tiny config's whole default run. A change that moves these numbers changes what "
@@ -127,7 +134,7 @@ def test_tiny_run_gives_the_golden_losses(tmp_path: Path, name: str) -> None:
         f"{step}.{key}": (want[key], got[step][key])
         for step, want in golden["steps"].items()
         for key in ("loss", "grad_norm")
-        if not math.isclose(got[step][key], want[key], rel_tol=_rel(key, int(step)), abs_tol=ABS)
+        if not math.isclose(got[step][key], want[key], rel_tol=_rel(key, int(step), name), abs_tol=ABS)
     }
     assert not moved, (
         f"losses moved from the golden ones (step.key: golden, now): {moved}; golden made with "

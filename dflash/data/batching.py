@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 import torch
 
 from dflash.data.packing import EpochLayout, epoch_seed, group_rows, layout_epoch, length_buckets, pack_rows
-from dflash.data.samples import Rows, Sample, batch_padding_fraction, collate
+from dflash.data.samples import Rows, Sample, SampleTable, batch_padding_fraction, collate
 from dflash.errors import CheckpointError, DataError
 
 if TYPE_CHECKING:
@@ -178,6 +178,16 @@ class BatchPlan:
     @staticmethod
     def _check_samples(samples: list[Sample], max_seq_len: int | None) -> list[int]:
         """Lengths of the samples; refuse what would make wrong batches later, naming it."""
+        if isinstance(samples, SampleTable):  # well-formed by construction: ids 0..N-1, 1-D, non-empty
+            longest = int(samples.lengths.max())
+            if max_seq_len is not None and longest > max_seq_len:
+                i = int(samples.lengths.argmax())
+                msg = (
+                    f"data: sample {i} has {longest} tokens, more than data.max_seq_len ({max_seq_len}); "
+                    "data.overlong should have truncated or dropped it"
+                )
+                raise DataError(msg)
+            return samples.lengths.tolist()
         lengths: list[int] = []
         seen: set[int] = set()
         for s in samples:
@@ -208,7 +218,8 @@ class BatchPlan:
         h = hashlib.blake2b(digest_size=8)
         knobs = [self.batch_size, self.seed, self.shuffle, self.token_budget, self.num_buckets, self.pack]
         h.update(json.dumps([*knobs, self.max_seq_len]).encode())
-        h.update(array("q", [s.sample_id for s in self.samples]).tobytes())
+        ids = range(len(self.samples)) if isinstance(self.samples, SampleTable) else [s.sample_id for s in self.samples]
+        h.update(array("q", ids).tobytes())
         h.update(array("q", self.lengths).tobytes())
         return h.hexdigest()
 

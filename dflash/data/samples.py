@@ -9,14 +9,15 @@ and labels downstream. Which samples share a batch is `BatchPlan`'s business
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dflash.runtime.messages import Batch
 
-__all__ = ["Rows", "Sample", "batch_padding_fraction", "collate"]
+__all__ = ["Rows", "Sample", "SampleTable", "batch_padding_fraction", "collate"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,58 @@ class Sample:
     @property
     def length(self) -> int:
         return int(self.input_ids.numel())
+
+
+class SampleTable(Sequence[Sample]):
+    """The samples of tokenized files as flat buffers (each file's int32 ids and bool mask back
+    to back, memory-mapped from the tokenization cache) and, per sample, its file and place
+    there: 24 bytes a sample, whatever its length. A `Sample` (two views) is made when asked
+    for and kept by no one, so set-up's memory does not grow with the data set by Python
+    objects; sample i has id i."""
+
+    def __init__(self, files: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], picks: Sequence[Any]) -> None:
+        """`files`: (ids, mask, offsets) of each file; `picks`: which of each file's samples,
+        in order (its weighted indices)."""
+        import numpy as np
+
+        self._files = list(files)
+        picked = [np.asarray(p, dtype=np.int64) for p in picks]
+        self._file = np.concatenate([np.full(len(p), f, dtype=np.int32) for f, p in enumerate(picked)] or [[]])
+        starts, lengths = [], []
+        for (_, _, offsets), p in zip(self._files, picked, strict=True):
+            off = offsets.numpy()
+            starts.append(off[p])
+            lengths.append(off[p + 1] - off[p])
+        self._start = np.concatenate(starts or [[]]).astype(np.int64)
+        self.lengths = np.concatenate(lengths or [[]]).astype(np.int64)  # (N,) tokens of each sample
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def __getitem__(self, i: int) -> Sample:  # type: ignore[override]  # no slices: a row of documents at a time
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        ids, mask, _ = self._files[int(self._file[i])]
+        a, n = int(self._start[i]), int(self.lengths[i])
+        return Sample(i, ids[a : a + n], mask[a : a + n])
+
+    def __iter__(self) -> Iterator[Sample]:
+        return (self[i] for i in range(len(self)))
+
+    def supervised_tokens(self) -> int:
+        """Loss-masked tokens over every sample (a file's sample picked twice counts twice)."""
+        import numpy as np
+
+        total = 0
+        for f, (_, mask, offsets) in enumerate(self._files):
+            ours = self._file == f
+            if not ours.any():
+                continue
+            off = offsets.numpy()
+            per = np.add.reduceat(mask.numpy().view(np.uint8), off[:-1], dtype=np.int64)  # no copy of the mask
+            total += int(per[np.searchsorted(off[:-1], self._start[ours])].sum())
+        return total
 
 
 # What a plan yields per batch and `collate` takes: rows, each a list of whole documents.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +38,7 @@ from dflash.config import DataConfig, DataFile
 from dflash.data.chat_template import tokenize_conversation, tokenize_many
 from dflash.data.conversation import Conversation, InvalidRecord
 from dflash.data.formats import count_records, iter_records
-from dflash.data.samples import Sample
+from dflash.data.samples import SampleTable
 from dflash.data.token_cache import (
     CACHE_VERSION,
     FileSamples,
@@ -195,21 +194,13 @@ def _file_samples(
     return read_cache(cache_dir, key) or fs, False  # mapped: the tokenized copy in memory goes
 
 
-def _split(fs: FileSamples) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    sizes = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
-    # One int32 buffer per file (mapped from the cache); samples are views into it (no copies).
-    ids = torch.split(fs.ids, sizes)
-    mask = torch.split(fs.mask, sizes)
-    return zip(ids, mask, strict=True)
-
-
 def load_samples(
     cfg: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
     *,
     cache_dir: Path | None = None,
     progress: bool = True,
-) -> tuple[list[Sample], dict[str, int]]:
+) -> tuple[SampleTable, dict[str, int]]:
     """Every `cfg.files` entry read, tokenized with the chat template, masked to assistant
     tokens, length-limited and mixed by weight: the samples of one epoch, with ids 0..N-1,
     and the stats (see the module docstring). `cache_dir` defaults to
@@ -223,7 +214,7 @@ def load_samples(
 
     stats = dict.fromkeys(("records", "skipped_invalid", "truncated", "dropped_overlong"), 0)
     all_hit = True
-    samples: list[Sample] = []
+    files, picks = [], []
     for file in cfg.files:
         fs, hit = _file_samples(file, cfg, tokenizer, tokenizer_fp, cache_dir, progress)
         all_hit &= hit
@@ -234,15 +225,14 @@ def load_samples(
                 f"{file.path}: skipped {fs.counts['skipped_invalid']} invalid record(s); first: {fs.first_skipped}",
                 stacklevel=2,
             )
-        pieces = list(_split(fs))
-        for j in weighted_indices(fs.n, file.weight):
-            ids, mask = pieces[j]
-            samples.append(Sample(sample_id=len(samples), input_ids=ids, loss_mask=mask))
-    if not samples:
+        files.append((fs.ids, fs.mask, fs.offsets))
+        picks.append(weighted_indices(fs.n, file.weight))
+    samples = SampleTable(files, picks)  # views made on demand: no Python object per sample
+    if not len(samples):
         msg = "no samples after weighting: every file's round(weight x samples) is 0; raise the weights"
         raise DataError(msg)
     stats["samples"] = len(samples)
-    stats["tokens"] = sum(s.input_ids.numel() for s in samples)
-    stats["supervised_tokens"] = sum(int(s.loss_mask.sum()) for s in samples)
+    stats["tokens"] = int(samples.lengths.sum())
+    stats["supervised_tokens"] = samples.supervised_tokens()
     stats["cache_hit"] = int(all_hit)
     return samples, stats

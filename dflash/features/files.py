@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,7 @@ from dflash.errors import DataError
 from dflash.features.cache import doc_spans
 from dflash.runtime.messages import Batch, Teacher
 from dflash.store.atomic import atomic_path
-from dflash.store.mapped import map_safetensors
+from dflash.store.mapped import map_safetensors, tensor_starts
 
 __all__ = [
     "FORMAT",
@@ -289,6 +290,7 @@ class _Index:
     length: np.ndarray  # (M,) int32, rows it holds
     names: list[str]
     metas: list[dict[str, Any] | None]  # each part's FeatureMeta as a dict, None: unreadable
+    starts: list[dict[str, int]]  # each part's tensors: where their bytes start in the file
     counts: list[int]  # samples in each part
     problems: dict[str, str]  # part name -> why it could not be indexed
 
@@ -315,6 +317,7 @@ def build_index(folder: Path, max_len: int, write: bool = True) -> _Index:
     listing = _listing(folder)
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("hi", "lo", "part", "offset", "length")}
     metas: list[dict[str, Any] | None] = []
+    starts: list[dict[str, int]] = []
     counts: list[int] = []
     problems: dict[str, str] = {}
     for pi, (name, _) in enumerate(listing):
@@ -323,10 +326,12 @@ def build_index(folder: Path, max_len: int, write: bool = True) -> _Index:
             meta, t = _open_part(path)
         except ValueError as err:
             metas.append(None)
+            starts.append({})
             counts.append(0)
             problems[name] = str(err).splitlines()[0].removeprefix(f"{path}: ")
             continue
         metas.append(asdict(meta))
+        starts.append({k: v for k, v in tensor_starts(path).items() if k in ("ids", "features", "next")})
         counts.append(len(t["offsets"]) - 1)
         offs = t["offsets"].numpy()
         keys = t["keys"].numpy().view("<i8").reshape(-1, 2)
@@ -346,7 +351,8 @@ def build_index(folder: Path, max_len: int, write: bool = True) -> _Index:
     flat["length"] = flat["length"].astype(np.int32)
     flat["offset"] = flat["offset"].astype(np.int64)
     header = {"format": INDEX_FORMAT, "max_len": str(max_len), "parts": json.dumps(listing),
-              "metas": json.dumps(metas), "counts": json.dumps(counts), "problems": json.dumps(problems)}  # fmt: skip
+              "metas": json.dumps(metas), "starts": json.dumps(starts), "counts": json.dumps(counts),
+              "problems": json.dumps(problems)}  # fmt: skip
     if write and listing:
         try:
             with atomic_path(folder / INDEX, durable=False) as tmp:
@@ -355,7 +361,7 @@ def build_index(folder: Path, max_len: int, write: bool = True) -> _Index:
             pass  # a read-only folder: the index lives in memory for this run
     names = [name for name, _ in listing]
     cols_ = (flat["hi"], flat["lo"], flat["part"], flat["offset"], flat["length"])
-    return _Index(folder, *cols_, names, metas, counts, problems)
+    return _Index(folder, *cols_, names, metas, starts, counts, problems)
 
 
 def _read_index(folder: Path, max_len: int) -> _Index | None:
@@ -374,12 +380,12 @@ def _read_index(folder: Path, max_len: int) -> _Index | None:
         n = len(cols["hi"])
         if any(c.ndim != 1 or len(c) != n for c in cols.values()):
             return None
-        metas, counts, problems = (json.loads(header[k]) for k in ("metas", "counts", "problems"))
+        metas, starts, counts, problems = (json.loads(header[k]) for k in ("metas", "starts", "counts", "problems"))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable or foreign: built again
     names = [name for name, _ in listing]
     cols_ = (cols["hi"], cols["lo"], cols["part"], cols["offset"], cols["length"])
-    return _Index(folder, *cols_, names, metas, counts, problems)
+    return _Index(folder, *cols_, names, metas, starts, counts, problems)
 
 
 def open_index(folder: Path, max_len: int) -> _Index:
@@ -399,7 +405,7 @@ class FeatureStore:
     that cannot serve this run (another target layout, sampled with target labels, unreadable)
     is left out with one `warn` line per reason, naming the first such part."""
 
-    OPEN_PARTS = 64  # mapped parts kept open (LRU)
+    OPEN_PARTS = 256  # parts kept open (LRU of file descriptors)
 
     def __init__(
         self, folders: Sequence[Path], want: FeatureMeta, teacher_topk: int, max_len: int, warn: list[str]
@@ -424,7 +430,7 @@ class FeatureStore:
             warn.append(f"feature files {path} (and any like it) not used: {why}")
         pairs = zip(self.indexes, self._usable, strict=True)
         self.entries = sum(n for ix, ok in pairs for n, o in zip(ix.counts, ok, strict=True) if o)  # serving samples
-        self._open: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()  # (folder, part)
+        self._open: OrderedDict[tuple[int, int], int] = OrderedDict()  # (folder, part) -> file descriptor
         self._lock = threading.Lock()  # several target chains read from their own threads
 
     def find(self, ids: torch.Tensor) -> tuple[int, int] | None:
@@ -440,24 +446,50 @@ class FeatureStore:
         """How many of `samples` have stored features."""
         return sum(self.find(s.input_ids) is not None for s in samples)
 
-    def _part(self, folder: int, part: int) -> dict[str, torch.Tensor]:
-        ix = self.indexes[folder]
+    def _fd(self, folder: int, part: int) -> int:
+        """An open descriptor of the part (LRU: at most OPEN_PARTS open)."""
         with self._lock:
-            t = self._open.get((folder, part))
-            if t is not None:
+            fd = self._open.get((folder, part))
+            if fd is not None:
                 self._open.move_to_end((folder, part))
-                return t
+                return fd
+        ix = self.indexes[folder]
         path = ix.folder / ix.names[part]
         try:
-            _, t = _open_part(path)
-        except (ValueError, DataError) as err:
-            msg = f"{err}; its index {ix.folder / INDEX} no longer matches it (delete the index to rebuild it)"
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as err:
+            msg = f"{path}: {err.strerror or err}; its index {ix.folder / INDEX} names it (delete it to rebuild it)"
             raise DataError(msg) from None
         with self._lock:
-            self._open[(folder, part)] = t
+            self._open[(folder, part)] = fd
             while len(self._open) > self.OPEN_PARTS:
-                self._open.popitem(last=False)
-        return t
+                os.close(self._open.popitem(last=False)[1])
+        return fd
+
+    def _rows(self, folder: int, part: int, name: str, a: int, n: int, dtype: torch.dtype, width: int = 1) -> Any:
+        """Rows a..a+n of tensor `name` of a part, read with one `pread` at the byte the index
+        recorded (no header parsed, nothing mapped: the page cache serves repeats)."""
+        ix = self.indexes[folder]
+        size = torch.empty(0, dtype=dtype).element_size() * width
+        buf = bytearray(n * size)
+        got = os.preadv(self._fd(folder, part), [buf], ix.starts[part][name] + a * size) if n else 0
+        if got != len(buf):
+            path = ix.folder / ix.names[part]
+            msg = f"{path}: truncated (rows {a}..{a + n} of {name} past its end); delete {INDEX} beside it to rebuild"
+            raise DataError(msg)
+        return torch.frombuffer(buf, dtype=dtype).view(n, width) if width > 1 else torch.frombuffer(buf, dtype=dtype)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._open.values():
+                os.close(fd)
+            self._open.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
     def read(
         self, batch: Batch, dtype: torch.dtype, alloc: Callable[..., torch.Tensor] | None = None
@@ -493,18 +525,16 @@ class FeatureStore:
                 teacher[1][r, end:] = 0
         for (r, s, e, _), (f, row) in zip(spans, found, strict=True):
             ix = self.indexes[f]
-            t = self._part(f, int(ix.part[row]))
-            a = int(ix.offset[row])
-            if not torch.equal(t["ids"][a : a + e - s], batch.input_ids[r, s:e].to(torch.int32)):
-                part = ix.folder / ix.names[int(ix.part[row])]
+            part, a, n = int(ix.part[row]), int(ix.offset[row]), e - s
+            if not torch.equal(self._rows(f, part, "ids", a, n, torch.int32), batch.input_ids[r, s:e].to(torch.int32)):
                 msg = (
-                    f"{ix.folder / INDEX} does not match {part} (rows {a}..{a + e - s} hold other tokens); "
-                    "delete the index to rebuild it"
+                    f"{ix.folder / INDEX} does not match {ix.folder / ix.names[part]} (rows {a}..{a + n} hold other "
+                    "tokens); delete the index to rebuild it"
                 )
                 raise DataError(msg)
-            out[r, s:e] = t["features"][a : a + e - s]
+            out[r, s:e] = self._rows(f, part, "features", a, n, torch.bfloat16, self.width)
             if teacher is not None:
-                teacher[1][r, s:e, 0] = t["next"][a : a + e - s]
+                teacher[1][r, s:e, 0] = self._rows(f, part, "next", a, n, torch.int32)
         return out, teacher
 
     def stats(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["map_safetensors"]
+__all__ = ["map_safetensors", "tensor_starts"]
 
 # safetensors dtype -> (numpy dtype of the mapping, torch dtype of the view)
 _DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
@@ -47,6 +47,14 @@ def _header(path: Path, size: int) -> tuple[int, dict]:
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             msg = f"{path}: malformed safetensors header: {err}"
             raise ValueError(msg) from None
+
+
+def tensor_starts(path: str | Path) -> dict[str, int]:
+    """name -> the byte in the file where the tensor's data starts (its header alone is read)."""
+    path = Path(path)
+    start, header = _header(path, path.stat().st_size)
+    header.pop("__metadata__", None)
+    return {name: start + int(info["data_offsets"][0]) for name, info in header.items()}
 
 
 def map_safetensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -57,7 +57,9 @@ class SampleTable(Sequence[Sample]):
     def __len__(self) -> int:
         return len(self._start)
 
-    def __getitem__(self, i: int) -> Sample:  # type: ignore[override]  # no slices: a row of documents at a time
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)

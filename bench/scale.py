@@ -7,7 +7,8 @@ in parts of 256 samples; random bf16 features of the target's width, so every ba
 hit and the target never runs). Then `dflash run` for a fixed number of steps, with its
 anonymous resident memory (`RssAnon` in /proc, polled every 20 ms) and its time from start to
 the first step measured from outside, tokens/s from its `run_end` record, and the store
-reader's share of the wall time (its own CPU time, `run_end.feature_store.cpu_s`, and its spans in the `profile` records, `target.feature_store_read`).
+reader's share of the wall time (its own CPU time, `run_end.feature_store.cpu_s`, and its
+spans in the `profile` records, `target.feature_store_read`).
 
     .venv/bin/python bench/scale.py            # N = 2000: 2,000 / 8,000 / 32,000 samples
     .venv/bin/python bench/scale.py --n 500 --steps 10   # a quick look

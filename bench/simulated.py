@@ -233,7 +233,7 @@ def _apply_step(spec: SyntheticSpec) -> Any:
             work(spec.optimizer)
         with device.span(Stage.GRAD_NORM_SYNC):  # the real step's one host sync, through the same function
             host_sync(torch.ones(()))
-        progress.finish(step, max(c.last_batch for c in contribs))
+        progress.finish(step, -1, [i for c in contribs for i in c.batches])
         B = spec.block_size
         return StepResult(
             step=step, loss=torch.zeros(()), grad_norm=torch.zeros(()), lr=0.0, correct=torch.zeros(B),

@@ -525,6 +525,7 @@ def test_every_minutes_checkpoints_after_the_step_that_ends_the_interval(tiny_co
 
     class Ctx:
         last_batch = 0
+        ahead = frozenset()
 
         def __init__(self, step: int) -> None:
             self.step = step
@@ -532,7 +533,7 @@ def test_every_minutes_checkpoints_after_the_step_that_ends_the_interval(tiny_co
         async def read(self, _stage, fn, *args):
             return fn(*args)
 
-    ck.take, ck.write = (lambda step, _last: step), write
+    ck.take, ck.write = (lambda step, _last, _ahead: step), write
 
     async def steps() -> None:
         for step, t in enumerate([10, 29, 31, 40, 60, 62, 95, 100, 105, 110], start=1):

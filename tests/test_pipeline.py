@@ -70,9 +70,9 @@ def test_two_replicas_stay_bit_identical(tiny_config):
 
 def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
     """Target chains finish batches out of order (here batch 3k's forward waits until batch
-    3k+1's, in another chain, is done); the drafter still takes them in prefetch's order, so
-    every step's batches are the ones before it: three chains give one chain's losses step
-    for step."""
+    3k+1's, in another chain, is done); with pipeline.in_order the drafter still takes them in
+    prefetch's order, so every step's batches are the ones before it: three chains give one
+    chain's losses step for step."""
     from dflash.runtime.channel import Channel
     from dflash.stages import target_forward
 
@@ -103,18 +103,19 @@ def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
 
     monkeypatch.setattr(target_forward, "forward", reordered)
     monkeypatch.setattr(Channel, "get", recorded)
-    three = _chain_losses(tiny_config, 3)
+    three = _chain_losses(tiny_config, 3, "pipeline.in_order=true")
     assert sorted(finished) == list(range(batches))
     assert all(finished.index(k + 1) < finished.index(k) for k in range(0, batches - 1, 3)), finished
     assert taken == list(range(batches))
     assert three == one
 
 
-def _chain_losses(tiny_config, chains: int) -> list[float]:
+def _chain_losses(tiny_config, chains: int, *extra: str) -> list[float]:
     """The train_step losses of a 64-sample tiny run over `chains` target chains."""
     devices = json.dumps(["cpu"] * chains)
+    more = dict(e.split("=", 1) for e in extra)
     cfg = tiny_config(**{"pipeline.target_devices": f"{devices}", "data.num_samples": 64,
-                         "run.name": f'"chains{chains}"', "eval.at_end": "false"})  # fmt: skip
+                         "run.name": f'"chains{chains}"', "eval.at_end": "false", **more})  # fmt: skip
     return [r["loss"] for r in run_records(cfg, timeout_s=120) if r["event"] == "train_step"]
 
 
@@ -307,3 +308,51 @@ def test_what_the_end_needs_is_checked_before_the_first_step(tiny_config, tmp_pa
     with pytest.raises(DataError):
         run_records(tiny_config(**{"eval.prompts": f'"{tmp_path / "missing.jsonl"}"'}), into=records)
     assert not any(r["event"] == "train_step" for r in records)
+
+
+def test_chains_in_arrival_order_resume_every_batch_once(tiny_config, monkeypatch, tmp_path):
+    """By default the drafter takes batches as the chains finish them (here batch 3k's forward
+    waits for batch 3k+1's): out of prefetch's order. A run stopped after a step that left a
+    gap checkpoints the batches done after the gap; resumed from there, every batch of the
+    plan is trained on exactly once over the two runs."""
+    from dflash.stages import target_forward
+    from dflash.train.step import Accumulator
+
+    forward, add = target_forward.forward, Accumulator.add
+    ended: dict[int, threading.Event] = {}
+    lock = threading.Lock()
+    consumed: list[int] = []  # Batch.index, in the order steps consumed them
+
+    def reordered(target, batch, teacher_topk=0):
+        with lock:
+            ended.setdefault(batch.seq, threading.Event())
+            ended.setdefault(batch.seq + 1, threading.Event())
+        if batch.seq % 3 == 0 and batch.seq + 1 < 8:
+            assert ended[batch.seq + 1].wait(60), f"batch {batch.seq + 1} never ended"  # a hang guard only
+        out = forward(target, batch, teacher_topk)
+        ended[batch.seq].set()
+        return out
+
+    def counted(self, parts, batch):
+        consumed.append(batch.index)
+        return add(self, parts, batch)
+
+    monkeypatch.setattr(target_forward, "forward", reordered)
+    monkeypatch.setattr(Accumulator, "add", counted)
+    base = {"pipeline.target_devices": '["cpu", "cpu", "cpu"]', "data.num_samples": 64, "train.epochs": 1,
+            "eval.at_end": "false", "checkpoint.every_steps": 1, "checkpoint.keep_last": 20}  # fmt: skip
+    first = run_records(tiny_config(**base, **{"train.max_steps": 4}), timeout_s=120)
+    assert first[-1]["steps"] == 4 and consumed != sorted(consumed), consumed  # batch 0 waits for batch 1
+    gap = [s for s in range(1, 5) if sorted(consumed[:s]) != list(range(s))]  # steps that left a gap
+    assert gap, consumed
+    run_dir = tiny_config(**base).run_dir
+    ckpt = run_dir / "checkpoints" / f"step_{gap[-1]:06d}"
+    state = json.loads((ckpt / "state.json").read_text())
+    before = consumed[: gap[-1]]
+    assert state["cursor"]["index"] == min(set(range(8)) - set(before))
+    assert state["cursor"]["done"] == sorted(i for i in before if i > state["cursor"]["index"])
+    consumed.clear()
+    other = tiny_config(**base, **{"run.output_dir": f'"{tmp_path / "b"}"'})
+    resumed = run_records(other, resume=ckpt, timeout_s=120)
+    assert resumed[-1]["event"] == "run_end"
+    assert sorted(before + consumed) == list(range(8)), (before, consumed)

@@ -469,6 +469,12 @@ class PipelineConfig(_Section):
     batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")
     hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")
     hs_min_ready: int = Field(1, ge=1, description="drafters take only when this many are ready")
+    in_order: bool = Field(
+        False, description="drafters take hidden states in prefetch's order: several target chains train "
+        "exactly as one (bit for bit), but the drafters wait for the slowest chain; false: as they arrive "
+        "(checkpoints record which batches are done; a resume serves each other batch once). Several "
+        "processes (torchrun): always in order"
+    )
     read_ahead: int = Field(
         2, ge=1, le=64, description="batches the feature read stage (feature cache, feature store) reads ahead of "
         "the target, per chain"

@@ -32,7 +32,7 @@ import hashlib
 import json
 import math
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import torch
@@ -295,34 +295,52 @@ class BatchPlan:
         if "index" in cursor and int(cursor["index"]) != out["index"]:
             msg = f"batch cursor {cursor!r}: index disagrees with this plan (expected {out['index']})"
             raise CheckpointError(msg)
+        done = cursor.get("done", [])
+        if not isinstance(done, list) or not all(isinstance(i, int) and out["index"] < i < len(self) for i in done):
+            msg = f"batch cursor {cursor!r}: 'done' must list batch indices after {out['index']} of this plan"
+            raise CheckpointError(msg)
+        if done:
+            out["done"] = sorted(done)
         return out
 
-    def cursor_after(self, index: int) -> Cursor:
-        """The resume point once batch `index` (global, 0-based) has been consumed:
-        JSON-serializable `{"epoch", "position", "index", "plan"}`."""
+    def cursor_after(self, index: int, done: Iterable[int] = ()) -> Cursor:
+        """The resume point once batch `index` (global, 0-based; -1: none) and every batch
+        before it have been consumed, and the batches `done` after it (drafters that take
+        batches as they arrive leave gaps): JSON-serializable `{"epoch", "position", "index",
+        "plan"}`, and `"done"` when there are such batches — a resume serves the others."""
         total = len(self)
-        if not 0 <= index < total:
+        if not -1 <= index < total:
             msg = f"batch {index} is outside 0..{total - 1}"
             raise IndexError(msg)
         rest, epoch = index + 1, 0
         while epoch < self.epochs and rest >= self.batches_in(epoch):
             rest -= self.batches_in(epoch)
             epoch += 1
-        return self._cursor(epoch, rest)
+        out = self._cursor(epoch, rest)
+        after = sorted(i for i in done if i > index)
+        if after:
+            out["done"] = after
+        return out
 
     @property
     def start_index(self) -> int:
         """Global index of the first batch this plan serves (0 unless started at a cursor)."""
         return int(self.start["index"])
 
+    @property
+    def done_ahead(self) -> list[int]:
+        """Batches after `start_index` that a resumed run had consumed already (not served)."""
+        return list(self.start.get("done", ()))
+
     def iter_from(self, cursor: Cursor) -> Iterator[tuple[int, int, Rows]]:
         """Yields `(index, epoch, rows)` from `cursor` to the end of the last epoch."""
         start = self._resolve(cursor)
-        index = start["index"]
+        index, done = start["index"], set(start.get("done", ()))
         for epoch in range(start["epoch"], self.epochs):
             layout = self._layout(epoch)
             for b in range(start["position"] if epoch == start["epoch"] else 0, len(layout)):
-                yield index, epoch, [[self.samples[i] for i in row] for row in layout.rows(b)]
+                if index not in done:  # consumed before the resume, out of order
+                    yield index, epoch, [[self.samples[i] for i in row] for row in layout.rows(b)]
                 index += 1
 
     def __iter__(self) -> Iterator[tuple[int, int, Rows]]:

@@ -70,7 +70,8 @@ def build(
     readers = [device("cpu", f"reader{i}") for i in range(len(targets))] if training.store is not None else []
     opt = device(str(training.replicas[0].device), "optimizer")
     book = StepBook(
-        opt, profiler, emit, start_step=training.start_step, log_every=cfg.train.log_every,
+        opt, profiler, emit, start_step=training.start_step, start_batch=training.plan.start_index,
+        done_ahead=training.plan.done_ahead, log_every=cfg.train.log_every,
         max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
     )  # fmt: skip
     if cfg.pipeline.mode == "serial":
@@ -80,11 +81,13 @@ def build(
     p = cfg.pipeline
     n_t, n_d = len(training.targets), len(training.replicas)
     batches: Channel[Batch] = Channel("batches", p.batch_queue_depth, consumers=n_t)
-    # Several target chains finish batches out of order: the drafters take them in prefetch's order
-    # (the steps of one chain, and a checkpoint's data cursor never passes over a batch in flight).
+    # Several target chains finish batches out of order: the drafters take them as they arrive
+    # (a checkpoint records which batches are done), or with pipeline.in_order (and with several
+    # processes, whose cursor is one index) in prefetch's order: the steps of one chain.
+    in_order = n_t > 1 and (p.in_order or training.world is not None)
     hs: Channel[HostFeatures] = Channel(
         "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready,
-        order=(lambda f: f.batch.seq) if n_t > 1 else None,
+        order=(lambda f: f.batch.seq) if in_order else None,
     )  # fmt: skip
     grads: Channel[StepGrads] = Channel("grads", n_d, producers=n_d)
     replies: list[Channel[StepReply]] = [Channel(f"replies{r}", 1) for r in range(n_d)]

@@ -78,7 +78,8 @@ class StepGrads:
     tokens: int  # tokens of the batches it consumed
     samples: int
     ready: Any = None  # CUDA event: its backward is done (the optimizer's stream waits on it)
-    last_batch: int = -1  # highest batch index it consumed (the data cursor of a checkpoint)
+    last_batch: int = -1  # highest batch index it consumed (several processes: the data cursor)
+    batches: tuple[int, ...] = ()  # every batch index it consumed (one process: the data cursor)
 
 
 @dataclass(frozen=True)

@@ -395,7 +395,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
 def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
     """The steps the whole data makes: those done before a resume, then the batches left at
     this run's global batch (the same count as a fresh run's unless `--new-global-batch`)."""
-    return max(1, done + math.ceil((len(plan) - plan.start_index) / batch.per_step))
+    return max(1, done + math.ceil((len(plan) - plan.start_index - len(plan.done_ahead)) / batch.per_step))
 
 
 def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:

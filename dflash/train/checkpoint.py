@@ -26,6 +26,7 @@ import math
 import re
 import shutil
 import tomllib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -309,7 +310,7 @@ class Checkpointer:
         if not self.writer:
             return
         self._since = self._clock()
-        snap = await ctx.read(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch)
+        snap = await ctx.read(Stage.CHECKPOINT, self.take, ctx.step, ctx.last_batch, ctx.ahead)
         await self.write(snap)
 
     def emergency(self, progress: Any) -> Path | None:
@@ -320,13 +321,15 @@ class Checkpointer:
             return None
         if self.replica.device.type == "cuda":  # sync point: the last update's kernels must be done
             torch.cuda.synchronize(self.replica.device)
-        snap = self.take(progress.step, progress.last_batch)
+        snap = self.take(progress.step, progress.last_batch, progress.ahead)
         path = write_checkpoint(snap, self.root, self.cfg.checkpoint.keep_last)
         self.last_step = snap.step
         return path
 
-    def take(self, step: int, last_batch: int) -> Snapshot:
-        cursor = self.plan.cursor_after(last_batch) if last_batch >= 0 else None
+    def take(self, step: int, last_batch: int, ahead: Iterable[int] = ()) -> Snapshot:
+        """The state after `step`; its data cursor: every batch up to `last_batch` and those
+        in `ahead` are done (a resume serves the rest, each once)."""
+        cursor = self.plan.cursor_after(last_batch, ahead) if last_batch >= 0 or ahead else None
         r = self.replica
         return snapshot(step, r.model, r.optimizer, r.scheduler, cursor, self.cfg, self.world, self.batch)
 

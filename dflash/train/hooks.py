@@ -12,7 +12,7 @@ reply, so they read settled weights; their device work goes through the optimize
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -49,15 +49,24 @@ class Progress:
     update was in progress (a half-applied update leaves weights and optimizer apart)."""
 
     step: int  # last optimizer step finished (applied, or skipped as non-finite)
-    last_batch: int = -1  # highest batch index consumed by steps up to `step` (the data cursor)
+    last_batch: int = -1  # every batch up to this index was consumed by steps up to `step`
+    ahead: frozenset[int] = frozenset()  # and these after it (drafters take batches as they arrive)
     updating: bool = False  # set by apply_step before it changes any state, cleared when it is done
     ready: Any = None  # CUDA event: the update of `step` is done
 
-    def finish(self, step: int, last_batch: int) -> None:
+    def finish(self, step: int, last_batch: int, consumed: Iterable[int] = ()) -> None:
         """Step `step` is done (applied or skipped): weights, optimizer state and data cursor
-        agree again. Called by the update itself, in its worker thread, so that a run
-        cancelled right after it still knows where it stands."""
-        self.step, self.last_batch, self.updating = step, max(self.last_batch, last_batch), False
+        agree again. `last_batch`: every batch up to it is done (several processes: the
+        world's cursor); `consumed`: the step's batches, in any order — the cursor moves over
+        those that close the gap after it, the others wait in `ahead`. Called by the update
+        itself, in its worker thread, so that a run cancelled right after it still knows
+        where it stands."""
+        mark = max(self.last_batch, last_batch)
+        ahead = set(self.ahead).union(consumed)
+        while mark + 1 in ahead:
+            mark += 1
+        self.step, self.last_batch, self.updating = step, mark, False
+        self.ahead = frozenset(i for i in ahead if i > mark)
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class StepContext:
     last_batch: int
     ready: Any  # CUDA event: the step's update is done (None on CPU)
     device: Device  # the optimizer's device: hooks run their work through it
+    ahead: frozenset[int] = frozenset()  # batches after `last_batch` consumed already
 
     async def read(self, stage: str | None, fn: Callable[..., R], *args: Any) -> R:
         """Hook work that reads the device on purpose (eval, a checkpoint's copy, a checksum):
@@ -132,6 +142,8 @@ class StepBook:
         emit: Callable[..., None],
         *,
         start_step: int,
+        start_batch: int = 0,
+        done_ahead: Iterable[int] = (),
         log_every: int,
         max_bad_steps: int,
         hooks: Sequence[StepHook] = (),
@@ -142,7 +154,7 @@ class StepBook:
         self.log_every = log_every
         self.max_bad_steps = max_bad_steps
         self.hooks = list(hooks)
-        self.progress = Progress(start_step)
+        self.progress = Progress(start_step, start_batch - 1, frozenset(done_ahead))  # a resumed run's cursor
         self._warm_at = start_step + 2  # profile windows before the second step are warm-up
         self.tokens = 0  # tokens of the steps reported so far
         self.last: Record | None = None  # the last train_step record
@@ -186,7 +198,7 @@ class StepBook:
 
     def _context(self) -> StepContext:
         p = self.progress
-        return StepContext(p.step, p.last_batch, p.ready, self.device)
+        return StepContext(p.step, p.last_batch, p.ready, self.device, p.ahead)
 
     async def _flush(self) -> None:
         results, ready = list(self._pending), self.progress.ready

@@ -246,6 +246,7 @@ class Accumulator:
     def __init__(self) -> None:
         self.n = self.tokens = self.samples = 0
         self.last_batch = -1
+        self.batches: list[int] = []
         self.weight_sum = 0.0
         self.loss_sum: torch.Tensor | None = None
         self.correct: torch.Tensor | None = None
@@ -254,6 +255,7 @@ class Accumulator:
     def add(self, parts: LossParts, batch: Batch) -> None:
         self.n += 1
         self.last_batch = max(self.last_batch, batch.index)
+        self.batches.append(batch.index)
         self.tokens += batch.num_tokens
         self.samples += batch.num_samples
         self.weight_sum += parts.weight_sum
@@ -269,7 +271,7 @@ class Accumulator:
     def grads(self, replica: int, step: int, ready: Any) -> StepGrads:
         return StepGrads(
             replica, step, self.n, self.loss_sum, self.weight_sum, self.correct, self.count,
-            self.tokens, self.samples, ready, self.last_batch,
+            self.tokens, self.samples, ready, self.last_batch, tuple(self.batches),
         )  # fmt: skip
 
 
@@ -310,7 +312,10 @@ def apply_step(
     else:  # neither the weights nor the optimizer state are touched
         for r in replicas:
             r.optimizer.zero_grad(set_to_none=True)
-    progress.finish(step, world.cursor if world is not None else max(c.last_batch for c in contribs))
+    if world is not None:  # in order on every rank: the world's highest index
+        progress.finish(step, world.cursor)
+    else:  # in any order: every index the step consumed
+        progress.finish(step, -1, [i for c in contribs for i in c.batches])
     return StepResult(
         step=step,
         loss=sums.loss * scale,  # float32 × float32 scale, as with one process

@@ -3,6 +3,7 @@
     .venv/bin/python bench/orchestration.py              # every point
     .venv/bin/python bench/orchestration.py --quick      # the ≤ 10 % host-share points only
     .venv/bin/python bench/orchestration.py --quick --model async   # ... with CUDA-like devices
+    .venv/bin/python bench/orchestration.py --quick --set pipeline.in_order=true   # drafters in prefetch's order
 
 Each stage does host_ms of GIL-holding Python work (a counted loop) and device_ms of
 GIL-free device work, in a real run's proportions: target forward + pack 135 ms per
@@ -140,6 +141,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the ≤ 10 %% host-share points (sync model by default)")
     ap.add_argument("--model", choices=("sync", "async", "both"), default=None,
                     help="device model(s) to run (default: sync with --quick, else both)")  # fmt: skip
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every point, e.g. pipeline.in_order=true")  # fmt: skip
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
@@ -158,7 +161,7 @@ def main() -> None:
             for n_t, n_d in ((5, 3), (1, 1)):
                 for host in shares:
                     rep = args.repeat if host <= 0.10 else 1
-                    rows.append(point(n_t, n_d, host, model, rep, tmp / f"{model}{n_t}{n_d}{host}"))
+                    rows.append(point(n_t, n_d, host, model, rep, tmp / f"{model}{n_t}{n_d}{host}", args.overrides))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if not args.quick:
             for extra in (

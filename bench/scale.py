@@ -11,7 +11,7 @@ reader's share of the wall time (its own CPU time, `run_end.feature_store.cpu_s`
 spans in the `profile` records, `target.feature_store_read`).
 
     .venv/bin/python bench/scale.py            # N = 2000: 2,000 / 8,000 / 32,000 samples
-    .venv/bin/python bench/scale.py --n 500 --steps 10   # a quick look
+    .venv/bin/python bench/scale.py --n 500 --steps 20 --repeat 1   # a quick look
 
 The last line is one JSON object: samples, and 16N against N: rss_anon_growth (fraction),
 startup_ratio, tok_s_ratio, reader_share (the largest of the three runs: the reads' own CPU
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2000, help="the smallest store's samples (N)")
     ap.add_argument("--steps", type=int, default=200, help="training steps per run")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per size, in rotation (medians are reported)")
     ap.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one)")
     args = ap.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="dflash-scale-"))
@@ -183,19 +185,25 @@ def main() -> None:
     if not model.is_dir():
         _model(model)
     sizes = [args.n, 4 * args.n, 16 * args.n]
-    results = []
+    configs = []
     for n in sizes:
         data = root / f"data{n}.jsonl"
-        config = _config(root, f"n{n}", data, model, args.steps)
+        configs.append(_config(root, f"n{n}", data, model, args.steps))
         if not data.exists():
             _data(data, n, seed=n)
-            _store(config)
-        r = _run(config)
+            _store(configs[-1])
+    runs: list[list[dict[str, Any]]] = [[] for _ in sizes]
+    for _ in range(args.repeat):  # in rotation: a slow minute of the machine hits every size alike
+        for i, config in enumerate(configs):
+            runs[i].append(_run(config))
+    results = []
+    for n, rs in zip(sizes, runs, strict=True):
+        r = {k: statistics.median(x[k] or 0.0 for x in rs) for k in rs[0]}
         results.append(r)
-        share, cpu = 100 * (r["reader_share"] or 0), 100 * r["reader_cpu_share"]
+        share, cpu = 100 * r["reader_share"], 100 * r["reader_cpu_share"]
         print(f"{n:>7} samples: RssAnon {r['rss_anon_mb']} MB, first step after {r['startup_s']} s, "
-              f"{r['tok_s']} tok/s, store reader {cpu:.2f} % of wall in CPU time ({share:.2f} % in spans)",
-              flush=True)  # fmt: skip
+              f"{r['tok_s']} tok/s ({', '.join(str(x['tok_s']) for x in rs)}), store reader {cpu:.2f} % of wall "
+              f"in CPU time ({share:.2f} % in spans); medians of {len(rs)}", flush=True)  # fmt: skip
     a, b = results[0], results[-1]
     print(json.dumps({
         "samples": sizes,

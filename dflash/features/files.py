@@ -562,6 +562,11 @@ class FeatureStore:
                 self._read_into(f, part, "next", a * 4, nxt[r, s:e])
         if direct or dtype == torch.bfloat16:
             out = raw_feats
+        elif dtype == torch.float32:  # bf16 -> f32 is the bits shifted up: numpy, one thread (torch's
+            # copy would wake its intra-op pool, which the training stages keep busy)
+            out = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
+            bits = out.view(torch.int32).numpy().view(np.uint32)
+            np.left_shift(staging.view(np.uint16), 16, out=bits, dtype=np.uint32)
         else:
             out = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
             out.copy_(raw_feats)

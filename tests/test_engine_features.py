@@ -146,3 +146,55 @@ def test_features_without_vllm_say_how_to_get_it(tmp_path):
     proc = dflash("features", str(tmp_path / "missing.toml"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "make engines" in proc.stderr
+
+
+# The same 20 steps with the target in this process and served live by vLLM, float32, no store.
+LIVE = ["--set", "data.feature_cache_mb=0", "--set", "data.feature_files=false", "--set", "train.epochs=7",
+        "--set", "train.max_steps=20", "--set", 'target.dtype="float32"']  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_live_vllm_target_trains_as_the_in_process_one(tmp_path):
+    """`target.engine = "vllm"`: the trainer loads the head only and a vLLM engine it starts
+    serves every batch's features (target labels included): 20 steps' losses equal those of
+    the whole target in this process to 1e-5, the spool never held more than one batch's
+    requests, and the temporary spool is gone at the end."""
+    if not ENGINES_PY.exists():
+        pytest.skip(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
+    config = _setup(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    sets = [*LIVE, "--set", 'target.engine="vllm"', "--set", 'target.load="head"', "--set", 'run.name="live"']
+    live = subprocess.run([str(ENGINES_PY), "-m", "dflash", "run", str(config), *sets],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)  # fmt: skip
+    assert live.returncode == 0, live.stderr[-3000:]
+    local = dflash("run", str(config), *LIVE, "--set", 'run.name="local"')
+    assert local.returncode == 0, local.stderr[-2000:]
+
+    def losses(out: str) -> list[float]:
+        return [r["loss"] for r in json_lines(out) if r["event"] == "train_step"]
+
+    a, b = losses(live.stdout), losses(local.stdout)
+    assert len(a) == len(b) == 20
+    assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b, strict=True)), (a, b)
+    end = json_lines(live.stdout)[-1]
+    engine = end["target_engine"]
+    assert engine["engine"] == "vllm" and 0 < engine["spool_max"] <= 6  # data.batch_size documents
+    assert not Path(engine["spool"]).exists()
+
+
+def test_a_live_target_is_refused_where_it_cannot_run(tmp_path):
+    """`target.engine = "vllm"` without `target.load = "head"`, with two chains, or on synthetic
+    data: one line before anything loads."""
+    from dflash.config import load_config
+    from dflash.errors import ConfigError
+    from dflash.train.build import build_training
+
+    config = _setup(tmp_path)
+    for sets, says in (
+        (['target.engine="vllm"'], "target.load = 'head'"),
+        (['target.engine="vllm"', 'target.load="head"', 'pipeline.target_devices=["cpu", "cpu"]'], "one target chain"),
+        (['target.engine="vllm"', 'target.load="head"', 'data.source="synthetic"'], "synthetic"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            build_training(load_config(config, sets))

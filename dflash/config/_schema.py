@@ -159,6 +159,16 @@ class TargetConfig(_Section):
         "— every sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
         "(`dflash eval --engine vllm`)",
     )
+    engine: Literal["local", "vllm"] = Field(
+        "local", description="local: the target runs here (or its features come from the feature store); vllm "
+        "(with load = 'head', in a Python with vLLM: make engines): each batch's features come live from a vLLM "
+        "engine started by the run (extract_hidden_states), nothing stored"
+    )
+    engine_tensor_parallel: int = Field(1, ge=1, description="engine = 'vllm': vLLM's tensor_parallel_size")
+    engine_spool: str = Field(
+        "", description="engine = 'vllm': the folder vLLM's connector writes each request's hidden states to and "
+        "the target stage reads and deletes (at most one batch); '' = a temporary folder"
+    )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="kind = 'tiny': the random Qwen3's shape")
 
     @field_validator("layer_ids")

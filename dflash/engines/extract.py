@@ -174,8 +174,11 @@ def _greedy_next(out: Any) -> torch.Tensor:
     return torch.tensor([*ranked, out.outputs[0].token_ids[0]], dtype=torch.int64)
 
 
-def _run_chunk(llm: Any, prompts: list[list[int]], order: list[int], seen: Seen | None) -> list[Entry]:
-    """One vLLM call over `prompts`: an entry each, its layers in `target.layer_ids` order."""
+def _run_chunk(
+    llm: Any, prompts: list[list[int]], order: list[int], seen: Seen | None, written: Callable[[], None] | None = None
+) -> list[Entry]:
+    """One vLLM call over `prompts`: an entry each, its layers in `target.layer_ids` order.
+    `written`: called once vLLM has written the call's files, before they are read."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
@@ -185,6 +188,8 @@ def _run_chunk(llm: Any, prompts: list[list[int]], order: list[int], seen: Seen 
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    if written is not None:
+        written()
     entries = []
     for ids, out in zip(prompts, outs, strict=True):
         path = (out.kv_transfer_params or {}).get("hidden_states_path")

@@ -200,6 +200,10 @@ class Coordinator:
         finally:
             self._subscribers.remove(progress)
             progress.close()
+            for tgt in training.targets:  # a live engine (target.engine): its process ends now
+                close = getattr(tgt, "close", None)
+                if callable(close):
+                    await asyncio.to_thread(close)
         if error is not None:
             await self._fail(error, checkpointer, topo)
         train_s = time.perf_counter() - t_train
@@ -325,6 +329,7 @@ class Coordinator:
                 "tokens_per_s": round(book.tokens / train_s, 2) if train_s > 0 else 0.0,
                 "feature_cache": topo.cache.stats() if topo.cache is not None else None,
                 "feature_store": topo.store.stats() if topo.store is not None else None,
+                "target_engine": next((t.stats() for t in self.targets if hasattr(t, "stats")), None),
                 "final_loss": last["loss"] if last else None,
                 "final_tau_sim": last["tau_sim"] if last else None,
                 "eval_tau": eval_record["tau"] if eval_record else None,
@@ -385,6 +390,7 @@ class Coordinator:
             "tokens_per_s": 0.0,
             "feature_cache": None,
             "feature_store": None,
+            "target_engine": None,
             "final_loss": None,
             "final_tau_sim": None,
             "eval_tau": None,

@@ -441,6 +441,10 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
     target labels or distillation, their forwards also give their top-k next-token logits."""
     load = load_target_head if cfg.target.load == "head" else load_target
     targets = [load(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
+    if cfg.target.engine == "vllm":  # the decoder layers in a live vLLM engine, started now
+        from dflash.engines.live import open_engine_target
+
+        targets = [open_engine_target(t, cfg) for t in targets]
     for tgt in targets:
         tgt.teacher_topk = loss.teacher_topk
     if loss.distill > 0 and targets[0].logit_transform:
@@ -454,11 +458,16 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
 def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
     """`target.load = "head"`: what would need the target's decoder layers is refused before
     anything loads."""
+    if cfg.target.engine == "vllm":  # the engine serves every batch's features
+        from dflash.engines.live import check_engine_target
+
+        check_engine_target(cfg)
     if cfg.target.load != "head":
         return
+    live = cfg.target.engine == "vllm"
     needs = [
-        (cfg.data.source != "files", "data.source = 'files' (their feature files hold the features)"),
-        (not cfg.data.feature_files, "data.feature_files = true"),
+        (cfg.data.source != "files" and not live, "data.source = 'files' (their feature files hold the features)"),
+        (not cfg.data.feature_files and not live, "data.feature_files = true"),
         (wants_eval, "eval.at_end = false and eval.every_steps = 0 (then decode in vLLM: "
          "`dflash eval CONFIG --drafter RUN/final --engine vllm`)"),
         (cfg.drafter.init_from_target, "drafter.init_from_target = false"),
@@ -474,7 +483,7 @@ def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any],
     """`target.load = "head"`: every sample's features are in the feature store (else the
     error says why, with the first warning opening it gave: a part that could not serve)."""
     stored = stats.get("feature_files_samples", 0)
-    if cfg.target.load == "head" and stored < len(samples):
+    if cfg.target.load == "head" and cfg.target.engine != "vllm" and stored < len(samples):
         why = next((w for w in warned if "feature" in w), "")
         msg = (
             f"target.load = 'head': {stored} of {len(samples)} samples have their features in the feature "

@@ -1,0 +1,125 @@
+"""`target.engine = "vllm"`: the target stage's forward served live by a vLLM engine.
+
+The trainer holds only the target's embeddings and LM head (`target.load = "head"`); each
+batch's documents go to a vLLM engine in this process as token ids, under its
+`extract_hidden_states` method with dflash's connector (`dflash/engines/hidden_states.py`,
+the same engine `dflash features` starts, any tensor parallelism vLLM takes), and the
+chosen layers come back as the batch's features — nothing is written for the whole dataset.
+
+The hand-off is vLLM's connector's: one file per request in a spool folder (a temporary
+folder, or `target.engine_spool` — storage shared with the engine's hosts), which the stage
+reads and deletes as soon as the batch's call returns. A batch enters the engine only when the
+previous one's files are gone, so the spool never holds more than one batch of documents
+(`spool_max`, in `run_end.target_engine`), and back-pressure is the pipeline's own: the target
+stage takes the next batch only when its outbox has room. The engine call and the hand-off
+read are the target stage's time in the profile (`target.model_forward`). An engine that dies
+or a spool folder that vanishes ends the run in one line naming the stage and the folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import Config
+from dflash.engines.extract import EngineSettings, _engine, _run_chunk, target_meta, vllm_layer_ids
+from dflash.engines.vllm import require_vllm, shut_down
+from dflash.errors import ConfigError, DataError, DFlashError
+from dflash.features.cache import doc_spans
+from dflash.runtime.messages import Batch, Teacher
+
+__all__ = ["EngineTarget", "check_engine_target", "open_engine_target"]
+
+
+def check_engine_target(cfg: Config) -> None:
+    """What `target.engine = "vllm"` cannot do, refused in one line before anything loads."""
+    if cfg.target.engine != "vllm":
+        return
+    needs = [
+        (cfg.target.load != "head", "target.load = 'head' (the engine holds the decoder layers)"),
+        (len(cfg.pipeline.target_devices) != 1, "one target chain (the engine parallelizes itself: "
+         "target.engine_tensor_parallel)"),
+        (cfg.data.source == "synthetic", "data other than synthetic (made by the target's own generate)"),
+    ]  # fmt: skip
+    for bad, what in needs:
+        if bad:
+            msg = f"target.engine = 'vllm' needs {what}"
+            raise ConfigError(msg)
+    require_vllm()
+
+
+class EngineTarget:
+    """A `TargetHead` whose batches' features come from a live vLLM engine (`of_batch`); every
+    other attribute is the head's."""
+
+    def __init__(self, head: Any, cfg: Config) -> None:
+        folder, meta = target_meta(cfg)
+        if meta.layer_ids != list(head.layer_ids):
+            msg = f"target.engine: layer ids {meta.layer_ids} differ from the head's {head.layer_ids}"
+            raise DFlashError(msg)
+        self._head = head
+        self._own_spool = not cfg.target.engine_spool
+        self.spool = Path(cfg.target.engine_spool or tempfile.mkdtemp(prefix="dflash-engine-spool-"))
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self.spool_max = 0  # most files the spool held at once
+        self.requests = 0
+        self._order = vllm_layer_ids(meta.layer_ids)[1]
+        settings = EngineSettings(tensor_parallel=cfg.target.engine_tensor_parallel)
+        self._lock = threading.Lock()  # one call at a time: vLLM's offline engine is not re-entrant
+        self._llm = _engine(folder, meta, self.spool, settings, cfg.data.max_seq_len + 8)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._head, name)
+
+    def of_batch(self, batch: Batch, teacher_topk: int = 0) -> tuple[list[torch.Tensor], Teacher | None]:
+        """The batch's features (one (R, T, k·H) tensor in the head's dtype), and with target
+        labels the engine's greedy next tokens as the top-1 teacher."""
+        if teacher_topk > 1:
+            msg = "target.engine = 'vllm': loss.distill needs the target's top-k logits, which the engine does not give"
+            raise ConfigError(msg)
+        spans = doc_spans(batch)
+        prompts: dict[int, list[int]] = {}  # sample id -> its ids, once each
+        for r, s, e, d in spans:
+            prompts.setdefault(d, batch.input_ids[r, s:e].tolist())
+        order = list(prompts)
+        with self._lock:
+            if not self.spool.is_dir():
+                msg = f"target.engine: the spool folder {self.spool} is gone"
+                raise DataError(msg)
+            entries = _run_chunk(self._llm, [prompts[d] for d in order], self._order, None, self._count)
+        by_id = dict(zip(order, entries, strict=True))
+        R, T = batch.input_ids.shape
+        dtype = self._head.embed_weight.dtype
+        out = torch.zeros((R, T, self._head.hidden_size * len(self._head.layer_ids)), dtype=dtype)
+        teacher = (torch.zeros((R, T, 1)), torch.zeros((R, T, 1), dtype=torch.int64)) if teacher_topk else None
+        for r, s, e, d in spans:
+            entry = by_id[d]
+            out[r, s:e] = entry.features.to(dtype)
+            if teacher is not None:
+                teacher[1][r, s:e, 0] = entry.next
+        self.requests += len(order)
+        return [out], teacher
+
+    def _count(self) -> None:
+        """Called once the engine has written a call's files: the spool's high-water mark."""
+        self.spool_max = max(self.spool_max, sum(1 for _ in self.spool.glob("*.safetensors")))  # one a request
+
+    def stats(self) -> dict[str, Any]:
+        return {"engine": "vllm", "requests": self.requests, "spool_max": self.spool_max, "spool": str(self.spool)}
+
+    def close(self) -> None:
+        """The engine's process ended now (not at interpreter exit); a temporary spool removed."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            shut_down(llm)
+        if self._own_spool:
+            shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def open_engine_target(head: Any, cfg: Config) -> EngineTarget:
+    return EngineTarget(head, cfg)

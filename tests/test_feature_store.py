@@ -178,3 +178,17 @@ def test_the_earlier_format_is_refused_then_rewritten(tmp_path: Path) -> None:
     store = _store(tmp_path)
     hit = store.read(collate([Sample(0, b.ids, torch.ones(2, dtype=torch.bool))], 0, 0), torch.float32)
     assert hit is not None and torch.equal(hit[0][0], b.features.float())
+
+
+def test_a_sample_stored_twice_is_served_by_the_copy_that_fits_the_run(tmp_path: Path) -> None:
+    """The same ids in a part of another target layout and in one of this run's: the index
+    holds both, and the run is served by its own (not hidden by the earlier, unusable copy)."""
+    other = FeatureMeta("tiny", "float32", [1], 3, True)
+    write_part(tmp_path, 0, [Entry(torch.tensor([1, 2]), torch.zeros(2, 3), torch.tensor([5, 6]))], other)
+    mine = _entry([1, 2], 7)
+    write_part(tmp_path, 1, [mine], META)
+    warn: list[str] = []
+    store = FeatureStore([tmp_path], META, 1, 0, warn)
+    assert store.entries == 1 and len(warn) == 1
+    hit = store.read(collate([Sample(0, mine.ids, torch.ones(2, dtype=torch.bool))], 0, 0), torch.float32)
+    assert hit is not None and torch.equal(hit[0][0], mine.features.float())

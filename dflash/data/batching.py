@@ -296,7 +296,8 @@ class BatchPlan:
             msg = f"batch cursor {cursor!r}: index disagrees with this plan (expected {out['index']})"
             raise CheckpointError(msg)
         done = cursor.get("done", [])
-        if not isinstance(done, list) or not all(isinstance(i, int) and out["index"] < i < len(self) for i in done):
+        total = len(self) if done else 0  # (lays out every epoch: only when there is a list to check)
+        if not isinstance(done, list) or not all(isinstance(i, int) and out["index"] < i < total for i in done):
             msg = f"batch cursor {cursor!r}: 'done' must list batch indices after {out['index']} of this plan"
             raise CheckpointError(msg)
         if done:

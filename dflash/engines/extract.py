@@ -2,9 +2,9 @@
 
 Training's first epoch runs the target over every sample to get its chosen layers' outputs.
 This computes them ahead of time in vLLM instead (any tensor / pipeline parallelism vLLM
-offers), and writes them as feature files (`dflash/features/files.py`) beside each data file
-(`data.jsonl` → `data.features/`): a run with `data.feature_cache_mb` set seeds its feature
-cache from them and skips the target for those samples, as it does with regen's.
+offers), and writes them to the feature store (`dflash/features/files.py`) beside each data
+file (`data.jsonl` → `data.features/`): a run reads them from there and skips the target for
+those samples, as it does with regen's.
 
 How: the samples are tokenized exactly as training tokenizes them (`load_samples`, per data
 file), deduplicated, and fed to vLLM's offline `LLM` as token-id prompts with
@@ -115,9 +115,11 @@ def _file_samples(cfg: Config, tokenizer: Any) -> list[tuple[Path, list[torch.Te
     return out
 
 
-def _stored(folder: Path, meta: FeatureMeta) -> FeatureStore | None:
-    """The entries already in `folder` made the way `meta` says (greedy: ours carry `next`)."""
-    return FeatureStore([folder], meta, 1, 0, []) if folder.is_dir() else None
+def _stored(folder: Path, meta: FeatureMeta, max_len: int) -> FeatureStore | None:
+    """The entries already in `folder` made the way `meta` says (greedy: ours carry `next`);
+    `max_len`: data.max_seq_len, as training indexes the folder (a sample cut there is served
+    by a longer stored entry)."""
+    return FeatureStore([folder], meta, 1, max_len, []) if folder.is_dir() else None
 
 
 def _chunks(todo: list[torch.Tensor], budget: int) -> Iterator[list[list[int]]]:
@@ -219,7 +221,7 @@ def extract_features(cfg: Config, settings: EngineSettings, seen: Seen | None = 
     per_file = _file_samples(cfg, load_tokenizer(cfg.target, cfg.data.cache_dir))
     todo = []
     for out, samples in per_file:
-        have = _stored(out, meta)
+        have = _stored(out, meta, cfg.data.max_seq_len)
         todo.append((out, [ids for ids in samples if have is None or have.find(ids) is None]))
     stats: dict[str, Any] = {
         "engine": "vllm", "target": meta.target, "dtype": meta.dtype, "layer_ids": meta.layer_ids,

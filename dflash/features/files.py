@@ -28,8 +28,8 @@ a sample, never the features) whenever the parts it lists differ from the folder
 built for another `max_seq_len`.
 
 Training (`FeatureStore`, the `target.feature_store_read` stage) looks up each batch's
-documents by key and copies their rows out of the memory-mapped shards: nothing is loaded at
-set-up, and memory does not grow with the store. A folder of the earlier per-sample format
+documents by key and reads their rows with `pread` at the byte offsets the index recorded:
+nothing is loaded at set-up, and memory does not grow with the store. A folder of the earlier per-sample format
 (`dflash-features/1`) is refused in one line naming `dflash features CONFIG --upgrade`, which
 rewrites it. Nothing here unpickles anything.
 """
@@ -295,15 +295,16 @@ class _Index:
     counts: list[int]  # samples in each part
     problems: dict[str, str]  # part name -> why it could not be indexed
 
-    def find(self, key: bytes) -> int:
-        """The row of `key`, or -1."""
+    def find(self, key: bytes) -> list[int]:
+        """The rows of `key` (a sample stored in several parts: each, earlier parts first)."""
         hi, lo = _halves(key)
         i = int(np.searchsorted(self.hi, hi))
+        rows = []
         while i < len(self.hi) and int(self.hi[i]) == hi:
             if int(self.lo[i]) == lo:
-                return i
+                rows.append(i)
             i += 1
-        return -1
+        return rows
 
 
 def _listing(folder: Path) -> list[list[Any]]:
@@ -441,9 +442,9 @@ class FeatureStore:
 
     def _find(self, key: bytes, n: int) -> tuple[int, int] | None:
         for f, (ix, ok) in enumerate(zip(self.indexes, self._usable, strict=True)):
-            row = ix.find(key)
-            if row >= 0 and ok[ix.part[row]] and int(ix.length[row]) >= n:
-                return f, row
+            for row in ix.find(key):  # the first copy that can serve this run
+                if ok[ix.part[row]] and int(ix.length[row]) >= n:
+                    return f, row
         return None
 
     def covered(self, samples: Sequence[Any]) -> int:
@@ -451,12 +452,12 @@ class FeatureStore:
         return sum(self.find(s.input_ids) is not None for s in samples)
 
     def _fd(self, folder: int, part: int) -> int:
-        """An open descriptor of the part (LRU: at most OPEN_PARTS open)."""
-        with self._lock:
-            fd = self._open.get((folder, part))
-            if fd is not None:
-                self._open.move_to_end((folder, part))
-                return fd
+        """An open descriptor of the part (LRU: at most OPEN_PARTS open). With `_lock` held:
+        no descriptor is closed while another thread reads through it."""
+        fd = self._open.get((folder, part))
+        if fd is not None:
+            self._open.move_to_end((folder, part))
+            return fd
         ix = self.indexes[folder]
         path = ix.folder / ix.names[part]
         try:
@@ -464,32 +465,38 @@ class FeatureStore:
         except OSError as err:
             msg = f"{path}: {err.strerror or err}; its index {ix.folder / INDEX} names it (delete it to rebuild it)"
             raise DataError(msg) from None
-        with self._lock:
-            self._open[(folder, part)] = fd
-            while len(self._open) > self.OPEN_PARTS:
-                os.close(self._open.popitem(last=False)[1])
+        self._open[(folder, part)] = fd
+        while len(self._open) > self.OPEN_PARTS:
+            os.close(self._open.popitem(last=False)[1])
         return fd
 
-    def _bytes(self, folder: int, part: int, name: str, at: int, size: int) -> bytearray:
-        """`size` bytes of tensor `name` of a part from its byte `at`, with one `pread` at the
-        place the index recorded (no header parsed, nothing mapped: the page cache serves repeats)."""
+    def _pread(self, folder: int, part: int, name: str, at: int, dest: Any) -> None:
+        """Fill `dest` (a writable buffer) from tensor `name` of a part, from its byte `at`, at
+        the place the index recorded (no header parsed, nothing mapped: the page cache serves
+        repeats); a read that ends early is retried from where it stopped (large reads, network
+        file systems), one that reads nothing is a truncated part."""
         ix = self.indexes[folder]
+        view = memoryview(dest).cast("B")
+        done = 0
+        with self._lock:
+            fd = self._fd(folder, part)
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], ix.starts[part][name] + at + done)
+                if got <= 0:
+                    path = ix.folder / ix.names[part]
+                    msg = f"{path}: truncated ({name} ends before byte {at + len(view)}); delete {INDEX} to rebuild"
+                    raise DataError(msg)
+                done += got
+
+    def _bytes(self, folder: int, part: int, name: str, at: int, size: int) -> bytearray:
+        """`size` bytes of tensor `name` of a part from its byte `at`."""
         buf = bytearray(size)
-        got = os.preadv(self._fd(folder, part), [buf], ix.starts[part][name] + at) if size else 0
-        if got != size:
-            path = ix.folder / ix.names[part]
-            msg = f"{path}: truncated ({name} ends before byte {at + size}); delete {INDEX} beside it to rebuild"
-            raise DataError(msg)
+        self._pread(folder, part, name, at, buf)
         return buf
 
     def _read_into(self, folder: int, part: int, name: str, at: int, dest: np.ndarray) -> None:
         """Tensor `name` of a part from its byte `at` into `dest` (contiguous), in place."""
-        ix = self.indexes[folder]
-        got = os.preadv(self._fd(folder, part), [dest], ix.starts[part][name] + at) if dest.nbytes else 0
-        if got != dest.nbytes:
-            path = ix.folder / ix.names[part]
-            msg = f"{path}: truncated ({name} ends before byte {at + dest.nbytes}); delete {INDEX} beside it to rebuild"
-            raise DataError(msg)
+        self._pread(folder, part, name, at, dest)
 
     def close(self) -> None:
         with self._lock:
@@ -526,11 +533,13 @@ class FeatureStore:
             raw = ids32[r, s:e].tobytes()  # what the key hashes, and what the part must hold
             hit = self._find(hashlib.blake2b(raw, digest_size=16).digest(), e - s)
             if hit is None:
-                self.misses += 1
+                with self._lock:
+                    self.misses += 1
                 return None
             found.append(hit)
             raws.append(raw)
-        self.hits += 1
+        with self._lock:
+            self.hits += 1
         R, T = batch.input_ids.shape
 
         # The parts' bytes land straight in a bf16 buffer (one pread a document, no copy), laid

@@ -27,7 +27,7 @@ import torch
 from dflash.config import Config
 from dflash.data.batching import BatchPlan, Sample
 from dflash.data.formats import dataset_path
-from dflash.errors import ConfigError, DataError
+from dflash.errors import CheckpointError, ConfigError, DataError
 from dflash.eval.fit import check_checkpoint_target
 from dflash.eval.prompts import require_eval_prompts
 from dflash.features.cache import FeatureCache
@@ -334,6 +334,13 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     t_devs, d_devs = _devices(cfg, world)
     ranks = world.size if world is not None else 1
     resume, loaded = _resume(cfg, resume)  # before loading any model: a bad checkpoint fails in a second
+    if world is not None and loaded is not None and (loaded.cursor or {}).get("done"):
+        msg = (
+            f"checkpoint step {loaded.step}: its batches were consumed out of order (cursor {loaded.cursor['index']} "
+            f"and {len(loaded.cursor['done'])} after it); resume it in one process (several processes shard the "
+            "batches by index and take them in order)"
+        )
+        raise CheckpointError(msg)
     batch, resumed = _global_batch(cfg, loaded, resume, ranks)
     _check_data_files(cfg)  # likewise a missing data file
     wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0

@@ -65,8 +65,8 @@ class Progress:
         ahead = set(self.ahead).union(consumed)
         while mark + 1 in ahead:
             mark += 1
-        self.step, self.last_batch, self.updating = step, mark, False
-        self.ahead = frozenset(i for i in ahead if i > mark)
+        after = frozenset(i for i in ahead if i > mark)
+        self.step, self.last_batch, self.ahead, self.updating = step, mark, after, False  # one statement
 
 
 @dataclass(frozen=True)

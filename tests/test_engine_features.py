@@ -158,7 +158,8 @@ def test_a_live_vllm_target_trains_as_the_in_process_one(tmp_path):
     """`target.engine = "vllm"`: the trainer loads the head only and a vLLM engine it starts
     serves every batch's features (target labels included): 20 steps' losses equal those of
     the whole target in this process to 1e-5, the spool never held more than one batch's
-    requests, and the temporary spool is gone at the end."""
+    requests, the temporary spool is gone at the end, and the profile times the engine's call
+    and the hand-off read as stages of their own."""
     if not ENGINES_PY.exists():
         pytest.skip(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
     config = _setup(tmp_path)
@@ -181,6 +182,8 @@ def test_a_live_vllm_target_trains_as_the_in_process_one(tmp_path):
     engine = end["target_engine"]
     assert engine["engine"] == "vllm" and 0 < engine["spool_max"] <= 6  # data.batch_size documents
     assert not Path(engine["spool"]).exists()
+    stages = {n for r in json_lines(live.stdout) if r["event"] == "profile" for n in r["stages"]}
+    assert {"target.engine_wait", "target.engine_read"} <= stages and "target.model_forward" not in stages
 
 
 def test_a_live_target_is_refused_where_it_cannot_run(tmp_path):

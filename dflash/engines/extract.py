@@ -176,22 +176,29 @@ def _greedy_next(out: Any) -> torch.Tensor:
     return torch.tensor([*ranked, out.outputs[0].token_ids[0]], dtype=torch.int64)
 
 
-def _run_chunk(
-    llm: Any, prompts: list[list[int]], order: list[int], seen: Seen | None, written: Callable[[], None] | None = None
-) -> list[Entry]:
-    """One vLLM call over `prompts`: an entry each, its layers in `target.layer_ids` order.
-    `written`: called once vLLM has written the call's files, before they are read."""
+def _run_chunk(llm: Any, prompts: list[list[int]], order: list[int], seen: Seen | None) -> list[Entry]:
+    """One vLLM call over `prompts`: an entry each, its layers in `target.layer_ids` order."""
+    return read_hidden(generate_hidden(llm, prompts), prompts, order, seen)
+
+
+def generate_hidden(llm: Any, prompts: list[list[int]]) -> list[Any]:
+    """One vLLM call over `prompts` (greedy, one new token, the prompts' top-1 logprobs): its
+    outputs, each naming the file the connector wrote the prompt's hidden states to."""
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def read_hidden(outs: list[Any], prompts: list[list[int]], order: list[int], seen: Seen | None) -> list[Entry]:
+    """The files of a call's outputs, read and deleted: an entry each, its layers in
+    `target.layer_ids` order (`order`), its greedy next tokens."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
         load_hidden_states,
     )
-    from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    if written is not None:
-        written()
     entries = []
     for ids, out in zip(prompts, outs, strict=True):
         path = (out.kv_transfer_params or {}).get("hidden_states_path")

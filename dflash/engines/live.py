@@ -11,9 +11,10 @@ folder, or `target.engine_spool` — storage shared with the engine's hosts), wh
 reads and deletes as soon as the batch's call returns. A batch enters the engine only when the
 previous one's files are gone, so the spool never holds more than one batch of documents
 (`spool_max`, in `run_end.target_engine`), and back-pressure is the pipeline's own: the target
-stage takes the next batch only when its outbox has room. The engine call and the hand-off
-read are the target stage's time in the profile (`target.model_forward`). An engine that dies
-or a spool folder that vanishes ends the run in one line naming the stage and the folder.
+stage takes the next batch only when its outbox has room. In the profile the target stage's
+time is the engine's call (`target.engine_wait`) and the hand-off read (`target.engine_read`):
+`dflash report` names either when it is the bottleneck. An engine that dies or a spool folder
+that vanishes ends the run in one line naming the stage and the folder.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.engines.extract import EngineSettings, _engine, _run_chunk, target_meta, vllm_layer_ids
+from dflash.engines.extract import EngineSettings, _engine, generate_hidden, read_hidden, target_meta, vllm_layer_ids
 from dflash.engines.vllm import require_vllm, shut_down
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.features.cache import doc_spans
@@ -78,21 +79,40 @@ class EngineTarget:
 
     def of_batch(self, batch: Batch, teacher_topk: int = 0) -> tuple[list[torch.Tensor], Teacher | None]:
         """The batch's features (one (R, T, k·H) tensor in the head's dtype), and with target
-        labels the engine's greedy next tokens as the top-1 teacher."""
-        if teacher_topk > 1:
-            msg = "target.engine = 'vllm': loss.distill needs the target's top-k logits, which the engine does not give"
-            raise ConfigError(msg)
-        spans = doc_spans(batch)
+        labels the engine's greedy next tokens as the top-1 teacher: `engine_read(engine_call)`."""
+        return self.engine_read(batch, self.engine_call(batch), teacher_topk)
+
+    def engine_call(self, batch: Batch) -> tuple[list[int], list[list[int]], list[Any]]:
+        """The batch's documents (each once) through the engine: (sample ids, their token ids,
+        vLLM's outputs naming the files it wrote). The stage times it as `target.engine_wait`."""
         prompts: dict[int, list[int]] = {}  # sample id -> its ids, once each
-        for r, s, e, d in spans:
+        for r, s, e, d in doc_spans(batch):
             prompts.setdefault(d, batch.input_ids[r, s:e].tolist())
         order = list(prompts)
         with self._lock:
             if not self.spool.is_dir():
                 msg = f"target.engine: the spool folder {self.spool} is gone"
                 raise DataError(msg)
-            entries = _run_chunk(self._llm, [prompts[d] for d in order], self._order, None, self._count)
+            outs = generate_hidden(self._llm, [prompts[d] for d in order])
+            self._count()
+        return order, [prompts[d] for d in order], outs
+
+    def engine_read(
+        self, batch: Batch, pending: tuple[list[int], list[list[int]], list[Any]], teacher_topk: int = 0
+    ) -> tuple[list[torch.Tensor], Teacher | None]:
+        """The hand-off: the call's files read (and deleted) into the batch's layout. The stage
+        times it as `target.engine_read`."""
+        if teacher_topk > 1:
+            msg = "target.engine = 'vllm': loss.distill needs the target's top-k logits, which the engine does not give"
+            raise ConfigError(msg)
+        order, prompts, outs = pending
+        try:
+            entries = read_hidden(outs, prompts, self._order, None)
+        except FileNotFoundError as err:
+            msg = f"target.engine: a request's hidden states are gone from the spool ({err.filename})"
+            raise DataError(msg) from None
         by_id = dict(zip(order, entries, strict=True))
+        spans = doc_spans(batch)
         R, T = batch.input_ids.shape
         dtype = self._head.embed_weight.dtype
         out = torch.zeros((R, T, self._head.hidden_size * len(self._head.layer_ids)), dtype=dtype)

@@ -34,6 +34,8 @@ class Stage:
     TARGET_FORWARD = "target.model_forward"
     TARGET_CACHE_HIT = "target.feature_cache_hit"
     TARGET_STORE_READ = "target.feature_store_read"
+    TARGET_ENGINE_WAIT = "target.engine_wait"  # target.engine: the engine's call for a batch
+    TARGET_ENGINE_READ = "target.engine_read"  # ... and the hand-off read of what it wrote
     TARGET_PACK = "target.pack_hidden"
     TARGET_D2H = "target.d2h_copy"
     TARGET_QUEUE_PUT = "target.queue_put_wait"

@@ -30,6 +30,11 @@ def forward(target: Target, batch: Batch, teacher_topk: int = 0) -> tuple[list[t
     return target.of_batch(batch, teacher_topk)
 
 
+def engine_call(target: Target, batch: Batch) -> object:
+    faults.check(Stage.TARGET_ENGINE_WAIT)
+    return target.engine_call(batch)  # type: ignore[attr-defined]
+
+
 async def features(
     target: Target,
     device: Device,
@@ -48,7 +53,12 @@ async def features(
         hit, _ = await device.run(Stage.TARGET_CACHE_HIT, cache.get, batch, target.embed_weight.dtype, alloc)
         if hit is not None:
             return TargetFeatures(batch, [hit[0]], None, hit[1])
-    (layers, teacher), ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch, target.teacher_topk)
+    if hasattr(target, "engine_call"):  # a live engine (target.engine): its call and the hand-off apart
+        pending, _ = await device.run(Stage.TARGET_ENGINE_WAIT, engine_call, target, batch)
+        read = target.engine_read  # type: ignore[attr-defined]
+        (layers, teacher), ready = await device.run(Stage.TARGET_ENGINE_READ, read, batch, pending, target.teacher_topk)
+    else:
+        (layers, teacher), ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch, target.teacher_topk)
     profiler.count("target_tokens", batch.num_tokens)
     return TargetFeatures(batch, layers, ready, teacher)
 

@@ -20,13 +20,15 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from scale import watch_rss_anon  # noqa: E402
+
 ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 
 
@@ -42,19 +44,7 @@ def _run(config: Path, steps: int) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the KV cache: sized by dflash
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
-    peak, done = [0], threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            try:
-                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                    if line.startswith("RssAnon:"):
-                        peak[0] = max(peak[0], int(line.split()[1]))
-            except OSError:
-                return
-            time.sleep(0.05)
-
-    threading.Thread(target=poll, daemon=True).start()
+    peak, done = watch_rss_anon(proc.pid, 0.05)
     assert proc.stdout is not None
     records = [json.loads(line) for line in proc.stdout]
     proc.wait()

@@ -37,13 +37,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|mask|>"]
 WORDS = [f"w{i}" for i in range(400)]
 
 
@@ -54,6 +47,7 @@ def _model(folder: Path) -> None:
 
     from dflash.config import TinyTargetConfig
     from dflash.model.target import build_tiny
+    from tests.test_regen_files import CHATML, SPECIALS  # the tests' ChatML template and special tokens
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -125,17 +119,13 @@ def _store(config: Path) -> int:
     return len(samples)
 
 
-def _run(config: Path) -> dict[str, Any]:
-    """One `dflash run`: peak RssAnon, start to first step, tokens/s, the store reader's share."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash", "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+def watch_rss_anon(pid: int, every_s: float) -> tuple[list[int], threading.Event]:
+    """Poll process `pid`'s RssAnon (kB) from /proc every `every_s` in a thread: ([peak], the
+    event that stops it)."""
     peak, done = [0], threading.Event()
 
     def poll() -> None:
-        status = Path(f"/proc/{proc.pid}/status")
+        status = Path(f"/proc/{pid}/status")
         while not done.is_set():
             try:
                 for line in status.read_text().splitlines():
@@ -143,9 +133,20 @@ def _run(config: Path) -> dict[str, Any]:
                         peak[0] = max(peak[0], int(line.split()[1]))
             except OSError:
                 return
-            time.sleep(0.02)
+            time.sleep(every_s)
 
     threading.Thread(target=poll, daemon=True).start()
+    return peak, done
+
+
+def _run(config: Path) -> dict[str, Any]:
+    """One `dflash run`: peak RssAnon, start to first step, tokens/s, the store reader's share."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash", "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    peak, done = watch_rss_anon(proc.pid, 0.02)
     first = None
     records = []
     assert proc.stdout is not None

@@ -39,7 +39,15 @@ from dflash.engines.vllm import MAX_SEQS, engine_failed, kv_cache_bytes, shut_do
 from dflash.errors import ConfigError, DFlashError
 from dflash.features.files import Entry, FeatureMeta, FeatureStore, folder_for, ids_key, next_part_index, write_part
 
-__all__ = ["EngineSettings", "extract_features", "target_meta", "vllm_layer_ids"]
+__all__ = [
+    "EngineSettings",
+    "extract_features",
+    "generate_hidden",
+    "read_hidden",
+    "start_engine",
+    "target_meta",
+    "vllm_layer_ids",
+]
 
 CONNECTOR = "HiddenStatesConnector"
 CONNECTOR_MODULE = "dflash.engines.hidden_states"
@@ -136,7 +144,7 @@ def _chunks(todo: list[torch.Tensor], budget: int) -> Iterator[list[list[int]]]:
         yield chunk
 
 
-def _engine(folder: Path, meta: FeatureMeta, scratch: Path, settings: EngineSettings, max_len: int) -> Any:
+def start_engine(folder: Path, meta: FeatureMeta, scratch: Path, settings: EngineSettings, max_len: int) -> Any:
     """vLLM's offline engine on the target, keeping the chosen layers of every prompt."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries our JSON records only
     from vllm import LLM
@@ -241,7 +249,7 @@ def extract_features(cfg: Config, settings: EngineSettings, seen: Seen | None = 
         scratch = Path(tempfile.mkdtemp(prefix="dflash-vllm-hidden-states-"))  # vLLM's files, each read once
         llm = None
         try:
-            llm = _engine(folder, meta, scratch, settings, longest + 8)
+            llm = start_engine(folder, meta, scratch, settings, longest + 8)
             for out, prompts in todo:
                 _write_file(llm, out, prompts, meta, settings, seen, stats)
         finally:

@@ -28,13 +28,20 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.engines.extract import EngineSettings, _engine, generate_hidden, read_hidden, target_meta, vllm_layer_ids
+from dflash.engines.extract import (
+    EngineSettings,
+    generate_hidden,
+    read_hidden,
+    start_engine,
+    target_meta,
+    vllm_layer_ids,
+)
 from dflash.engines.vllm import require_vllm, shut_down
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.features.cache import doc_spans
 from dflash.runtime.messages import Batch, Teacher
 
-__all__ = ["EngineTarget", "check_engine_target", "open_engine_target"]
+__all__ = ["EngineTarget", "check_engine_target"]
 
 
 def check_engine_target(cfg: Config) -> None:
@@ -72,7 +79,7 @@ class EngineTarget:
         self._order = vllm_layer_ids(meta.layer_ids)[1]
         settings = EngineSettings(tensor_parallel=cfg.target.engine_tensor_parallel)
         self._lock = threading.Lock()  # one call at a time: vLLM's offline engine is not re-entrant
-        self._llm = _engine(folder, meta, self.spool, settings, cfg.data.max_seq_len + 8)
+        self._llm = start_engine(folder, meta, self.spool, settings, cfg.data.max_seq_len + 8)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._head, name)
@@ -140,6 +147,3 @@ class EngineTarget:
         if self._own_spool:
             shutil.rmtree(self.spool, ignore_errors=True)
 
-
-def open_engine_target(head: Any, cfg: Config) -> EngineTarget:
-    return EngineTarget(head, cfg)

@@ -449,9 +449,9 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
     load = load_target_head if cfg.target.load == "head" else load_target
     targets = [load(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
     if cfg.target.engine == "vllm":  # the decoder layers in a live vLLM engine, started now
-        from dflash.engines.live import open_engine_target
+        from dflash.engines.live import EngineTarget
 
-        targets = [open_engine_target(t, cfg) for t in targets]
+        targets = [EngineTarget(t, cfg) for t in targets]
     for tgt in targets:
         tgt.teacher_topk = loss.teacher_topk
     if loss.distill > 0 and targets[0].logit_transform:

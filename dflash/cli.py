@@ -155,7 +155,9 @@ def run(
             f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
             f" ({ {True: 'lossless', False: 'NOT lossless', None: 'sampled'}[summary['eval_lossless']] })"
             if summary["eval_tau"] is not None
-            else "; end-of-run eval stopped" if summary.get("eval_stopped") else ""
+            else "; end-of-run eval stopped"
+            if summary.get("eval_stopped")
+            else ""
         )
         logs.human(
             f"dflash: {summary['reason']} after {summary['steps']} steps in {summary['wall_s']:.1f}s; "
@@ -281,8 +283,13 @@ def _eval_table(records: list[dict]) -> str:
               help="dflash: the reference format (vLLM, SGLang, AutoModel); speculators: vLLM's second DFlash "
                    "format (speculators_config, nested transformer_layer_config); gguf: one .gguf file for "
                    "llama.cpp (--gguf-type, --target)")  # fmt: skip
-@click.option("--gguf-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
-              help="--format gguf: the weights' type (norms stay f32; q8_0 falls back to f16 for short rows)")
+@click.option(
+    "--gguf-type",
+    type=click.Choice(["f32", "f16", "bf16", "q8_0"]),
+    default="f16",
+    show_default=True,
+    help="--format gguf: the weights' type (norms stay f32; q8_0 falls back to f16 for short rows)",
+)
 @click.option("--target", "target_path", type=click.Path(path_type=Path),
               help="--format gguf: the target's GGUF file or Hugging Face folder, whose vocabulary the drafter "
                    "borrows (default: the run's target)")  # fmt: skip
@@ -450,6 +457,76 @@ def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_p
         f"{stats['parts']} parts), {stats['already_stored']} already there, {stats['wall_s']}s -> "
         + ", ".join(stats["folders"])
     )
+
+
+@main.command("serve-target")
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option("--engine", type=click.Choice(["vllm", "local"]), default="vllm", show_default=True,
+              help="vllm: the target in vLLM (needs vLLM: make engines); local: the target in PyTorch")  # fmt: skip
+@click.option("--spool", type=click.Path(path_type=Path), default=None,
+              help="the shared folder to answer in  [default: the config's target.engine_spool]")  # fmt: skip
+@click.option("--device", default=None, help="--engine local: the target's device  [default: the config's first "
+              "pipeline.target_devices]")  # fmt: skip
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
+              help="--engine vllm: vLLM's tensor_parallel_size  [default: target.engine_tensor_parallel]")  # fmt: skip
+def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: Path | None, device: str | None,
+                 tensor_parallel: int | None) -> None:  # fmt: skip
+    """Serve the target's features to a run with target.engine = "remote" on other hosts,
+    through a folder both reach: answers each batch the run's target stage sends, until the
+    run ends."""
+    from dflash import logs
+    from dflash.config import load_config
+
+    if engine == "vllm":
+        from dflash.engines.vllm import require_vllm
+
+        require_vllm()  # before anything loads
+    cfg = load_config(config, list(overrides))
+    folder = spool or (Path(cfg.target.engine_spool) if cfg.target.engine_spool else None)
+    if folder is None:
+        raise ConfigError("dflash serve-target: no folder to serve in: --spool DIR or target.engine_spool")
+    logs.configure(sys.stdout)
+    import shutil
+    import tempfile
+    import time
+
+    import structlog
+    import torch
+
+    from dflash.engines import spool as spooled
+
+    log = structlog.get_logger("dflash")
+    heart = spooled.start_serving(folder)
+    scratch = Path(tempfile.mkdtemp(prefix="dflash-serve-target-"))  # vLLM's own files, on this host
+    llm = None
+    last = [time.monotonic()]
+
+    def progress(stats: dict[str, Any]) -> None:
+        if time.monotonic() - last[0] >= 30:
+            last[0] = time.monotonic()
+            logs.human(f"dflash serve-target: {stats['requests']} batches, {stats['documents']} documents answered")
+
+    try:
+        if engine == "vllm":
+            tp = tensor_parallel or cfg.target.engine_tensor_parallel
+            compute, meta, llm = spooled.vllm_compute(cfg, scratch, tp)
+        else:
+            dev = torch.device(device or cfg.pipeline.target_devices[0])
+            compute, meta = spooled.local_compute(cfg, dev)
+        log.info("serve_start", engine=engine, spool=str(folder), layer_ids=meta.layer_ids, dtype=meta.dtype)
+        logs.human(f'dflash serve-target ({engine}): serving {folder}; start the run with target.engine = "remote"')
+        stats = spooled.serve(folder, compute, meta, engine, progress)
+    finally:
+        heart.stop()
+        if llm is not None:
+            from dflash.engines.vllm import shut_down
+
+            shut_down(llm)
+        shutil.rmtree(scratch, ignore_errors=True)
+    log.info("serve_end", **stats)
+    logs.human(f"dflash serve-target: the run ended; {stats['requests']} batches, {stats['documents']} documents, "
+               f"{stats['tokens']} tokens answered in {stats['wall_s']}s")  # fmt: skip
 
 
 def _upgrade_features(cfg: Any) -> None:

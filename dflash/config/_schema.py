@@ -159,15 +159,21 @@ class TargetConfig(_Section):
         "— every sample's features must come from feature files (`dflash features`), the eval runs in vLLM "
         "(`dflash eval --engine vllm`)",
     )
-    engine: Literal["local", "vllm"] = Field(
+    engine: Literal["local", "vllm", "remote"] = Field(
         "local", description="local: the target runs here (or its features come from the feature store); vllm "
         "(with load = 'head', in a Python with vLLM: make engines): each batch's features come live from a vLLM "
-        "engine started by the run (extract_hidden_states), nothing stored"
+        "engine started by the run (extract_hidden_states), nothing stored; remote (with load = 'head' and "
+        "engine_spool): from `dflash serve-target` on other hosts, through engine_spool"
     )
     engine_tensor_parallel: int = Field(1, ge=1, description="engine = 'vllm': vLLM's tensor_parallel_size")
     engine_spool: str = Field(
         "", description="engine = 'vllm': the folder vLLM's connector writes each request's hidden states to and "
-        "the target stage reads and deletes (at most one batch); '' = a temporary folder"
+        "the target stage reads and deletes (at most one batch); '' = a temporary folder. engine = 'remote': "
+        "the folder, on storage shared with the engine's hosts, that `dflash serve-target` answers in"
+    )
+    engine_timeout_s: float = Field(
+        120.0, gt=0, description="engine = 'remote': how long the run waits for a server that does not beat "
+        "(not started, killed, its host gone) before it stops in one line"
     )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="kind = 'tiny': the random Qwen3's shape")
 

@@ -39,16 +39,19 @@ from dflash.engines.extract import (
 from dflash.engines.vllm import require_vllm, shut_down
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.features.cache import doc_spans
+from dflash.features.files import Entry
 from dflash.runtime.messages import Batch, Teacher
 
-__all__ = ["EngineTarget", "check_engine_target"]
+__all__ = ["EngineTarget", "check_engine_target", "lay_out", "prompts_of"]
 
 
 def check_engine_target(cfg: Config) -> None:
     """What `target.engine = "vllm"` cannot do, refused in one line before anything loads."""
-    if cfg.target.engine != "vllm":
+    if cfg.target.engine == "local":
         return
+    remote = cfg.target.engine == "remote"
     needs = [
+        (remote and not cfg.target.engine_spool, "target.engine_spool (the folder `dflash serve-target` answers in)"),
         (cfg.target.load != "head", "target.load = 'head' (the engine holds the decoder layers)"),
         (len(cfg.pipeline.target_devices) != 1, "one target chain (the engine parallelizes itself: "
          "target.engine_tensor_parallel)"),
@@ -56,9 +59,35 @@ def check_engine_target(cfg: Config) -> None:
     ]  # fmt: skip
     for bad, what in needs:
         if bad:
-            msg = f"target.engine = 'vllm' needs {what}"
+            msg = f"target.engine = {cfg.target.engine!r} needs {what}"
             raise ConfigError(msg)
-    require_vllm()
+    if not remote:
+        require_vllm()
+
+
+def prompts_of(batch: Batch) -> tuple[list[int], list[list[int]]]:
+    """The batch's documents, each once: their sample ids and token ids, in order of appearance."""
+    prompts: dict[int, list[int]] = {}
+    for r, s, e, d in doc_spans(batch):
+        prompts.setdefault(d, batch.input_ids[r, s:e].tolist())
+    return list(prompts), list(prompts.values())
+
+
+def lay_out(
+    head: Any, batch: Batch, by_id: dict[int, Entry], teacher_topk: int
+) -> tuple[list[torch.Tensor], Teacher | None]:
+    """An engine's entries (by sample id) in the batch's layout: one (R, T, k·H) tensor in the
+    head's dtype, and with target labels the greedy next tokens as the top-1 teacher."""
+    R, T = batch.input_ids.shape
+    dtype = head.embed_weight.dtype
+    out = torch.zeros((R, T, head.hidden_size * len(head.layer_ids)), dtype=dtype)
+    teacher = (torch.zeros((R, T, 1)), torch.zeros((R, T, 1), dtype=torch.int64)) if teacher_topk else None
+    for r, s, e, d in doc_spans(batch):
+        entry = by_id[d]
+        out[r, s:e] = entry.features.to(dtype)
+        if teacher is not None:
+            teacher[1][r, s:e, 0] = entry.next
+    return [out], teacher
 
 
 class EngineTarget:
@@ -80,6 +109,21 @@ class EngineTarget:
         settings = EngineSettings(tensor_parallel=cfg.target.engine_tensor_parallel)
         self._lock = threading.Lock()  # one call at a time: vLLM's offline engine is not re-entrant
         self._llm = start_engine(folder, meta, self.spool, settings, cfg.data.max_seq_len + 8)
+        self._watch, self._dead = threading.Event(), threading.Event()
+        threading.Thread(target=self._watch_engine, name="dflash-engine-watch", daemon=True).start()
+
+    def _watch_engine(self) -> None:
+        """vLLM 0.32's offline client marks its engine dead when the engine's process exits but
+        leaves a waiting `generate` blocked forever; this hands that wait the error instead."""
+        client = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        if resources is None or outputs is None:
+            return
+        while not self._watch.wait(0.5):
+            if getattr(resources, "engine_dead", False):
+                self._dead.set()
+                outputs.put_nowait(RuntimeError("its engine core process exited"))
+                return
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._head, name)
@@ -92,17 +136,21 @@ class EngineTarget:
     def engine_call(self, batch: Batch) -> tuple[list[int], list[list[int]], list[Any]]:
         """The batch's documents (each once) through the engine: (sample ids, their token ids,
         vLLM's outputs naming the files it wrote). The stage times it as `target.engine_wait`."""
-        prompts: dict[int, list[int]] = {}  # sample id -> its ids, once each
-        for r, s, e, d in doc_spans(batch):
-            prompts.setdefault(d, batch.input_ids[r, s:e].tolist())
-        order = list(prompts)
+        order, prompts = prompts_of(batch)
         with self._lock:
             if not self.spool.is_dir():
-                msg = f"target.engine: the spool folder {self.spool} is gone"
+                msg = f"target.engine_wait: the spool folder {self.spool} is gone"
                 raise DataError(msg)
-            outs = generate_hidden(self._llm, [prompts[d] for d in order])
+            try:
+                outs = generate_hidden(self._llm, prompts)
+            except Exception as err:  # the engine's process died, or it refused the batch
+                why = " ".join(str(err).split())[:300] or type(err).__name__
+                if self._dead.is_set():
+                    why = "its engine core process exited (checkpoints so far are kept: --resume continues)"
+                msg = f"target.engine_wait: the vLLM engine failed: {why}"
+                raise DataError(msg) from None
             self._count()
-        return order, [prompts[d] for d in order], outs
+        return order, prompts, outs
 
     def engine_read(
         self, batch: Batch, pending: tuple[list[int], list[list[int]], list[Any]], teacher_topk: int = 0
@@ -116,21 +164,10 @@ class EngineTarget:
         try:
             entries = read_hidden(outs, prompts, self._order, None)
         except FileNotFoundError as err:
-            msg = f"target.engine: a request's hidden states are gone from the spool ({err.filename})"
+            msg = f"target.engine_read: a request's hidden states are gone from the spool ({err.filename})"
             raise DataError(msg) from None
-        by_id = dict(zip(order, entries, strict=True))
-        spans = doc_spans(batch)
-        R, T = batch.input_ids.shape
-        dtype = self._head.embed_weight.dtype
-        out = torch.zeros((R, T, self._head.hidden_size * len(self._head.layer_ids)), dtype=dtype)
-        teacher = (torch.zeros((R, T, 1)), torch.zeros((R, T, 1), dtype=torch.int64)) if teacher_topk else None
-        for r, s, e, d in spans:
-            entry = by_id[d]
-            out[r, s:e] = entry.features.to(dtype)
-            if teacher is not None:
-                teacher[1][r, s:e, 0] = entry.next
         self.requests += len(order)
-        return [out], teacher
+        return lay_out(self._head, batch, dict(zip(order, entries, strict=True)), teacher_topk)
 
     def _count(self) -> None:
         """Called once the engine has written a call's files: the spool's high-water mark."""
@@ -141,9 +178,9 @@ class EngineTarget:
 
     def close(self) -> None:
         """The engine's process ended now (not at interpreter exit); a temporary spool removed."""
+        self._watch.set()
         llm, self._llm = self._llm, None
         if llm is not None:
             shut_down(llm)
         if self._own_spool:
             shutil.rmtree(self.spool, ignore_errors=True)
-

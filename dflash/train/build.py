@@ -452,6 +452,10 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
         from dflash.engines.live import EngineTarget
 
         targets = [EngineTarget(t, cfg) for t in targets]
+    elif cfg.target.engine == "remote":  # the decoder layers in a `dflash serve-target` elsewhere
+        from dflash.engines.spool import SpoolTarget
+
+        targets = [SpoolTarget(t, cfg) for t in targets]
     for tgt in targets:
         tgt.teacher_topk = loss.teacher_topk
     if loss.distill > 0 and targets[0].logit_transform:
@@ -465,13 +469,13 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
 def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
     """`target.load = "head"`: what would need the target's decoder layers is refused before
     anything loads."""
-    if cfg.target.engine == "vllm":  # the engine serves every batch's features
+    if cfg.target.engine != "local":  # the engine serves every batch's features
         from dflash.engines.live import check_engine_target
 
         check_engine_target(cfg)
     if cfg.target.load != "head":
         return
-    live = cfg.target.engine == "vllm"
+    live = cfg.target.engine != "local"
     needs = [
         (cfg.data.source != "files" and not live, "data.source = 'files' (their feature files hold the features)"),
         (not cfg.data.feature_files and not live, "data.feature_files = true"),
@@ -490,7 +494,7 @@ def _check_all_stored(cfg: Config, samples: list[Sample], stats: dict[str, Any],
     """`target.load = "head"`: every sample's features are in the feature store (else the
     error says why, with the first warning opening it gave: a part that could not serve)."""
     stored = stats.get("feature_files_samples", 0)
-    if cfg.target.load == "head" and cfg.target.engine != "vllm" and stored < len(samples):
+    if cfg.target.load == "head" and cfg.target.engine == "local" and stored < len(samples):
         why = next((w for w in warned if "feature" in w), "")
         msg = (
             f"target.load = 'head': {stored} of {len(samples)} samples have their features in the feature "

@@ -1,0 +1,130 @@
+"""What a device can do: a matmul probe of this machine's devices, and published peaks for
+planning runs on GPUs that are not here. Every figure says which it is (`source`).
+
+The probe times square matmuls per dtype for ~0.3 s (after a warm-up) and keeps the best
+rate; it runs once per device name, dtype and thread count, and is cached in
+`$XDG_CACHE_HOME/dflash/peaks.json` (~/.cache by default; `DFLASH_PEAKS` names another
+file). A probe is the device's achievable matmul rate, not its datasheet: MFU against it
+says how far a stage is from what this device's matmuls do.
+
+The table holds vendors' dense (no sparsity) tensor-core peaks: bf16/fp16 and fp32 (fp32:
+the non-tensor-core rate, what PyTorch's default matmul precision gets), and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["GPUS", "GpuSpec", "Peak", "device_name", "gpu_spec", "probe_peak"]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    bf16_tflops: float  # dense
+    fp32_tflops: float
+    memory_gib: float
+
+    def tflops(self, dtype: str) -> float:
+        return self.fp32_tflops if dtype == "float32" else self.bf16_tflops
+
+
+# Published dense peaks (vendors' datasheets, SXM / OAM parts).
+GPUS = {
+    "a100": GpuSpec("NVIDIA A100 80GB SXM", 312.0, 19.5, 80e9 / 2**30),
+    "h100": GpuSpec("NVIDIA H100 SXM", 989.4, 66.9, 80e9 / 2**30),
+    "h200": GpuSpec("NVIDIA H200 SXM", 989.4, 66.9, 141e9 / 2**30),
+    "b200": GpuSpec("NVIDIA B200", 2250.0, 75.0, 180e9 / 2**30),
+    "mi300x": GpuSpec("AMD Instinct MI300X", 1307.4, 163.4, 192e9 / 2**30),
+}
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """A table entry by its key or a device name containing it (`NVIDIA H100 80GB HBM3`)."""
+    key = name.lower().replace(" ", "").replace("-", "")
+    for k, spec in GPUS.items():
+        if key == k or k in key:
+            return spec
+    msg = f"unknown GPU {name!r}: one of {', '.join(GPUS)}"
+    raise KeyError(msg)
+
+
+@dataclass(frozen=True)
+class Peak:
+    tflops: float
+    source: str  # "probe" (measured here) or "table" (published)
+    device: str  # the device's name
+    dtype: str
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        import platform
+
+        return platform.processor() or platform.machine()
+    return device.type
+
+
+def _cache_path() -> Path:
+    if os.environ.get("DFLASH_PEAKS"):
+        return Path(os.environ["DFLASH_PEAKS"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "dflash" / "peaks.json"
+
+
+def _measure(device: torch.device, dtype: torch.dtype, seconds: float) -> float:  # no-sync: set-up, once
+    n = 2048 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)  # warm-up
+    best, rounds, start = 0.0, 1, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        sync()  # no-sync: set-up, the probe
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            torch.mm(a, b)
+        sync()  # no-sync: set-up, the probe
+        dt = time.perf_counter() - t0
+        best = max(best, 2.0 * n**3 * rounds / dt / 1e12)
+        if dt < seconds / 8:
+            rounds *= 2
+    return best
+
+
+def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> Peak:
+    """This device's matmul rate in `dtype` (TFLOP/s), measured once and cached."""
+    name = device_name(device)
+    dt = str(dtype).removeprefix("torch.")
+    key = f"{name}|{dt}|threads={torch.get_num_threads() if device.type == 'cpu' else 0}|torch={torch.__version__}"
+    path = _cache_path()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        return Peak(**cached[key])
+    peak = Peak(round(_measure(device, dtype, seconds), 4), "probe", name, dt)
+    cached[key] = asdict(peak)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measured again next time
+        pass
+    return peak

@@ -172,7 +172,53 @@ def _analyze(
         # itself (torch releases the GIL there), so the GIL verdict is only made on CUDA.
         "cuda": any("device_mean_ms" in s for p in steady for s in p["stages"].values()),
         "what_if": _what_if(records, stages, groups),
+        "roofline": _roofline(steady, table, bottleneck),
     }
+
+
+def _roofline(steady: list[dict[str, Any]], table: dict[str, dict[str, Any]], bottleneck: str | None) -> Any:
+    """FLOPs against the devices' peaks over the steady windows (their `roofline` records):
+    each counted stage's TFLOP/s and MFU (into `table`), the stage furthest below its peak,
+    and `tokens/s if every device ran at the MFU m` of the bottleneck's busiest counted stage."""
+    gflop: dict[str, float] = defaultdict(float)
+    busy: dict[str, float] = defaultdict(float)
+    device: dict[str, str] = {}
+    peaks: dict[str, dict[str, Any]] = {}
+    for p in steady:
+        if "roofline" not in p:
+            continue
+        peaks.update(p["roofline"]["peaks"])
+        for name, s in p["stages"].items():
+            if s.get("tflops"):
+                gflop[name] += s["gflop"]
+                busy[name] += s["gflop"] / 1000 / s["tflops"]
+                device[name] = s.get("device", "")
+    if not gflop:
+        return None
+    mfu: dict[str, float] = {}
+    for name, g in gflop.items():
+        tflops = g / 1000 / busy[name]
+        row = table.setdefault(name, {})
+        row["tflops"] = round(tflops, 4)
+        peak = peaks.get(device[name], {}).get("tflops")
+        if peak and name not in Stage.ELEMENTWISE:
+            mfu[name] = tflops / peak
+            row["mfu"] = round(mfu[name], 4)
+    out: dict[str, Any] = {"peaks": peaks}
+    if not mfu:
+        return out
+    out["furthest_below"] = min(mfu, key=mfu.__getitem__)
+    mine = [n for n in mfu if _group(n) == bottleneck] or list(mfu)
+    ref = max(mine, key=busy.__getitem__)
+    tokens = sum(p["tokens_per_s"]["drafter"] * p["wall_s"] for p in steady)
+    per_device: dict[str, float] = defaultdict(float)
+    for name, g in gflop.items():
+        per_device[device[name]] += g * 1e9
+    bounds = [mfu[ref] * peaks[d]["tflops"] * 1e12 / (f / tokens) for d, f in per_device.items() if d in peaks and f]
+    out |= {"mfu_of": ref, "at_mfu": round(mfu[ref], 4)}
+    if tokens > 0 and bounds:
+        out["bound_tokens_per_s"] = round(min(bounds), 1)
+    return out
 
 
 def _role(worker: str) -> str:
@@ -393,11 +439,19 @@ def format_report(a: dict[str, Any]) -> str:
         "",
         f"{'stage':32} {'count':>7} {'mean ms':>10} {'p95 ms':>10} {'max ms':>10} {'share':>7}",
     ]
+    roof = a.get("roofline")
+    if roof:
+        lines[-1] += f" {'TFLOP/s':>9} {'MFU':>6}"
     for name, s in a["stages"].items():
-        lines.append(
+        if "count" not in s:
+            continue
+        row = (
             f"{name:32} {s['count']:>7} {s['mean_ms']:>10.2f} {s['p95_ms']:>10.2f} {s['max_ms']:>10.2f} "
             f"{100 * s['share']:>6.1f}%"
         )
+        if "tflops" in s:
+            row += f" {s['tflops']:>9.3f} " + (f"{100 * s['mfu']:>5.1f}%" if "mfu" in s else f"{'-':>6}")
+        lines.append(row)
     lines.append("")
     busy = ", ".join(f"{g} {100 * v:.0f}%" for g, v in a["busy"].items())
     lines.append(f"busy by role (summed over its workers): {busy}")
@@ -420,6 +474,20 @@ def format_report(a: dict[str, Any]) -> str:
         lines.append(
             f"throughput: {a['tokens_per_s']:.0f} tok/s measured; {a['bound_tokens_per_s']:.0f} tok/s if the "
             f"{b} worker never idled"
+        )
+    if roof and roof.get("furthest_below"):
+        peaks = "; ".join(f"{d} {p['tflops']:g} TFLOP/s ({p['source']}, {p['dtype']}, {p['name']})"
+                          for d, p in roof["peaks"].items())  # fmt: skip
+        worst = roof["furthest_below"]
+        lines.append(f"peaks: {peaks}")
+        lines.append(
+            f"MFU: furthest below its device's peak: {worst} ({100 * a['stages'][worst]['mfu']:.1f}%)"
+            + (
+                f"; {roof['bound_tokens_per_s']:.0f} tok/s if every device ran at {roof['mfu_of']}'s MFU "
+                f"({100 * roof['at_mfu']:.1f}%)"
+                if "bound_tokens_per_s" in roof
+                else ""
+            )  # fmt: skip
         )
     w = a.get("what_if")
     if w:

@@ -160,20 +160,24 @@ class TargetConfig(_Section):
         "(`dflash eval --engine vllm`)",
     )
     engine: Literal["local", "vllm", "remote"] = Field(
-        "local", description="local: the target runs here (or its features come from the feature store); vllm "
+        "local",
+        description="local: the target runs here (or its features come from the feature store); vllm "
         "(with load = 'head', in a Python with vLLM: make engines): each batch's features come live from a vLLM "
         "engine started by the run (extract_hidden_states), nothing stored; remote (with load = 'head' and "
-        "engine_spool): from `dflash serve-target` on other hosts, through engine_spool"
+        "engine_spool): from `dflash serve-target` on other hosts, through engine_spool",
     )
     engine_tensor_parallel: int = Field(1, ge=1, description="engine = 'vllm': vLLM's tensor_parallel_size")
     engine_spool: str = Field(
-        "", description="engine = 'vllm': the folder vLLM's connector writes each request's hidden states to and "
+        "",
+        description="engine = 'vllm': the folder vLLM's connector writes each request's hidden states to and "
         "the target stage reads and deletes (at most one batch); '' = a temporary folder. engine = 'remote': "
-        "the folder, on storage shared with the engine's hosts, that `dflash serve-target` answers in"
+        "the folder, on storage shared with the engine's hosts, that `dflash serve-target` answers in",
     )
     engine_timeout_s: float = Field(
-        120.0, gt=0, description="engine = 'remote': how long the run waits for a server that does not beat "
-        "(not started, killed, its host gone) before it stops in one line"
+        120.0,
+        gt=0,
+        description="engine = 'remote': how long the run waits for a server that does not beat "
+        "(not started, killed, its host gone) before it stops in one line",
     )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="kind = 'tiny': the random Qwen3's shape")
 
@@ -227,8 +231,11 @@ class DSparkConfig(_Section):
     confidence_with_markov: bool = Field(True, description="the confidence head also reads W1[prev]")
     confidence_loss: float = Field(1.0, ge=0, le=100, description="weight of the confidence head's BCE")
     confidence_threshold: float = Field(
-        0.0, ge=0, lt=1, description="eval: verify only the drafts whose product of confidences stays at or above "
-        "this (at least one); 0 = all"
+        0.0,
+        ge=0,
+        lt=1,
+        description="eval: verify only the drafts whose product of confidences stays at or above "
+        "this (at least one); 0 = all",
     )
 
 
@@ -320,7 +327,8 @@ class TrainConfig(_Section):
     )  # fmt: skip
     epochs: int = Field(1, ge=1, le=10_000, description="passes over the data")
     grad_accum: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
-        "auto", description="micro-batches per replica per step; \"auto\": 1 on a fresh run, and on resume what "
+        "auto",
+        description='micro-batches per replica per step; "auto": 1 on a fresh run, and on resume what '
         "keeps the checkpoint's global batch (processes × replicas × grad_accum) on this number of processes",
     )
     log_every: int = Field(10, ge=1, description="train_step records are synced this often")
@@ -441,8 +449,7 @@ class LossConfig(_Section):
     def _vocab(self) -> LossConfig:
         if self.vocab == "data" and self.distill > 0:
             msg = (
-                "loss.vocab = 'data' with loss.distill > 0 (the top-k may lie outside the data's tokens): "
-                "set one back"
+                "loss.vocab = 'data' with loss.distill > 0 (the top-k may lie outside the data's tokens): set one back"
             )
             raise ValueError(msg)
         return self
@@ -486,14 +493,18 @@ class PipelineConfig(_Section):
     hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")
     hs_min_ready: int = Field(1, ge=1, description="drafters take only when this many are ready")
     in_order: bool = Field(
-        False, description="drafters take hidden states in prefetch's order: several target chains train "
+        False,
+        description="drafters take hidden states in prefetch's order: several target chains train "
         "exactly as one (bit for bit), but the drafters wait for the slowest chain; false: as they arrive "
         "(checkpoints record which batches are done; a resume serves each other batch once). Several "
-        "processes (torchrun): always in order"
+        "processes (torchrun): always in order",
     )
     read_ahead: int = Field(
-        2, ge=1, le=64, description="batches the feature read stage (feature cache, feature store) reads ahead of "
-        "the target, per chain"
+        2,
+        ge=1,
+        le=64,
+        description="batches the feature read stage (feature cache, feature store) reads ahead of "
+        "the target, per chain",
     )
     prepare_ahead: bool | None = Field(
         None,
@@ -539,6 +550,11 @@ class ProfileConfig(_Section):
     enabled: bool = Field(True, description="time the stages (off: no profile records; for overhead checks)")
     trace: str = Field("", description="write a Chrome-trace / Perfetto timeline to this path")
     trace_max_events: int = Field(200_000, ge=1, description="bound on the timeline's size")
+    mfu: bool = Field(
+        True,
+        description="TFLOP/s and MFU per stage in every profile record, against a matmul probe of each device "
+        "(~0.3 s once per device and dtype, cached in ~/.cache/dflash/peaks.json)",
+    )
 
 
 class RegenConfig(_Section):
@@ -657,14 +673,17 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
     every_minutes: float = Field(
-        0.0, ge=0, description="also checkpoint after a step once this many minutes passed since the last "
+        0.0,
+        ge=0,
+        description="also checkpoint after a step once this many minutes passed since the last "
         "checkpoint (or the start of training), bounding the work a failure loses; 0 = never",
     )
     at_end: bool = Field(True, description="checkpoint when the run ends (also after Ctrl-C / SIGTERM)")
     keep_last: int = Field(2, ge=1, le=10_000, description="complete checkpoints kept in <run>/checkpoints")
     export_final: bool = Field(True, description="write the trained drafter to <run>/final")
     export_gguf: Literal["", "f32", "f16", "bf16", "q8_0"] = Field(
-        "", description="also write <run>/final.gguf for llama.cpp, its weights in this type ('' = no); its "
+        "",
+        description="also write <run>/final.gguf for llama.cpp, its weights in this type ('' = no); its "
         "vocabulary is the target's (an hf target's converted once by llama.cpp's converter: make llamacpp)",
     )
 

@@ -55,6 +55,7 @@ __all__ = [
     "length_buckets",
 ]
 
+
 class BatchLimits(TypedDict, total=False):
     """`BatchPlan`'s keywords that limit a batch beyond `batch_size`; each is off when left out."""
 

@@ -166,7 +166,6 @@ def load_prompts(cfg: Config) -> Prompts:
     return Prompts(train, held, list(zip(sources, counts, strict=True)))
 
 
-
 def prompt_key(messages: Messages) -> str:
     """A prompt's key in regen's sets of prompts answered or held out: 32 hex digits of
     BLAKE2b over its canonical JSON (not the JSON itself: the sets stay small)."""

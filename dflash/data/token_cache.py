@@ -96,8 +96,12 @@ def cache_key(file: DataFile, cfg: DataConfig, tokenizer_fp: str) -> str:
             "tokenizer": tokenizer_fp,
             **({"max_records": file.max_records} if file.max_records else {}),
             # Weights are applied after the cache, so they are not part of the key.
-            "data": {"max_seq_len": cfg.max_seq_len, "overlong": cfg.overlong, "skip_invalid": cfg.skip_invalid,
-                     **({"chat_template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {})},
+            "data": {
+                "max_seq_len": cfg.max_seq_len,
+                "overlong": cfg.overlong,
+                "skip_invalid": cfg.skip_invalid,
+                **({"chat_template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}),
+            },
         }
     )
 

@@ -44,9 +44,7 @@ class MarkovTerms:
         return z, self.weight * F.binary_cross_entropy_with_logits(c, accept, reduction="none"), None
 
 
-def overlap(
-    z: torch.Tensor, labels: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor] | None
-) -> torch.Tensor:
+def overlap(z: torch.Tensor, labels: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Σ_v min(q_v, p_v) per row, q = softmax(z): p the target's top-k (renormalised) when
     given, else the label's one-hot (then q(label))."""
     q = torch.softmax(z.float(), dim=-1)

@@ -34,6 +34,7 @@ from dflash.logs import ProgressLine, RunLog
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
 from dflash.pipeline import topology
+from dflash.roofline.peaks import peaks_of
 from dflash.runtime import distributed, faults
 from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
 from dflash.runtime.distributed import World
@@ -175,6 +176,8 @@ class Coordinator:
         self._emit_setup(training, t_start)
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
+        if cfg.profile.enabled and cfg.profile.mfu:  # each device's matmul peak: measured once, cached
+            profiler.peaks = await asyncio.to_thread(peaks_of, training.targets, training.replicas)
         checkpointer = Checkpointer(
             cfg, training.replicas[0], training.plan, self.emit, training.start_step, self.world, training.batch
         )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecoderShape", "DrafterFlops", "drafter_step", "of_prepared", "optimizer", "target_forward"]
+__all__ = ["DecoderShape", "DrafterFlops", "drafter_step", "of_prepared", "of_target", "optimizer", "target_forward"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,15 @@ def drafter_step(
 def optimizer(params: float) -> float:
     """AdamW's elementwise work a step (~12 FLOPs a parameter)."""
     return 12.0 * params
+
+
+def of_target(target: Any, batch: Any, teacher_topk: int = 0) -> float:
+    """`target_forward` for a collated batch through a `Target` (its decoder layers here)."""
+    shape = getattr(target, "_decoder_shape", None)
+    if shape is None:
+        shape = target._decoder_shape = DecoderShape.of_hf(target.model.config)
+    rows, length = batch.input_ids.shape
+    return target_forward(shape, int(rows), int(length), max(target.layer_ids) + 1, teacher=teacher_topk > 0)
 
 
 def of_prepared(rep: Any, batch: Any, chunk: int) -> DrafterFlops:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPUS", "GpuSpec", "Peak", "device_name", "gpu_spec", "probe_peak"]
+__all__ = ["GPUS", "GpuSpec", "Peak", "device_name", "gpu_spec", "peaks_of", "probe_peak"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,19 @@ def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -
     except OSError:  # a read-only home: measured again next time
         pass
     return peak
+
+
+def peaks_of(targets: list, replicas: list) -> dict[str, Peak]:  # type: ignore[type-arg]
+    """The probe's peak of every device a run computes on, in the dtype its matmuls run in:
+    the target's; a replica's bf16 on a GPU (autocast) and on a CPU fed bf16 features, else
+    float32. One entry a device (the first model there sets the dtype)."""
+    out: dict[str, Peak] = {}
+    for t in targets:
+        if hasattr(t, "model"):  # the decoder layers run here (not a head-only target)
+            dev = t.embed_weight.device
+            out.setdefault(str(dev), probe_peak(dev, t.embed_weight.dtype))
+    for r in replicas:
+        feat = targets[0].embed_weight.dtype if targets else torch.float32
+        low = r.device.type == "cuda" or feat == torch.bfloat16
+        out.setdefault(str(r.device), probe_peak(r.device, torch.bfloat16 if low else torch.float32))
+    return out

@@ -343,6 +343,12 @@ class Device:
         if n:
             self.held[stage or "untimed"] += n
 
+    def flops(self, stage: str, flops: float, where: torch.device | None = None) -> None:
+        """Counted work of a `stage` span on this device (or `where`), for the profile's
+        TFLOP/s and MFU (`roofline.flops`: from shapes, no sync)."""
+        if self.profiler is not None:
+            self.profiler.add_flops(stage, flops, str(where or self.device))
+
     @contextlib.contextmanager
     def span(self, stage: str | None) -> Iterator[None]:
         """Time a piece of work under `stage` (in the worker thread; None: untimed).

@@ -57,6 +57,8 @@ class Stage:
 
     # Waits are idle time, not work: the report keeps them apart from busy stages.
     WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})
+    # Counted work that is not matmuls (AdamW): its TFLOP/s shown, no MFU against a matmul peak.
+    ELEMENTWISE = frozenset({OPTIMIZER_STEP})
     # Names of streams only: their work is timed as other stages' spans.
     STREAMS_ONLY = frozenset({DRAFTER_PREPARE})
 
@@ -110,6 +112,52 @@ def _queue_stats(ch: Channel[Any]) -> dict[str, float]:
         "put_wait_s": round(s.put_wait_s, 6),
         "get_wait_s": round(s.get_wait_s, 6),
     }
+
+
+def roofline(
+    stages: dict[str, dict[str, Any]], done: dict[tuple[str, str], float], peaks: dict[str, Any], tokens: float
+) -> dict[str, Any]:
+    """A window's FLOPs against the devices' peaks. Each stage that did counted work gets
+    `tflops` (its FLOPs over its busy seconds: device time where CUDA events gave it) and
+    `mfu` (that over its device's peak) in `stages`; the record's `roofline` names the stage
+    furthest below its device's peak and the bound `tokens/s if every device ran at the MFU m
+    of the busiest counted stage`: min over devices of m·peak / (its FLOPs per trained token)."""
+    per_stage: dict[str, float] = defaultdict(float)
+    per_device: dict[str, float] = defaultdict(float)
+    stage_device: dict[str, str] = {}
+    for (stage, dev), n in done.items():
+        per_stage[stage] += n
+        per_device[dev] += n
+        stage_device.setdefault(stage, dev)
+    mfus: dict[str, float] = {}
+    busiest, busy_max = None, -1.0
+    for stage, n in per_stage.items():
+        entry = stages.get(stage)
+        if entry is None:
+            continue
+        busy = entry.get("device_mean_ms", entry["mean_ms"]) * entry["count"] / 1000
+        entry["gflop"] = round(n / 1e9, 3)
+        entry["device"] = stage_device[stage]
+        if busy <= 0:
+            continue
+        entry["tflops"] = round(n / busy / 1e12, 4)
+        peak = peaks.get(stage_device[stage])
+        if peak is not None and peak.tflops > 0 and stage not in Stage.ELEMENTWISE:
+            mfus[stage] = entry["tflops"] / peak.tflops
+            entry["mfu"] = round(mfus[stage], 4)
+        if busy > busy_max and stage in mfus:
+            busiest, busy_max = stage, busy
+    shown = {d: {"tflops": p.tflops, "source": p.source, "dtype": p.dtype, "name": p.device} for d, p in peaks.items()}
+    out: dict[str, Any] = {"peaks": dict(sorted(shown.items())), "gflop": round(sum(per_stage.values()) / 1e9, 3)}
+    if mfus:
+        out["furthest_below"] = min(mfus, key=mfus.__getitem__)
+    m = mfus.get(busiest) if busiest is not None else None
+    if m and tokens > 0:
+        bounds = [m * peaks[d].tflops * 1e12 / (n / tokens) for d, n in per_device.items() if d in peaks and n > 0]
+        if bounds:
+            out["at_mfu"] = round(m, 4)
+            out["bound_tokens_per_s"] = round(min(bounds), 1)
+    return out
 
 
 class Trace:
@@ -175,12 +223,14 @@ class Profiler:
         self._start_window(self._clock())
         self._pending_events: list[tuple[str, Any, Any]] = []
         self._cuda_devices: set[int] = set()
+        self.peaks: dict[str, Any] = {}  # device ("cpu", "cuda:0") -> its `roofline.peaks.Peak`
 
     def _start_window(self, now: float) -> None:
         self._win_start = now
         self._host: dict[str, list[float]] = defaultdict(list)
         self._device: dict[str, list[float]] = defaultdict(list)
         self._counters: dict[str, float] = defaultdict(float)
+        self._flops: dict[tuple[str, str], float] = defaultdict(float)  # (stage, device) -> FLOPs done
         self._workers: dict[str, float] = defaultdict(float)  # busy host seconds per worker
 
     def add_channel(self, ch: Channel[Any]) -> None:
@@ -208,6 +258,14 @@ class Profiler:
         with self._lock:
             self._counters[name] += n
 
+    def add_flops(self, stage: str, flops: float, device: str) -> None:
+        """FLOPs of work a span of `stage` did on `device` (counted from shapes on the host:
+        `roofline.flops`; never a device sync)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._flops[(stage, device)] += flops
+
     def mark_warm(self) -> None:
         """Called once the pipeline has completed its first steps; earlier windows are warm-up."""
         if self._ready_at is None:
@@ -228,6 +286,7 @@ class Profiler:
         with self._lock:
             self._resolve_events()
             host, device, counters, workers = self._host, self._device, self._counters, self._workers
+            done = self._flops
             wall = now - self._win_start
             warmup = self._ready_at is None or self._ready_at > self._win_start
             window = self._window
@@ -250,6 +309,8 @@ class Profiler:
             "workers": {w: round(v / wall, 4) if wall > 0 else 0.0 for w, v in sorted(workers.items())},
             "memory": {"host_rss_mb": round(_rss_mb(), 1)},
         }
+        if done:
+            rec["roofline"] = roofline(rec["stages"], done, self.peaks, counters["drafter_tokens"])
         if self._cuda_devices:
             import torch
 

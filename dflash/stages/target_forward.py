@@ -13,6 +13,7 @@ import torch
 
 from dflash.features.cache import FeatureCache
 from dflash.model.target import Target
+from dflash.roofline import flops
 from dflash.runtime import faults
 from dflash.runtime.channel import Channel
 from dflash.runtime.devices import Device
@@ -59,6 +60,8 @@ async def features(
         (layers, teacher), ready = await device.run(Stage.TARGET_ENGINE_READ, read, batch, pending, target.teacher_topk)
     else:
         (layers, teacher), ready = await device.run(Stage.TARGET_FORWARD, forward, target, batch, target.teacher_topk)
+        if hasattr(target, "model"):  # the decoder layers ran here
+            device.flops(Stage.TARGET_FORWARD, flops.of_target(target, batch, target.teacher_topk))
     profiler.count("target_tokens", batch.num_tokens)
     return TargetFeatures(batch, layers, ready, teacher)
 

@@ -68,7 +68,13 @@ class Snapshot:
 
 
 def snapshot(
-    step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: Any, cfg: Config, world: Any = None,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    cursor: Any,
+    cfg: Config,
+    world: Any = None,
     batch: GlobalBatch | None = None,
 ) -> Snapshot:
     """Copies to the host (fast for a drafter); the slow write happens elsewhere. `world`:
@@ -254,7 +260,7 @@ def resume_grad_accum(loaded: Loaded, cfg: Config, processes: int, new_global_ba
     if want not in ("auto", need):
         msg = (
             f"train.grad_accum = {want} gives {GlobalBatch(processes, replicas, want)}, but the steps of "
-            f"{loaded.path} took {saved.per_step}: set train.grad_accum = {need} (or \"auto\"), "
+            f'{loaded.path} took {saved.per_step}: set train.grad_accum = {need} (or "auto"), '
             "or pass --new-global-batch to train with another global batch"
         )
         raise CheckpointError(msg)
@@ -274,7 +280,13 @@ class Checkpointer:
     """
 
     def __init__(
-        self, cfg: Config, replica: Any, plan: Any, emit: Any, start_step: int = 0, world: Any = None,
+        self,
+        cfg: Config,
+        replica: Any,
+        plan: Any,
+        emit: Any,
+        start_step: int = 0,
+        world: Any = None,
         batch: GlobalBatch | None = None,
     ) -> None:
         import time

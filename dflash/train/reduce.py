@@ -128,6 +128,7 @@ def _reduced(replicas: list[DrafterReplica], contributing: set[int], dev0: torch
     """Σ of the contributing replicas' gradients on the first replica's device, in a fixed
     order (the same sum on every run). One replica: its own `.grad` tensors, no copy.
     Replicas on distinct GPUs: torch's multi-GPU reduce (NCCL where available), bucketed."""
+
     def grads_of(r: DrafterReplica) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in r.params]
 

@@ -4,6 +4,7 @@ optimizer and schedule. Replicas start identical and receive identical updates.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,11 @@ class DrafterReplica:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())
+
+    @functools.cached_property
+    def num_params(self) -> int:
+        """Parameters the optimizer updates (the frozen head is not the model's)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
 def build_replicas(

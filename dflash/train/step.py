@@ -23,6 +23,7 @@ from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.families import family_terms
 from dflash.model.loss import BlockTargets, LossParts, LossSpec, block_loss, block_targets, reveal_slots
 from dflash.model.masks import BlockLayout, layer_masks
+from dflash.roofline import flops
 from dflash.runtime import faults
 from dflash.runtime.devices import Device, on_device, upload
 from dflash.runtime.distributed import World
@@ -236,6 +237,10 @@ def compute(rep: DrafterReplica, device: Device, batch: PreparedBatch, spec: Los
     with device.span(Stage.DRAFTER_BACKWARD):
         # Σ w·CE, unnormalised: the optimizer divides by Σ w over the whole step.
         parts.loss_sum.backward()
+    if device.profiler is not None:
+        work = flops.of_prepared(rep, batch, spec.chunk)
+        device.flops(Stage.DRAFTER_FORWARD, work.forward, rep.device)
+        device.flops(Stage.DRAFTER_BACKWARD, work.backward, rep.device)
     parts.loss_sum = parts.loss_sum.detach()
     return parts
 
@@ -309,6 +314,8 @@ def apply_step(
         with device.span(Stage.OPTIMIZER_STEP):
             progress.updating = True  # from here until StepBook.end, weights and AdamW state may disagree
             updated = update_everywhere(device, replicas, sums.grads, _update)
+        for r in replicas:
+            device.flops(Stage.OPTIMIZER_STEP, flops.optimizer(r.num_params), r.device)
     else:  # neither the weights nor the optimizer state are touched
         for r in replicas:
             r.optimizer.zero_grad(set_to_none=True)
@@ -331,9 +338,7 @@ def apply_step(
     )
 
 
-def _finite_then_clip(
-    sums: StepSums, grad_clip: float, dev0: torch.device
-) -> tuple[torch.Tensor, bool, float]:
+def _finite_then_clip(sums: StepSums, grad_clip: float, dev0: torch.device) -> tuple[torch.Tensor, bool, float]:
     """The global grad norm, whether the step is finite, and its Σ w on the host; the
     gradients clipped to `grad_clip` (0: not clipped) when finite."""
     norm = torch.nn.utils.get_total_norm(sums.grads, foreach=dev0.type == "cuda")

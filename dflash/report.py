@@ -480,15 +480,13 @@ def format_report(a: dict[str, Any]) -> str:
                           for d, p in roof["peaks"].items())  # fmt: skip
         worst = roof["furthest_below"]
         lines.append(f"peaks: {peaks}")
-        lines.append(
-            f"MFU: furthest below its device's peak: {worst} ({100 * a['stages'][worst]['mfu']:.1f}%)"
-            + (
+        line = f"MFU: furthest below its device's peak: {worst} ({100 * a['stages'][worst]['mfu']:.1f}%)"
+        if "bound_tokens_per_s" in roof:
+            line += (
                 f"; {roof['bound_tokens_per_s']:.0f} tok/s if every device ran at {roof['mfu_of']}'s MFU "
                 f"({100 * roof['at_mfu']:.1f}%)"
-                if "bound_tokens_per_s" in roof
-                else ""
-            )  # fmt: skip
-        )
+            )
+        lines.append(line)
     w = a.get("what_if")
     if w:
         now, best = w["batches_per_s"].get(w["now"]), w["best"]

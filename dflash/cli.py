@@ -459,6 +459,48 @@ def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_p
     )
 
 
+@main.command("plan")
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="devices per node, split into target chains and drafter replicas  [default: the config's]",
+)
+@click.option("--gpu", default="h100", show_default=True,
+              help="a100, h100, h200, b200, mi300x (published dense peaks), or cpu (this machine's probe)")  # fmt: skip
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="nodes, each with --gpus")
+@click.option("--mfu", type=click.FloatRange(min=1e-4, max=1.0), default=None,
+              help="the MFU every stage runs at  [default: 0.35 on a GPU, 0.1 on a CPU]")  # fmt: skip
+@click.option("--calibrate", "calibrate", type=click.Path(path_type=Path), default=None,
+              help="a run's JSON log (or run folder): each stage's measured MFU and the run's mean batch")  # fmt: skip
+@click.option("--fill", type=click.FloatRange(min=0.01, max=1.0), default=None,
+              help="real tokens over the token budget  [default: modelled from data.num_buckets]")  # fmt: skip
+@click.option("--row-length", type=click.IntRange(min=1), default=None,
+              help="a batch's padded row length  [default: data.max_seq_len]")  # fmt: skip
+@click.option("--target-s", type=click.FloatRange(min=1e-6), default=None,
+              help="a measured target forward (seconds a batch): every stage's MFU fitted to it")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")
+def plan_cmd(config: Path, overrides: tuple[str, ...], gpus: int | None, gpu: str, nodes: int, mfu: float | None,
+             calibrate: Path | None, fill: float | None, row_length: int | None, target_s: float | None,
+             as_json: bool) -> None:  # fmt: skip
+    """Plan a run before renting its devices: memory per device, whether it fits, the best
+    split into target chains and drafter replicas, tokens/s and the bottleneck — from the
+    configs alone (no weights read)."""
+    from dflash.config import load_config
+    from dflash.roofline.plan import Calibration, format_plan, plan
+
+    cfg = load_config(config, list(overrides))
+    cal = None
+    if calibrate is not None:
+        from dflash.report import read_logs
+
+        cal = Calibration.from_records(read_logs([str(calibrate)]))
+    out = plan(cfg, gpus, gpu.lower(), nodes, mfu, fill, row_length, cal, target_s)
+    click.echo(json.dumps(out) if as_json else format_plan(out))
+
+
 @main.command("serve-target")
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)

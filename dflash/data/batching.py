@@ -350,6 +350,22 @@ class BatchPlan:
         return self.iter_from(self.start)
 
     # -- cost ---------------------------------------------------------------------------
+    def batch_shape(self, epoch: int = 0) -> dict[str, float]:
+        """One epoch's mean batch: rows, padded row length (slots / rows) and real tokens —
+        what `dflash plan --calibrate` models a batch as."""
+        batches = rows = slots = tokens = 0
+        layout = self._layout(epoch)
+        for b in range(len(layout)):
+            fills = [sum(self.lengths[i] for i in row) for row in layout.rows(b)]
+            batches += 1
+            rows += len(fills)
+            slots += len(fills) * max(fills)
+            tokens += sum(fills)
+        if not batches:
+            return {"rows": 0.0, "row_length": 0.0, "real_tokens": 0.0}
+        return {"rows": round(rows / batches, 3), "row_length": round(slots / rows, 2),
+                "real_tokens": round(tokens / batches, 1)}  # fmt: skip
+
     def padding_fraction(self, epoch: int | None = None) -> float:
         """Share of padded slots, Σ(R·T − tokens) / Σ R·T, over one epoch or (None) the run."""
         slots = tokens = 0

@@ -240,6 +240,7 @@ class Coordinator:
             data=training.data_stats,
             batches_per_epoch=training.plan.batches_per_epoch,
             padding_fraction=round(training.padding_fraction, 4),
+            batch_shape=training.batch_shape,
             total_steps=training.total_steps,
             target=training.targets[0].name,
             target_dtype=training.targets[0].dtype_name,

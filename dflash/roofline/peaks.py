@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPUS", "GpuSpec", "Peak", "device_name", "gpu_spec", "peaks_of", "probe_peak"]
+__all__ = ["GPUS", "GpuSpec", "Peak", "device_name", "gpu_spec", "peaks_of", "probe_bandwidth", "probe_peak"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,38 @@ def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -
         return Peak(**cached[key])
     peak = Peak(round(_measure(device, dtype, seconds), 4), "probe", name, dt)
     cached[key] = asdict(peak)
+    _save(path, cached)
+    return peak
+
+
+def probe_bandwidth(device: torch.device, seconds: float = 0.2) -> float:  # no-sync: set-up, once
+    """This device's memory bandwidth (GB/s) for an elementwise pass (a + b -> c, 64 MiB
+    each), measured once and cached beside the peaks."""
+    name = f"{device_name(device)}|bandwidth|threads={torch.get_num_threads() if device.type == 'cpu' else 0}"
+    path = _cache_path()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if name in cached:
+        return float(cached[name])
+    n = 16 * 2**20
+    a, b, c = (torch.randn(n, device=device) for _ in range(3))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.add(a, b, out=c)
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        sync()  # no-sync: set-up, the probe
+        t0 = time.perf_counter()
+        torch.add(a, b, out=c)
+        sync()  # no-sync: set-up, the probe
+        best = max(best, 3 * 4 * n / (time.perf_counter() - t0) / 1e9)
+    cached[name] = round(best, 2)
+    _save(path, cached)
+    return best
+
+
+def _save(path: Path, cached: dict) -> None:  # type: ignore[type-arg]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -127,7 +159,6 @@ def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -
         os.replace(tmp, path)
     except OSError:  # a read-only home: measured again next time
         pass
-    return peak
 
 
 def peaks_of(targets: list, replicas: list) -> dict[str, Peak]:  # type: ignore[type-arg]

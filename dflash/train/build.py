@@ -72,6 +72,7 @@ class Training:
     steps: StepPlan  # micro-batches per step, and what ends training (max_steps, the time budget)
     total_steps: int
     padding_fraction: float  # epoch 0's padded share of the R × T slots
+    batch_shape: dict[str, float] = field(default_factory=dict)  # epoch 0's mean batch (`BatchPlan.batch_shape`)
     start_step: int = 0  # > 0 when resumed
     tokenizer: Any = None
     data_stats: dict[str, Any] = field(default_factory=dict)
@@ -388,6 +389,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
         store=store,
         total_steps=total,
         padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
+        batch_shape=plan.batch_shape(0),
         start_step=loaded.step if loaded else 0,
         tokenizer=tokenizer,
         data_stats=stats,

@@ -1,0 +1,360 @@
+"""`dflash plan CONFIG --gpus N [--gpu h200] [--nodes K] [--mfu M]`: a run's memory per device,
+the best split of N devices into target chains and drafter replicas, its tokens/s and its
+bottleneck — from the config and the models' configs alone (no weights are read).
+
+The model, stage by stage, one batch of `data.token_budget` tokens (rows × row length):
+- time = FLOPs (`roofline.flops`) / (MFU × the device's peak): the table's published dense
+  peak for `--gpu`, or this machine's probe for `--gpu cpu`. The MFU is `--mfu` for every
+  stage, or each stage's own measured in a run's profile records (`--calibrate LOG`);
+- the pipeline runs at its slowest side: min(target chains / target s a batch, replicas /
+  drafter s a batch); on a CPU every stage shares the one device (its time is the sum);
+- the optimizer: AdamW's ~28 bytes a parameter through memory (the table's bandwidth, or
+  the probe's), once a step;
+- padding: a batch's real tokens are `fill` × its budget: the calibration run's measured
+  fill, else (`--fill` unset) uniform lengths within each of `data.num_buckets` equal
+  buckets (packed rows: 0.97);
+- memory per device: weights (bf16 target; fp32 drafter with its gradients and AdamW's two
+  moments), the target's embeddings and LM head on every replica, activations at the token
+  budget, the loss's logits chunk, features in flight; host: the pinned hidden-state queue.
+Host work (anchors, masks, copies' launch) is the calibration run's seconds a batch per side,
+else none. Not modelled: the GIL, copies between devices (their time is printed beside
+the stages), the all-reduce between nodes, kernel launch gaps, data loading.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.config import Config
+from dflash.errors import ConfigError
+from dflash.roofline import flops
+from dflash.roofline.peaks import GPUS, gpu_spec, probe_bandwidth, probe_peak
+
+__all__ = ["Calibration", "plan"]
+
+GIB = 2**30
+# Published HBM bandwidth (TB/s) of the table's GPUs, for the optimizer's elementwise pass.
+BANDWIDTH_TBS = {"a100": 2.04, "h100": 3.35, "h200": 4.8, "b200": 8.0, "mi300x": 5.3}
+PCIE_GBS = 25.0  # a PCIe 4/5 x16 link in practice, for the features' copies
+DEFAULT_MFU = {"gpu": 0.35, "cpu": 0.1}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a measured run says (`from_records`): each counted stage's MFU, the mean batch
+    (rows, padded row length, real tokens: the `setup` record's `batch_shape`) and how many
+    workers shared its device (a CPU's stages slow each other down: the MFU holds that)."""
+
+    mfu: dict[str, float]
+    shape: dict[str, float]
+    workers: int
+    host_s: dict[str, float]  # per side ("target", "drafter"): seconds a batch of its uncounted stages
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> Calibration:
+        from dflash.report import analyze
+
+        a = analyze(records)
+        mfu = {name: s["mfu"] for name, s in a["stages"].items() if "mfu" in s}
+        if not mfu:
+            msg = "--calibrate: the log has no MFU per stage (a run with profile.mfu = true writes it)"
+            raise ConfigError(msg)
+        setup = next((r for r in records if r.get("event") == "setup"), {})
+        start = next((r for r in records if r.get("event") == "run_start"), {})
+        pipe = start.get("config", {}).get("pipeline", {})
+        workers = len(pipe.get("target_devices", [1])) + len(pipe.get("drafter_devices", [1]))
+        from dflash.report import _group
+        from dflash.runtime.profiler import Stage
+
+        batches = max((s["count"] for n, s in a["stages"].items() if n == Stage.DRAFTER_FORWARD), default=0)
+        host_s = {"target": 0.0, "drafter": 0.0}
+        for name, s in a["stages"].items():
+            side = _group(name)
+            if side in host_s and "tflops" not in s and name not in Stage.WAITS and batches:
+                host_s[side] += s["mean_ms"] / 1000 * s["count"] / batches
+        return cls(mfu, setup.get("batch_shape") or {}, workers, host_s)
+
+
+def _target_shape(cfg: Config) -> tuple[flops.DecoderShape, Any, str]:
+    """The target's decoder shape, its transformers config and its name (no weights)."""
+    if cfg.target.kind == "tiny":
+        from dflash.model.target import build_tiny
+
+        model = build_tiny(cfg.target.tiny, torch.device("meta"))
+        return flops.DecoderShape.of_hf(model.config), model.config, "tiny"
+    from dflash.model.loading import model_config, model_folder
+
+    folder = model_folder(cfg.target, cfg.data.cache_dir)
+    hf = model_config(folder)
+    return flops.DecoderShape.of_hf(hf), hf.get_text_config(), folder.name
+
+
+def _drafter_spec(cfg: Config, hf: Any, layers: int) -> Any:
+    from dflash.model.drafter import default_target_layers
+    from dflash.model.target import TargetInfo
+    from dflash.train.build import drafter_spec
+
+    layer_ids = cfg.target.layer_ids or default_target_layers(layers, cfg.drafter.num_layers)
+    info = TargetInfo(hf, list(layer_ids), int(hf.vocab_size), "target")
+    return drafter_spec(cfg, info, cfg.drafter.mask_token_id or 0)
+
+
+def _bucket_fill(buckets: int, pack: bool) -> float:
+    """Real tokens over padded slots with lengths uniform within equal-width buckets (each row
+    padded to its bucket's longest): the mean of (i − ½)/i over the buckets."""
+    if pack:
+        return 0.97
+    return sum((i - 0.5) / i for i in range(1, buckets + 1)) / buckets
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_tflops: float
+    source: str
+    memory_gib: float
+    bandwidth_gbs: float
+    shared: bool  # one CPU: every stage on it
+
+
+def _device(gpu: str, dtype: torch.dtype) -> Device:
+    if gpu == "cpu":
+        import psutil
+
+        peak = probe_peak(torch.device("cpu"), dtype)
+        return Device(peak.device, peak.tflops, "probe", psutil.virtual_memory().total / GIB,
+                      probe_bandwidth(torch.device("cpu")), True)  # fmt: skip
+    try:
+        spec = gpu_spec(gpu)
+    except KeyError as err:
+        raise ConfigError(f"--gpu: {err.args[0]} or cpu") from None
+    key = next(k for k, v in GPUS.items() if v is spec)
+    return Device(spec.name, spec.tflops(str(dtype).removeprefix("torch.")), "table", spec.memory_gib,
+                  BANDWIDTH_TBS[key] * 1000, False)  # fmt: skip
+
+
+def plan(
+    cfg: Config,
+    gpus: int | None = None,
+    gpu: str = "h100",
+    nodes: int = 1,
+    mfu: float | None = None,
+    fill: float | None = None,
+    row_length: int | None = None,
+    calibration: Calibration | None = None,
+    target_s: float | None = None,
+) -> dict[str, Any]:
+    """The plan as one JSON-ready object (`dflash plan --json` prints it). `target_s`: a
+    measured target forward (seconds a batch) that fixes the MFU of every stage."""
+    shape, hf, name = _target_shape(cfg)
+    spec = _drafter_spec(cfg, hf, shape.layers)
+    on_cpu = gpu == "cpu"
+    dtype = torch.float32 if on_cpu and cfg.target.dtype in ("float32", "fastest", "auto") else torch.bfloat16
+    dev = _device(gpu, dtype)
+    if gpus is None:
+        gpus = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
+    if gpus < 2 and not dev.shared:
+        raise ConfigError("--gpus: at least 2 (one target chain and one drafter replica)")
+
+    # One batch: rows of the padded row length (the calibration run's mean, else --row-length,
+    # else data.max_seq_len), as many as the batch size or token budget allow.
+    shape_in = calibration.shape if calibration is not None and calibration.shape.get("rows") else None
+    if shape_in is not None and row_length is None:
+        length = float(shape_in["row_length"])
+        if fill is None:
+            fill, fill_from = shape_in["real_tokens"] / (shape_in["rows"] * length), "calibration run"
+        else:
+            fill_from = "--fill"
+    else:
+        length = float(min(row_length or cfg.data.max_seq_len, cfg.data.max_seq_len))
+        if fill is None:
+            fill, fill_from = (
+                _bucket_fill(cfg.data.num_buckets, cfg.data.pack),
+                f"{cfg.data.num_buckets} length buckets",
+            )
+        else:
+            fill_from = "--fill"
+    rows = float(cfg.data.batch_size if not cfg.data.token_budget else max(1, cfg.data.token_budget // length))
+    real = rows * length * fill
+    anchors = max(1, min(cfg.drafter.max_anchors, int(length * fill) - 1))
+    supervised = int(rows * anchors * spec.drafts)
+    head_rows = spec.vocab_size
+    if cfg.loss.vocab == "data":  # the data's tokens are not known here: at most the vocabulary
+        head_rows = min(spec.vocab_size, cfg.loss.negatives + spec.vocab_size // 8)
+    teacher = cfg.loss.labels == "target" or cfg.loss.distill > 0
+    layer_ids = list(spec.target_layer_ids)
+    f_target = flops.target_forward(shape, rows, length, max(layer_ids) + 1, teacher)
+    visible = None if on_cpu else length * fill / 2 + spec.block_size  # flex: what the mask lets through
+    f_drafter = flops.drafter_step(spec, rows, length, anchors, supervised, head_rows, chunk=cfg.loss.chunk,
+                                   dense=on_cpu, visible=visible)  # fmt: skip
+    d_params = flops.DecoderShape.of_spec(spec).params() + len(layer_ids) * spec.hidden_size**2
+    batches_per_step = cfg.train.fresh_grad_accum
+
+    def m(stage: str) -> float:
+        if calibration is not None and stage in calibration.mfu:
+            return calibration.mfu[stage]
+        return mfu or DEFAULT_MFU["cpu" if on_cpu else "gpu"]
+
+    peak = dev.peak_tflops * 1e12
+    if target_s is not None:
+        mfu = f_target / (target_s * peak)
+        if not 0 < mfu <= 1:
+            raise ConfigError(f"--target-s {target_s:g}: the MFU it implies ({mfu:.3g}) is not between 0 and 1")
+    host = {"target": 0.0, "drafter": 0.0}
+    if calibration is not None:  # host work grows with the rows (anchors, masks, labels)
+        scale = rows / shape_in["rows"] if shape_in is not None else 1.0
+        host = {k: v * scale for k, v in calibration.host_s.items()}
+    if dev.shared:  # the CPU's workers share its cores: a calibration run's MFU already holds its own sharing
+        n_workers = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
+        peak *= (calibration.workers if calibration is not None else 1) / n_workers
+    t_target = f_target / (m("target.model_forward") * peak)
+    t_fwd = f_drafter.forward / (m("drafter.forward") * peak)
+    t_bwd = f_drafter.backward / (m("drafter.backward") * peak)
+    t_opt = 28.0 * d_params / (dev.bandwidth_gbs * 1e9)
+    feature_bytes = real * len(layer_ids) * spec.hidden_size * 2
+    t_copy = 0.0 if on_cpu else feature_bytes / (PCIE_GBS * 1e9)
+
+    # Memory per device, GiB.
+    t_params = shape.params() + shape.vocab * shape.hidden * 2
+    target_mem = {
+        "weights": t_params * 2 / GIB,
+        "activations": rows * length * (2 * shape.hidden + 2 * shape.intermediate) * 2 / GIB
+        + (rows * length**2 / GIB if cfg.data.pack else 0.0)
+        + (cfg.loss.chunk * shape.vocab * 4 / GIB if teacher else 0.0),
+        "features": 2 * rows * length * len(layer_ids) * shape.hidden * 2 / GIB,  # the batch's, and the next's
+    }
+    q_tokens = rows * anchors * spec.block_size
+    kv_width = 2 * spec.num_kv_heads * spec.head_dim
+    per_layer_act = 2 * (
+        q_tokens * (6 * spec.hidden_size + 3 * spec.intermediate_size)
+        + (rows * length + q_tokens) * (kv_width + spec.hidden_size)
+    )
+    dense_attn = 2 * rows * spec.num_heads * q_tokens / rows * (length + q_tokens / rows) if on_cpu else 0.0
+    drafter_mem = {
+        "weights_grads_adamw": 16 * d_params / GIB,
+        "frozen_head": shape.vocab * shape.hidden * 2 * 2 / GIB,
+        "activations": (spec.num_layers * (per_layer_act + dense_attn) + rows * length * spec.hidden_size * 2) / GIB,
+        "loss_chunk": 3 * min(cfg.loss.chunk, supervised) * head_rows * 4 / GIB,
+        "features": 2 * rows * length * len(layer_ids) * shape.hidden * 2 / GIB,
+    }
+    host_pinned = cfg.pipeline.hs_queue_depth * feature_bytes / GIB
+
+    # Splits.
+    splits = []
+    pairs = [(len(cfg.pipeline.target_devices), len(cfg.pipeline.drafter_devices))] if dev.shared else [
+        (n_t, gpus - n_t) for n_t in range(1, gpus)]  # fmt: skip
+    for n_t, n_d in pairs:  # the slowest side sets the pace
+        t_side = (max(t_target, t_copy) + host["target"]) / n_t
+        d_side = (max(t_fwd + t_bwd, t_copy) + host["drafter"] + t_opt / batches_per_step) / n_d
+        splits.append({"target": n_t, "drafter": n_d, "batches_per_s": 1 / max(t_side, d_side),
+                       "bottleneck": "target" if t_side >= d_side else "drafter"})  # fmt: skip
+    for s in splits:
+        s["tokens_per_s"] = round(s["batches_per_s"] * real * nodes, 1)
+        s["batches_per_s"] = round(s["batches_per_s"] * nodes, 4)
+    best = max(splits, key=lambda s: s["tokens_per_s"])
+    now = {"target": len(cfg.pipeline.target_devices), "drafter": len(cfg.pipeline.drafter_devices)}
+    current = next((s for s in splits if s["target"] == now["target"] and s["drafter"] == now["drafter"]), None)
+
+    usable = dev.memory_gib - (0 if dev.shared else 2.0)  # a CUDA context and the allocator's slack
+    fits_target = sum(target_mem.values()) <= usable
+    fits_drafter = sum(drafter_mem.values()) <= usable
+    devices = []
+    if dev.shared:
+        devices.append({"device": "cpu", "role": "target+drafter",
+                        "memory_gib": round(sum(target_mem.values()) + sum(drafter_mem.values()), 3)})  # fmt: skip
+    else:
+        for i in range(best["target"] + best["drafter"]):
+            role, mem = ("target", target_mem) if i < best["target"] else ("drafter", drafter_mem)
+            devices.append({"device": f"gpu{i}", "role": role, "memory_gib": round(sum(mem.values()), 3)})
+    out: dict[str, Any] = {
+        "target": {"name": name, "params_b": round(t_params / 1e9, 6), "layers_run": max(layer_ids) + 1,
+                   "teacher_logits": teacher, "gflop_per_batch": round(f_target / 1e9, 3)},
+        "drafter": {"family": spec.family, "params_b": round(d_params / 1e9, 6),
+                    "gflop_per_batch": {"forward": round(f_drafter.forward / 1e9, 3),
+                                        "backward": round(f_drafter.backward / 1e9, 3)}},
+        "batch": {"rows": rows, "row_length": length, "token_budget": rows * length, "fill": round(fill, 4),
+                  "fill_from": fill_from, "real_tokens": round(real), "anchors_per_row": anchors,
+                  "supervised_slots": supervised, "loss_head_rows": head_rows, "batches_per_step": batches_per_step},
+        "device": {"name": dev.name, "peak_tflops": dev.peak_tflops, "peak_source": dev.source,
+                   "dtype": str(dtype).removeprefix("torch."), "memory_gib": round(dev.memory_gib, 1),
+                   "count": gpus, "nodes": nodes},
+        "mfu": {s: round(m(s), 4) for s in ("target.model_forward", "drafter.forward", "drafter.backward")},
+        "mfu_from": "calibration log" if calibration is not None else (
+            f"fitted to a {target_s:g} s target forward" if target_s else "--mfu" if mfu else "default"),
+        "seconds_per_batch": {"target.model_forward": round(t_target, 6), "drafter.forward": round(t_fwd, 6),
+                              "drafter.backward": round(t_bwd, 6), "drafter.optimizer_step": round(t_opt, 6),
+                              "copy": round(t_copy, 6),
+                              **{f"{k}_host_work": round(v, 6) for k, v in host.items() if v}},
+        "splits": splits,
+        "best": best,
+        "current": current,
+        "tokens_per_s": best["tokens_per_s"],
+        "bottleneck": best["bottleneck"],
+        "step_s": round(batches_per_step / best["batches_per_s"] * nodes, 6) if dev.shared else None,
+        "memory_gib": {"target": {k: round(v, 3) for k, v in target_mem.items()},
+                       "drafter": {k: round(v, 3) for k, v in drafter_mem.items()},
+                       "host_pinned": round(host_pinned, 3)},
+        "devices": devices,
+        "fits": fits_target and fits_drafter,
+        "not_modelled": ["host work without --calibrate", "the GIL", "the all-reduce between nodes",
+                         "kernel launch gaps", "data loading", "copies overlapping compute (shown, not added)"],
+    }  # fmt: skip
+    if not fits_target:
+        need = t_params * 2 / GIB / (0.8 * dev.memory_gib)
+        tp = 2 ** math.ceil(math.log2(max(need, 1.0)))
+        out["advice"] = (
+            f"the target's weights ({t_params * 2 / GIB:.0f} GiB) and activations do not fit one {dev.name} "
+            f"({dev.memory_gib:.0f} GiB): serve it with target.engine = 'vllm' (or 'remote' with "
+            f"`dflash serve-target`) and target.engine_tensor_parallel = {tp}, target.load = 'head'"
+        )
+    elif not fits_drafter:
+        out["advice"] = "a drafter replica does not fit: lower data.token_budget, drafter.max_anchors or loss.chunk"
+    return out
+
+
+def _params(billions: float) -> str:
+    return f"{billions:.3g} B" if billions >= 1 else f"{1000 * billions:.3g} M"
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """The plan for people."""
+    d, b, t, dr = p["device"], p["batch"], p["target"], p["drafter"]
+    src = "measured here by a matmul probe" if d["peak_source"] == "probe" else "published dense peak"
+    lines = [
+        f"device: {d['count']} × {d['name']} per node × {d['nodes']} node(s), {d['peak_tflops']:g} TFLOP/s "
+        f"{d['dtype']} ({src}), {d['memory_gib']:.0f} GiB",
+        f"batch: {b['rows']:g} rows × {b['row_length']:g} tokens, {100 * b['fill']:.0f}% real ({b['fill_from']}), "
+        f"{b['anchors_per_row']} anchors a row, {b['supervised_slots']} supervised slots × {b['loss_head_rows']} "
+        "LM-head rows",
+        f"target {t['name']} ({_params(t['params_b'])} params, {t['layers_run']} layers run"
+        + (", LM head for the teacher" if t["teacher_logits"] else "")
+        + f"): {t['gflop_per_batch']:,.1f} GFLOP a batch",
+        f"drafter {dr['family']} ({_params(dr['params_b'])} params): forward {dr['gflop_per_batch']['forward']:,.1f} + "
+        f"backward {dr['gflop_per_batch']['backward']:,.1f} GFLOP a batch",
+        "MFU (" + p["mfu_from"] + "): " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in p["mfu"].items()),
+        "seconds a batch: " + ", ".join(f"{k} {v:.4g}" for k, v in p["seconds_per_batch"].items()),
+        "",
+        f"{'split':>8} {'batches/s':>10} {'tokens/s':>12}  bottleneck",
+    ]  # fmt: skip
+    for s in p["splits"]:
+        mark = "  <- best" if s is p["best"] or s == p["best"] else ""
+        lines.append(f"{s['target']:>3} + {s['drafter']:<3} {s['batches_per_s']:>10.4g} {s['tokens_per_s']:>12,.0f}  "
+                     f"{s['bottleneck']}{mark}")  # fmt: skip
+    mem = p["memory_gib"]
+    lines += [
+        "",
+        "memory per device (GiB): target " + ", ".join(f"{k} {v:.2f}" for k, v in mem["target"].items())
+        + "; drafter " + ", ".join(f"{k} {v:.2f}" for k, v in mem["drafter"].items())
+        + f"; host pinned {mem['host_pinned']:.2f}",
+        f"fits: {'yes' if p['fits'] else 'no'}" + (f" — {p['advice']}" if p.get("advice") else ""),
+        *([f"the config's split {c['target']} + {c['drafter']}: {c['tokens_per_s']:,.0f} tokens/s, bottleneck "
+           f"{c['bottleneck']}"] if (c := p.get("current")) and c != p["best"] else []),
+        f"predicted: {p['tokens_per_s']:,.0f} tokens/s, bottleneck {p['bottleneck']}"
+        + (f", {p['step_s']:.4g} s a step" if p.get("step_s") else ""),
+        "not modelled: " + "; ".join(p["not_modelled"]),
+    ]  # fmt: skip
+    return "\n".join(lines)

@@ -489,7 +489,7 @@ def plan_cmd(config: Path, overrides: tuple[str, ...], gpus: int | None, gpu: st
     split into target chains and drafter replicas, tokens/s and the bottleneck — from the
     configs alone (no weights read)."""
     from dflash.config import load_config
-    from dflash.roofline.plan import Calibration, format_plan, plan
+    from dflash.plan import Calibration, format_plan, plan
 
     cfg = load_config(config, list(overrides))
     cal = None

@@ -1,7 +1,7 @@
 """The package's layout is its architecture: each folder is one concern, and imports run one
 way only. A module may import its own layer and any layer below it, never one above:
 
-    top        dflash (the public face), cli, report, regen
+    top        dflash (the public face), cli, report, plan, regen
     pipeline   the asyncio coordinator, topology, runner and the serial loop
     stages     one module per stage of the pipeline (prefetch … optimizer)
     train      building a run, the step's math, replicas, schedule, hooks, checkpoints
@@ -10,6 +10,7 @@ way only. A module may import its own layer and any layer below it, never one ab
     features   the feature cache and regen's feature files
     data       samples, formats, tokenizing, batching, prompt sets' files
     model      target, drafter, masks, loss, export
+    roofline   FLOPs per stage from models' shapes, devices' peaks
     runtime    devices and their syncs, processes, profiler, faults, channels, messages
     base       config, errors, logs, store (atomic writes, package files)
 
@@ -31,7 +32,7 @@ PACKAGE = ROOT / "dflash"
 
 # top to bottom; a layer is a set of module-path prefixes
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("top", ("dflash", "dflash.__main__", "dflash.cli", "dflash.report", "dflash.regen")),
+    ("top", ("dflash", "dflash.__main__", "dflash.cli", "dflash.report", "dflash.plan", "dflash.regen")),
     ("pipeline", ("dflash.pipeline",)),
     ("stages", ("dflash.stages",)),
     ("train", ("dflash.train",)),
@@ -40,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("features", ("dflash.features",)),
     ("data", ("dflash.data",)),
     ("model", ("dflash.model",)),
+    ("roofline", ("dflash.roofline",)),
     ("runtime", ("dflash.runtime",)),
     ("base", ("dflash.config", "dflash.errors", "dflash.logs", "dflash.store")),
 ]

@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/plan_check.py           # ~6 minutes on 2 cores
 
-1. Step time, calibrated then predicted: a short run of a config (its profile's MFU per
-   stage, host work per batch and mean batch: `dflash plan --calibrate LOG`) predicts the
-   step time of another run of the same models at twice the batch size, which is then run
-   and measured (its steady windows' wall time over their steps). The tiny config, and the
-   demo's models (SmolLM2-135M target, the DSpark drafter) on random data.
+1. Step time, calibrated then predicted: a run of a config (its profile's MFU per stage, host
+   work per batch, optimizer seconds a step and mean batch: `dflash plan --calibrate LOG`)
+   predicts the step time of another run (another seed) at the same batch size and at twice
+   it, each then run and measured (its steady windows' wall time over their steps). The tiny
+   config (batch 8), and the demo's models (SmolLM2-135M target, the DSpark drafter) on random
+   data (batch 4).
 2. Bottleneck: calibrated on the tiny config's 1 + 1 run, the plan names the bottleneck of
    three other splits of `bench/pipeline_vs_serial.py`'s config (the tiny one), each then
    run and named by `dflash report`.
@@ -72,27 +73,29 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for name, config, sets, steps in (
-            ("tiny", "configs/tiny.toml", [], 150),
-            ("demo", "configs/demo.toml", DEMO, 30),
+        for name, config, sets, steps, bs in (
+            ("tiny", "configs/tiny.toml", [], 200, 8),
+            ("demo", "configs/demo.toml", DEMO, 60, 4),
         ):
-            base = run(config, tmp, f"{name}-cal", [*sets, f"train.max_steps={steps}", "data.batch_size=4"])
-            p = planned(config, [*sets, "data.batch_size=8"], "--gpu", "cpu", "--calibrate", str(base))
-            m = measured(run(config, tmp, f"{name}-b8", [*sets, f"train.max_steps={steps}", "data.batch_size=8"]))
-            ratio = p["step_s"] / m["step_s"]
-            rows.append((f"{name}: step s at batch 8 (calibrated at 4)", f"{p['step_s']:.4f}", f"{m['step_s']:.4f}",
-                         f"{ratio:.3f}"))  # fmt: skip
-            out[f"{name}_step_ratio"] = round(ratio, 4)
+            at = [*sets, f"train.max_steps={steps}"]
+            base = run(config, tmp, f"{name}-cal", [*at, f"data.batch_size={bs}"])
+            for size, what in ((bs, "another run"), (2 * bs, "twice the batch")):
+                p = planned(config, [*sets, f"data.batch_size={size}"], "--gpu", "cpu", "--calibrate", str(base))
+                m = measured(run(config, tmp, f"{name}-{size}", [*at, f"data.batch_size={size}", "run.seed=1"]))
+                ratio = p["step_s"] / m["step_s"]
+                rows.append((f"{name}: step s, batch {size} ({what})", f"{p['step_s']:.4f}", f"{m['step_s']:.4f}",
+                             f"{ratio:.3f}"))  # fmt: skip
+                out[f"{name}_step_ratio_batch_{size}"] = round(ratio, 4)
             out[f"{name}_mfu"] = p["mfu"]
             out["peak_tflops"] = p["device"]["peak_tflops"]
             if name == "tiny":
-                cal11 = run(config, tmp, "split-1-1", ["train.max_steps=150"])
                 hits = []
                 for t, dr in ((2, 1), (1, 2), (1, 3)):
                     devs = [f'pipeline.target_devices={json.dumps(["cpu"] * t)}',
                             f'pipeline.drafter_devices={json.dumps(["cpu"] * dr)}']  # fmt: skip
-                    guess = planned(config, devs, "--gpu", "cpu", "--calibrate", str(cal11))["bottleneck"]
-                    seen = measured(run(config, tmp, f"split-{t}-{dr}", [*devs, "train.max_steps=150"]))["bottleneck"]
+                    guess = planned(config, [*devs, f"data.batch_size={bs}"], "--gpu", "cpu", "--calibrate",
+                                    str(base))["bottleneck"]  # fmt: skip
+                    seen = measured(run(config, tmp, f"split-{t}-{dr}", [*devs, *at]))["bottleneck"]
                     hits.append(guess == seen)
                     rows.append((f"tiny {t} + {dr}: bottleneck", guess, seen, "ok" if guess == seen else "WRONG"))
                 out["splits_right"] = f"{sum(hits)}/{len(hits)}"

@@ -8,8 +8,9 @@ The model, stage by stage, one batch of `data.token_budget` tokens (rows × row 
   stage, or each stage's own measured in a run's profile records (`--calibrate LOG`);
 - the pipeline runs at its slowest side: min(target chains / target s a batch, replicas /
   drafter s a batch); on a CPU every stage shares the one device (its time is the sum);
-- the optimizer: AdamW's ~28 bytes a parameter through memory (the table's bandwidth, or
-  the probe's), once a step;
+- the optimizer: once a step, while the replicas wait: AdamW's ~28 bytes a parameter through
+  memory (the table's bandwidth, or the probe's), or the calibration run's optimizer worker
+  seconds a step;
 - padding: a batch's real tokens are `fill` × its budget: the calibration run's measured
   fill, else (`--fill` unset) uniform lengths within each of `data.num_buckets` equal
   buckets (packed rows: 0.97);
@@ -53,6 +54,8 @@ class Calibration:
     shape: dict[str, float]
     workers: int
     host_s: dict[str, float]  # per side ("target", "drafter"): seconds a batch of its uncounted stages
+    step_s: float  # the optimizer worker's seconds a step (reduce, clip, update, metrics)
+    replicas: int
 
     @classmethod
     def from_records(cls, records: list[dict[str, Any]]) -> Calibration:
@@ -70,13 +73,19 @@ class Calibration:
         from dflash.report import _group
         from dflash.runtime.profiler import Stage
 
-        batches = max((s["count"] for n, s in a["stages"].items() if n == Stage.DRAFTER_FORWARD), default=0)
+        stages = a["stages"]
+        batches = stages.get(Stage.DRAFTER_FORWARD, {}).get("count", 0)
+        steps = stages.get(Stage.GRAD_NORM_SYNC, {}).get("count", 0)
         host_s = {"target": 0.0, "drafter": 0.0}
-        for name, s in a["stages"].items():
+        step_s = 0.0
+        for name, s in stages.items():
             side = _group(name)
             if side in host_s and "tflops" not in s and name not in Stage.WAITS and batches:
                 host_s[side] += s["mean_ms"] / 1000 * s["count"] / batches
-        return cls(mfu, setup.get("batch_shape") or {}, workers, host_s)
+            elif side == "optimizer" and name not in (Stage.EVAL, Stage.CHECKPOINT) and steps:
+                step_s += s["mean_ms"] / 1000 * s["count"] / steps
+        replicas = len(pipe.get("drafter_devices", [1]))
+        return cls(mfu, setup.get("batch_shape") or {}, workers, host_s, step_s, replicas)
 
 
 def _target_shape(cfg: Config) -> tuple[flops.DecoderShape, Any, str]:
@@ -210,11 +219,15 @@ def plan(
         host = {k: v * scale for k, v in calibration.host_s.items()}
     if dev.shared:  # the CPU's workers share its cores: a calibration run's MFU already holds its own sharing
         n_workers = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
-        peak *= (calibration.workers if calibration is not None else 1) / n_workers
+        share = (calibration.workers if calibration is not None else 1) / n_workers
+        peak *= share
+        host = {k: v / share for k, v in host.items()}  # Python work slows alike
     t_target = f_target / (m("target.model_forward") * peak)
     t_fwd = f_drafter.forward / (m("drafter.forward") * peak)
     t_bwd = f_drafter.backward / (m("drafter.backward") * peak)
-    t_opt = 28.0 * d_params / (dev.bandwidth_gbs * 1e9)
+    t_opt = 28.0 * d_params / (dev.bandwidth_gbs * 1e9)  # a replica's AdamW pass through memory
+    if calibration is not None and calibration.step_s:  # measured: reduce, clip, update, metrics a step
+        t_opt = calibration.step_s / (calibration.replicas if dev.shared else 1)
     feature_bytes = real * len(layer_ids) * spec.hidden_size * 2
     t_copy = 0.0 if on_cpu else feature_bytes / (PCIE_GBS * 1e9)
 
@@ -247,9 +260,10 @@ def plan(
     splits = []
     pairs = [(len(cfg.pipeline.target_devices), len(cfg.pipeline.drafter_devices))] if dev.shared else [
         (n_t, gpus - n_t) for n_t in range(1, gpus)]  # fmt: skip
-    for n_t, n_d in pairs:  # the slowest side sets the pace
+    for n_t, n_d in pairs:  # the slowest side sets the pace; the replicas wait for each step's update
         t_side = (max(t_target, t_copy) + host["target"]) / n_t
-        d_side = (max(t_fwd + t_bwd, t_copy) + host["drafter"] + t_opt / batches_per_step) / n_d
+        update = t_opt * (n_d if dev.shared else 1)  # on one CPU the replicas' updates take turns
+        d_side = (batches_per_step * (max(t_fwd + t_bwd, t_copy) + host["drafter"]) + update) / (n_d * batches_per_step)
         splits.append({"target": n_t, "drafter": n_d, "batches_per_s": 1 / max(t_side, d_side),
                        "bottleneck": "target" if t_side >= d_side else "drafter"})  # fmt: skip
     for s in splits:
@@ -286,7 +300,7 @@ def plan(
         "mfu_from": "calibration log" if calibration is not None else (
             f"fitted to a {target_s:g} s target forward" if target_s else "--mfu" if mfu else "default"),
         "seconds_per_batch": {"target.model_forward": round(t_target, 6), "drafter.forward": round(t_fwd, 6),
-                              "drafter.backward": round(t_bwd, 6), "drafter.optimizer_step": round(t_opt, 6),
+                              "drafter.backward": round(t_bwd, 6), "optimizer a step": round(t_opt, 6),
                               "copy": round(t_copy, 6),
                               **{f"{k}_host_work": round(v, 6) for k, v in host.items() if v}},
         "splits": splits,
@@ -294,7 +308,7 @@ def plan(
         "current": current,
         "tokens_per_s": best["tokens_per_s"],
         "bottleneck": best["bottleneck"],
-        "step_s": round(batches_per_step / best["batches_per_s"] * nodes, 6) if dev.shared else None,
+        "step_s": round(best["drafter"] * batches_per_step / best["batches_per_s"] * nodes, 6),
         "memory_gib": {"target": {k: round(v, 3) for k, v in target_mem.items()},
                        "drafter": {k: round(v, 3) for k, v in drafter_mem.items()},
                        "host_pinned": round(host_pinned, 3)},

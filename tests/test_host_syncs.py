@@ -24,6 +24,8 @@ HOT = [
     *sorted((ROOT / "dflash" / "stages").glob("*.py")),
     *sorted(p for p in (ROOT / "dflash" / "model").glob("*.py") if not p.name.startswith("export")),  # exports: off it
     ROOT / "dflash" / "runtime" / "devices.py",
+    ROOT / "dflash" / "runtime" / "profiler.py",
+    ROOT / "dflash" / "roofline" / "flops.py",
     ROOT / "dflash" / "train" / "hooks.py",
     ROOT / "dflash" / "train" / "step.py",
     ROOT / "dflash" / "train" / "reduce.py",

@@ -48,7 +48,7 @@ class DecoderShape:
     shared_intermediate: int = 0  # ... and a shared expert's width, where there is one
 
     @classmethod
-    def of_hf(cls, config: Any) -> DecoderShape:
+    def of_hf(cls, config: Any) -> DecoderShape:  # no-sync: Python numbers and shapes
         """From a transformers config (a multimodal one: its text model's)."""
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = int(c.num_attention_heads)
@@ -87,7 +87,7 @@ class DecoderShape:
         routed = 6.0 * H * self.intermediate * self.experts_per_token
         return routed + 2.0 * H * self.experts + 6.0 * H * self.shared_intermediate
 
-    def params(self) -> float:
+    def params(self) -> float:  # no-sync: Python numbers and shapes
         """Parameters of the stack (norms and embeddings left out; an MoE's every expert)."""
         H = self.hidden
         attn = H * (2 * self.q_width + 2 * self.kv_width)
@@ -95,7 +95,9 @@ class DecoderShape:
         return float(self.layers * (attn + mlp))
 
 
-def target_forward(shape: DecoderShape, rows: int, length: int, layers_run: int, teacher: bool = False) -> float:
+def target_forward(
+    shape: DecoderShape, rows: int, length: int, layers_run: int, teacher: bool = False
+) -> float:  # no-sync: Python numbers and shapes
     """FLOPs of the target stage on an (R, T) batch: `layers_run` decoder layers (the last
     chosen layer's index + 1; the capture stops there), or with `teacher` every layer and
     the LM head at every position."""
@@ -118,7 +120,7 @@ class DrafterFlops:
         return self.forward + self.backward
 
 
-def drafter_step(
+def drafter_step(  # no-sync: Python numbers and shapes
     spec: Any,
     rows: int,
     length: int,
@@ -178,7 +180,7 @@ def optimizer(params: float) -> float:
     return 12.0 * params
 
 
-def of_target(target: Any, batch: Any, teacher_topk: int = 0) -> float:
+def of_target(target: Any, batch: Any, teacher_topk: int = 0) -> float:  # no-sync: Python numbers and shapes
     """`target_forward` for a collated batch through a `Target` (its decoder layers here)."""
     shape = getattr(target, "_decoder_shape", None)
     if shape is None:
@@ -187,7 +189,7 @@ def of_target(target: Any, batch: Any, teacher_topk: int = 0) -> float:
     return target_forward(shape, int(rows), int(length), max(target.layer_ids) + 1, teacher=teacher_topk > 0)
 
 
-def of_prepared(rep: Any, batch: Any, chunk: int) -> DrafterFlops:
+def of_prepared(rep: Any, batch: Any, chunk: int) -> DrafterFlops:  # no-sync: Python numbers and shapes
     """`drafter_step` for a prepared micro-batch (`train.step.PreparedBatch`) of replica `rep`,
     from tensors' shapes only (no device sync)."""
     spec = rep.model.spec

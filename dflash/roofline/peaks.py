@@ -86,8 +86,11 @@ def _cache_path() -> Path:
     return base / "dflash" / "peaks.json"
 
 
+_SIZE = {False: 1024, True: 4096}  # the probe's square matmul: on a CPU, on a GPU
+
+
 def _measure(device: torch.device, dtype: torch.dtype, seconds: float) -> float:  # no-sync: set-up, once
-    n = 2048 if device.type == "cuda" else 512
+    n = _SIZE[device.type == "cuda"]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -110,7 +113,8 @@ def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -
     """This device's matmul rate in `dtype` (TFLOP/s), measured once and cached."""
     name = device_name(device)
     dt = str(dtype).removeprefix("torch.")
-    key = f"{name}|{dt}|threads={torch.get_num_threads() if device.type == 'cpu' else 0}|torch={torch.__version__}"
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    key = f"{name}|{dt}|threads={threads}|torch={torch.__version__}|mm={_SIZE[device.type == 'cuda']}"
     path = _cache_path()
     try:
         cached = json.loads(path.read_text())

@@ -304,7 +304,7 @@ class Profiler:
                 "drafter": round(counters["drafter_tokens"] / wall, 2) if wall > 0 else 0.0,
             },
             "samples_per_s": round(counters["samples"] / wall, 3) if wall > 0 else 0.0,
-            "steps": int(counters["steps"]),
+            "steps": int(counters["steps"]),  # no-sync: a Python counter
             # busy fraction of each worker thread (a device's worker, the data / optimizer ones)
             "workers": {w: round(v / wall, 4) if wall > 0 else 0.0 for w, v in sorted(workers.items())},
             "memory": {"host_rss_mb": round(_rss_mb(), 1)},

@@ -130,13 +130,13 @@ class Device:
     shared: bool  # one CPU: every stage on it
 
 
-def _device(gpu: str, dtype: torch.dtype) -> Device:
+def _device(gpu: str, dtype: torch.dtype, cache_dir: str) -> Device:
     if gpu == "cpu":
         import psutil
 
-        peak = probe_peak(torch.device("cpu"), dtype)
+        peak = probe_peak(torch.device("cpu"), dtype, cache_dir=cache_dir)
         return Device(peak.device, peak.tflops, "probe", psutil.virtual_memory().total / GIB,
-                      probe_bandwidth(torch.device("cpu")), True)  # fmt: skip
+                      probe_bandwidth(torch.device("cpu"), cache_dir=cache_dir), True)  # fmt: skip
     try:
         spec = gpu_spec(gpu)
     except KeyError as err:
@@ -163,7 +163,7 @@ def plan(
     spec = _drafter_spec(cfg, hf, shape.layers)
     on_cpu = gpu == "cpu"
     dtype = torch.float32 if on_cpu and cfg.target.dtype in ("float32", "fastest", "auto") else torch.bfloat16
-    dev = _device(gpu, dtype)
+    dev = _device(gpu, dtype, cfg.data.cache_dir)
     if gpus is None:
         gpus = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
     if gpus < 2 and not dev.shared:

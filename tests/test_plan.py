@@ -77,3 +77,16 @@ def test_profile_records_and_report_carry_mfu_per_stage(tmp_path):
     planned = _plan(str(ROOT / "configs" / "tiny.toml"), "--gpu", "cpu", "--calibrate", str(log))
     assert planned["mfu_from"] == "calibration log" and planned["batch"]["fill_from"] == "calibration run"
     assert planned["step_s"] > 0 and planned["seconds_per_batch"]["drafter_host_work"] > 0
+
+
+def test_the_peak_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
+    import torch
+
+    from dflash.roofline import peaks
+
+    monkeypatch.setenv("DFLASH_PEAKS", str(tmp_path / "peaks.json"))
+    first = peaks.probe_peak(torch.device("cpu"), torch.float32, seconds=0.05)
+    assert first.source == "probe" and first.tflops > 0 and first.dtype == "float32"
+    monkeypatch.setattr(peaks, "_measure", lambda *a: pytest.fail("measured again"))
+    assert peaks.probe_peak(torch.device("cpu"), torch.float32) == first
+    assert peaks.gpu_spec("NVIDIA H100 80GB HBM3").bf16_tflops == 989.4 and peaks.gpu_spec("h200").memory_gib > 130

@@ -553,7 +553,7 @@ class ProfileConfig(_Section):
     mfu: bool = Field(
         True,
         description="TFLOP/s and MFU per stage in every profile record, against a matmul probe of each device "
-        "(~0.3 s once per device and dtype, cached in ~/.cache/dflash/peaks.json)",
+        "(~0.3 s once per device and dtype, cached in data.cache_dir/peaks.json)",
     )
 
 

@@ -177,7 +177,7 @@ class Coordinator:
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
         if cfg.profile.enabled and cfg.profile.mfu:  # each device's matmul peak: measured once, cached
-            profiler.peaks = await asyncio.to_thread(peaks_of, training.targets, training.replicas)
+            profiler.peaks = await asyncio.to_thread(peaks_of, training.targets, training.replicas, cfg.data.cache_dir)
         checkpointer = Checkpointer(
             cfg, training.replicas[0], training.plan, self.emit, training.start_step, self.world, training.batch
         )

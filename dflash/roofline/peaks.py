@@ -2,10 +2,10 @@
 planning runs on GPUs that are not here. Every figure says which it is (`source`).
 
 The probe times square matmuls per dtype for ~0.3 s (after a warm-up) and keeps the best
-rate; it runs once per device name, dtype and thread count, and is cached in
-`$XDG_CACHE_HOME/dflash/peaks.json` (~/.cache by default; `DFLASH_PEAKS` names another
-file). A probe is the device's achievable matmul rate, not its datasheet: MFU against it
-says how far a stage is from what this device's matmuls do.
+rate; it runs once per device name, dtype and thread count, and is cached in `peaks.json` in
+`data.cache_dir` (~/.cache/dflash by default; `DFLASH_PEAKS` names another file). A probe is
+the device's achievable matmul rate, not its datasheet: MFU against it says how far a stage is
+from what this device's matmuls do.
 
 The table holds vendors' dense (no sparsity) tensor-core peaks: bf16/fp16 and fp32 (fp32:
 the non-tensor-core rate, what PyTorch's default matmul precision gets), and memory.
@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,11 +80,11 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def _cache_path() -> Path:
+def _cache_path(cache_dir: str = "") -> Path:
+    """`DFLASH_PEAKS`, else peaks.json in `data.cache_dir` (default ~/.cache/dflash)."""
     if os.environ.get("DFLASH_PEAKS"):
         return Path(os.environ["DFLASH_PEAKS"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dflash" / "peaks.json"
+    return Path(cache_dir or "~/.cache/dflash").expanduser() / "peaks.json"
 
 
 _SIZE = {False: 1024, True: 4096}  # the probe's square matmul: on a CPU, on a GPU
@@ -109,36 +110,29 @@ def _measure(device: torch.device, dtype: torch.dtype, seconds: float) -> float:
     return best
 
 
-def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> Peak:
+def probe_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, cache_dir: str = "") -> Peak:
     """This device's matmul rate in `dtype` (TFLOP/s), measured once and cached."""
     name = device_name(device)
     dt = str(dtype).removeprefix("torch.")
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     key = f"{name}|{dt}|threads={threads}|torch={torch.__version__}|mm={_SIZE[device.type == 'cuda']}"
-    path = _cache_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return Peak(**cached[key])
+    path = _cache_path(cache_dir)
+    hit = _read_cache(path).get(key)
+    if hit is not None:
+        return Peak(**hit)
     peak = Peak(round(_measure(device, dtype, seconds), 4), "probe", name, dt)
-    cached[key] = asdict(peak)
-    _save(path, cached)
+    _store(path, key, asdict(peak))
     return peak
 
 
-def probe_bandwidth(device: torch.device, seconds: float = 0.2) -> float:  # no-sync: set-up, once
+def probe_bandwidth(device: torch.device, seconds: float = 0.2, cache_dir: str = "") -> float:  # no-sync: set-up, once
     """This device's memory bandwidth (GB/s) for an elementwise pass (a + b -> c, 64 MiB
     each), measured once and cached beside the peaks."""
     name = f"{device_name(device)}|bandwidth|threads={torch.get_num_threads() if device.type == 'cpu' else 0}"
-    path = _cache_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if name in cached:
-        return float(cached[name])
+    path = _cache_path(cache_dir)
+    hit = _read_cache(path).get(name)
+    if hit is not None:
+        return float(hit)
     n = 16 * 2**20
     a, b, c = (torch.randn(n, device=device) for _ in range(3))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -150,22 +144,31 @@ def probe_bandwidth(device: torch.device, seconds: float = 0.2) -> float:  # no-
         torch.add(a, b, out=c)
         sync()  # no-sync: set-up, the probe
         best = max(best, 3 * 4 * n / (time.perf_counter() - t0) / 1e9)
-    cached[name] = round(best, 2)
-    _save(path, cached)
+    _store(path, name, round(best, 2))
     return best
 
 
-def _save(path: Path, cached: dict) -> None:  # type: ignore[type-arg]
+def _read_cache(path: Path) -> dict:  # type: ignore[type-arg]
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(path: Path, key: str, value: Any) -> None:
+    """One entry added to the cache file (rewritten atomically); unwritable: measured again next time."""
+    cached = _read_cache(path)
+    cached[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cached, indent=1))
         os.replace(tmp, path)
-    except OSError:  # a read-only home: measured again next time
+    except OSError:
         pass
 
 
-def peaks_of(targets: list, replicas: list) -> dict[str, Peak]:  # type: ignore[type-arg]
+def peaks_of(targets: list, replicas: list, cache_dir: str = "") -> dict[str, Peak]:  # type: ignore[type-arg]
     """The probe's peak of every device a run computes on, in the dtype its matmuls run in:
     the target's; a replica's bf16 on a GPU (autocast) and on a CPU fed bf16 features, else
     float32. One entry a device (the first model there sets the dtype)."""
@@ -173,9 +176,10 @@ def peaks_of(targets: list, replicas: list) -> dict[str, Peak]:  # type: ignore[
     for t in targets:
         if hasattr(t, "model"):  # the decoder layers run here (not a head-only target)
             dev = t.embed_weight.device
-            out.setdefault(str(dev), probe_peak(dev, t.embed_weight.dtype))
+            out.setdefault(str(dev), probe_peak(dev, t.embed_weight.dtype, cache_dir=cache_dir))
     for r in replicas:
         feat = targets[0].embed_weight.dtype if targets else torch.float32
         low = r.device.type == "cuda" or feat == torch.bfloat16
-        out.setdefault(str(r.device), probe_peak(r.device, torch.bfloat16 if low else torch.float32))
+        dtype = torch.bfloat16 if low else torch.float32
+        out.setdefault(str(r.device), probe_peak(r.device, dtype, cache_dir=cache_dir))
     return out

@@ -49,6 +49,7 @@ class PreparedBatch:
     masks: dict[str, Any]  # per layer type
     targets: BlockTargets  # which slots count, their labels and weights (on the device)
     negatives: torch.Tensor | None = None  # loss.vocab = "data": this batch's drawn negatives (device)
+    visible: float | None = None  # flex: keys a block query sees on average (its FLOPs count those)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,10 @@ def prepare_batch(
         masks = layer_masks(layout, spec, micro.use_flex)
     ids, q = upload(blocks.ids, dev), upload(blocks.q_pos, dev)
     targets, negatives = _device_targets(rep, feats, blocks, micro)
-    return PreparedBatch(b, context, positions, ids, q, masks, targets, negatives)
+    visible = None
+    if micro.use_flex:  # a block query sees the context before its anchor and its block
+        visible = float(blocks.anchors.float().mean()) + B  # no-sync: a host tensor
+    return PreparedBatch(b, context, positions, ids, q, masks, targets, negatives, visible)
 
 
 @dataclass(frozen=True)

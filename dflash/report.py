@@ -189,7 +189,7 @@ def _roofline(steady: list[dict[str, Any]], table: dict[str, dict[str, Any]], bo
             continue
         peaks.update(p["roofline"]["peaks"])
         for name, s in p["stages"].items():
-            if s.get("tflops"):
+            if s.get("tflops") and s.get("gflop"):
                 gflop[name] += s["gflop"]
                 busy[name] += s["gflop"] / 1000 / s["tflops"]
                 device[name] = s.get("device", "")
@@ -214,8 +214,8 @@ def _roofline(steady: list[dict[str, Any]], table: dict[str, dict[str, Any]], bo
     per_device: dict[str, float] = defaultdict(float)
     for name, g in gflop.items():
         per_device[device[name]] += g * 1e9
-    bounds = [mfu[ref] * peaks[d]["tflops"] * 1e12 / (f / tokens) for d, f in per_device.items() if d in peaks and f]
     out |= {"mfu_of": ref, "at_mfu": round(mfu[ref], 4)}
+    bounds = [mfu[ref] * peaks[d]["tflops"] * 1e12 * tokens / f for d, f in per_device.items() if d in peaks and f]
     if tokens > 0 and bounds:
         out["bound_tokens_per_s"] = round(min(bounds), 1)
     return out

@@ -19,6 +19,7 @@ that vanishes ends the run in one line naming the stage and the folder.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -42,7 +43,7 @@ from dflash.features.cache import doc_spans
 from dflash.features.files import Entry
 from dflash.runtime.messages import Batch, Teacher
 
-__all__ = ["EngineTarget", "check_engine_target", "lay_out", "prompts_of"]
+__all__ = ["EngineTarget", "check_engine_target", "lay_out", "prompts_of", "watch_engine"]
 
 
 def check_engine_target(cfg: Config) -> None:
@@ -52,6 +53,7 @@ def check_engine_target(cfg: Config) -> None:
     remote = cfg.target.engine == "remote"
     needs = [
         (remote and not cfg.target.engine_spool, "target.engine_spool (the folder `dflash serve-target` answers in)"),
+        (remote and int(os.environ.get("WORLD_SIZE", "1")) > 1, "one process (one run a spool folder; not torchrun)"),
         (cfg.target.load != "head", "target.load = 'head' (the engine holds the decoder layers)"),
         (len(cfg.pipeline.target_devices) != 1, "one target chain (the engine parallelizes itself: "
          "target.engine_tensor_parallel)"),
@@ -90,6 +92,21 @@ def lay_out(
     return [out], teacher
 
 
+def watch_engine(llm: Any, dead: threading.Event, stop: threading.Event) -> None:
+    """vLLM 0.32's offline client marks its engine dead when the engine's process exits but
+    leaves a waiting `generate` blocked forever: this sets `dead` and hands that wait an error
+    (a thread of its own, until `stop`)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    if resources is None or outputs is None:
+        return
+    while not stop.wait(0.5):
+        if getattr(resources, "engine_dead", False):
+            dead.set()
+            outputs.put_nowait(RuntimeError("its engine core process exited"))
+            return
+
+
 class EngineTarget:
     """A `TargetHead` whose batches' features come from a live vLLM engine (`of_batch`); every
     other attribute is the head's."""
@@ -113,17 +130,7 @@ class EngineTarget:
         threading.Thread(target=self._watch_engine, name="dflash-engine-watch", daemon=True).start()
 
     def _watch_engine(self) -> None:
-        """vLLM 0.32's offline client marks its engine dead when the engine's process exits but
-        leaves a waiting `generate` blocked forever; this hands that wait the error instead."""
-        client = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
-        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-        if resources is None or outputs is None:
-            return
-        while not self._watch.wait(0.5):
-            if getattr(resources, "engine_dead", False):
-                self._dead.set()
-                outputs.put_nowait(RuntimeError("its engine core process exited"))
-                return
+        watch_engine(self._llm, self._dead, self._watch)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._head, name)

@@ -8,7 +8,7 @@ PyTorch (`--engine local`). The trainer loads the target's embeddings and LM hea
 (a temporary name, then a rename):
 
 - `engine.json`: who serves it (host, process, the target's layer ids, dtype, feature width),
-  written when the server starts; the trainer refuses an engine whose features differ.
+  written once its engine is up; the trainer refuses an engine whose features differ.
 - `engine.alive`: a counter the server rewrites every `BEAT_S` seconds from a thread of its
   own, whatever the engine is doing. Its content is read, not its time stamp: shared file
   systems cache attributes, and the hosts' clocks need not agree.
@@ -53,6 +53,12 @@ from dflash.runtime.messages import Batch, Teacher
 __all__ = ["SpoolTarget", "local_compute", "serve", "vllm_compute"]
 
 BEAT_S = 1.0  # the server's heartbeat period
+
+
+class EngineDied(DataError):
+    """The serving engine's process exited: the server stops (after writing the batch's `err-`)."""
+
+
 Compute = Callable[[list[list[int]]], list[Entry]]  # token ids of each document -> an entry each
 
 
@@ -64,6 +70,14 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def _write_text(path: Path, text: str) -> None:
     _atomic(path, lambda p: p.write_text(text))
+
+
+def _opens(path: Path) -> bool:
+    try:
+        with path.open("rb"):
+            return True
+    except OSError:
+        return False
 
 
 def _pack(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,18 +162,28 @@ class SpoolTarget:
         name = f"{self._run}-{self._n:08d}"
         self._n += 1
         ids, offsets = _pack([torch.tensor(p, dtype=torch.int32) for p in prompts])
-        if not self.spool.is_dir():
-            raise self._gone("target.engine_wait")
-        _atomic(self.spool / f"req-{name}.safetensors", lambda p: save_file({"ids": ids, "offsets": offsets}, p))
+        try:
+            _atomic(self.spool / f"req-{name}.safetensors", lambda p: save_file({"ids": ids, "offsets": offsets}, p))
+        except (OSError, SafetensorError) as err:
+            if not self.spool.is_dir():
+                raise self._gone("target.engine_wait") from None
+            msg = f"target.engine_wait: cannot write a request in {self.spool}: {' '.join(str(err).split())}"
+            raise DataError(msg) from None
+        req = self.spool / f"req-{name}.safetensors"
         out, err = self.spool / f"out-{name}.safetensors", self.spool / f"err-{name}.txt"
         pause = 0.001
-        while not out.exists():
-            if err.exists():
+        while not _opens(out):  # an open, not a stat: NFS revalidates on open
+            if _opens(err):
                 why = err.read_text().strip()
                 err.unlink(missing_ok=True)
                 msg = f"target.engine_wait: the engine serving {self.spool} refused a batch: {why}"
                 raise DataError(msg)
             self._alive("target.engine_wait")
+            if not _opens(req) and not _opens(out) and not _opens(err):
+                if not self.spool.is_dir():
+                    raise self._gone("target.engine_wait")
+                msg = f"target.engine_wait: the request {req.name} vanished from {self.spool} unanswered"
+                raise DataError(msg)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
         return order, ids, out
@@ -182,6 +206,11 @@ class SpoolTarget:
             raise DataError(msg) from None
         path.unlink(missing_ok=True)
         offsets = t["offsets"].tolist()
+        width = self._head.hidden_size * len(self._head.layer_ids)
+        if t["features"].dim() != 2 or t["features"].shape[1] != width:
+            got = t["features"].shape[-1]
+            msg = f"target.engine_read: {path} holds features of width {got}, this run's are {width}"
+            raise DataError(msg)
         if len(offsets) != len(order) + 1 or not torch.equal(t["ids"], ids):
             msg = f"target.engine_read: {path} does not answer the request sent ({len(offsets) - 1} documents)"
             raise DataError(msg)
@@ -227,13 +256,22 @@ def vllm_compute(cfg: Config, scratch: Path, tensor_parallel: int) -> tuple[Comp
     """A vLLM engine on the target (extract_hidden_states, dflash's connector writing to
     `scratch`, a folder of this host): each document's chosen layers and greedy next tokens."""
     from dflash.engines import extract
+    from dflash.engines.live import watch_engine
 
     folder, meta = extract.target_meta(cfg)
     order = extract.vllm_layer_ids(meta.layer_ids)[1]
     llm = extract.start_engine(folder, meta, scratch, extract.EngineSettings(tensor_parallel), cfg.data.max_seq_len + 8)
+    dead = threading.Event()
+    threading.Thread(target=watch_engine, args=(llm, dead, threading.Event()), daemon=True).start()
 
     def compute(prompts: list[list[int]]) -> list[Entry]:
-        return extract.read_hidden(extract.generate_hidden(llm, prompts), prompts, order, None)
+        try:
+            return extract.read_hidden(extract.generate_hidden(llm, prompts), prompts, order, None)
+        except Exception:
+            if dead.is_set():
+                msg = "the vLLM engine serving it died (its engine core process exited)"
+                raise EngineDied(msg) from None
+            raise
 
     return compute, meta, llm
 
@@ -252,8 +290,8 @@ class _Heart:
             n += 1
             try:
                 _write_text(self._spool / "engine.alive", f"{n}\n")
-            except OSError:  # the folder is gone: the serving loop says so
-                return
+            except OSError:  # a passing error of a shared file system, or the folder gone (the loop says so)
+                pass
             self._stop.wait(BEAT_S)
 
     def stop(self) -> None:
@@ -265,7 +303,8 @@ def start_serving(spool: Path) -> _Heart:
     """The folder made ready for a server: an old `stop` removed, the heartbeat started
     (before the engine loads, which can take minutes)."""
     spool.mkdir(parents=True, exist_ok=True)
-    (spool / "stop").unlink(missing_ok=True)
+    for old in ("stop", "engine.json"):  # an earlier server's: this one writes its own once its engine is up
+        (spool / old).unlink(missing_ok=True)
     return _Heart(spool)
 
 
@@ -321,7 +360,12 @@ def _answer(req: Path, compute: Compute, width: int, stats: dict[str, Any]) -> N
         stats["requests"] += 1
         stats["documents"] += len(prompts)
         stats["tokens"] += int(offsets[-1])
+    except FileNotFoundError:  # the run that sent it is gone (a new run clears the folder)
+        return
     except (DFlashError, SafetensorError, RuntimeError, ValueError) as err:
         _write_text(req.with_name(f"err-{name}.txt"), " ".join(str(err).split())[:500] or type(err).__name__)
         stats["refused"] += 1
+        if isinstance(err, EngineDied):  # the run has its line; this server can answer nothing more
+            req.unlink(missing_ok=True)
+            raise
     req.unlink(missing_ok=True)

@@ -176,6 +176,7 @@ class Coordinator:
         self._emit_setup(training, t_start)
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
+        profiler.count_flops = cfg.profile.mfu
         if cfg.profile.enabled and cfg.profile.mfu:  # each device's matmul peak: measured once, cached
             profiler.peaks = await asyncio.to_thread(peaks_of, training.targets, training.replicas, cfg.data.cache_dir)
         checkpointer = Checkpointer(

@@ -94,7 +94,7 @@ def _measure(device: torch.device, dtype: torch.dtype, seconds: float) -> float:
     n = _SIZE[device.type == "cuda"]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.mm(a, b)  # warm-up
     best, rounds, start = 0.0, 1, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -135,7 +135,7 @@ def probe_bandwidth(device: torch.device, seconds: float = 0.2, cache_dir: str =
         return float(hit)
     n = 16 * 2**20
     a, b, c = (torch.randn(n, device=device) for _ in range(3))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.add(a, b, out=c)
     best, start = 0.0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -174,7 +174,7 @@ def peaks_of(targets: list, replicas: list, cache_dir: str = "") -> dict[str, Pe
     float32. One entry a device (the first model there sets the dtype)."""
     out: dict[str, Peak] = {}
     for t in targets:
-        if hasattr(t, "model"):  # the decoder layers run here (not a head-only target)
+        if getattr(t, "model", None) is not None:  # the decoder layers run here (not a head-only target)
             dev = t.embed_weight.device
             out.setdefault(str(dev), probe_peak(dev, t.embed_weight.dtype, cache_dir=cache_dir))
     for r in replicas:

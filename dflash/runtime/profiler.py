@@ -224,6 +224,7 @@ class Profiler:
         self._pending_events: list[tuple[str, Any, Any]] = []
         self._cuda_devices: set[int] = set()
         self.peaks: dict[str, Any] = {}  # device ("cpu", "cuda:0") -> its `roofline.peaks.Peak`
+        self.count_flops = True  # profile.mfu
 
     def _start_window(self, now: float) -> None:
         self._win_start = now
@@ -261,7 +262,7 @@ class Profiler:
     def add_flops(self, stage: str, flops: float, device: str) -> None:
         """FLOPs of work a span of `stage` did on `device` (counted from shapes on the host:
         `roofline.flops`; never a device sync)."""
-        if not self.enabled:
+        if not (self.enabled and self.count_flops):
             return
         with self._lock:
             self._flops[(stage, device)] += flops

@@ -1,6 +1,6 @@
 """`dflash plan` against what runs measure, on this machine, and against the seed's setting.
 
-    .venv/bin/python bench/plan_check.py           # ~6 minutes on 2 cores
+    .venv/bin/python bench/plan_check.py           # ~10 minutes on 2 cores; the demo's target: after `make demo`
 
 1. Step time, calibrated then predicted: a run of a config (its profile's MFU per stage, host
    work per batch, optimizer seconds a step and mean batch: `dflash plan --calibrate LOG`)

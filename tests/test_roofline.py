@@ -56,15 +56,18 @@ def test_stage_flops_match_flop_counter_mode_on_the_tiny_model(tiny_config, fami
 
 @pytest.mark.slow
 def test_stage_flops_match_flop_counter_mode_on_the_demo_model(tmp_path):
-    """The demo's target (SmolLM2-135M, 30 layers, layer 27 captured) and DSpark drafter
-    (vocab = "data" with sampled negatives, target labels) on random data."""
+    """The demo's recipe (DSpark drafter, vocab = "data" with sampled negatives, target labels,
+    layer 27 captured) on a random target of SmolLM2-135M's sizes (its package is `make demo`'s,
+    not the tests'), random data."""
     from dflash.config import load_config
     from dflash.train.build import build_training
     from tests.conftest import ROOT
 
     sets = ['data.source="random"', "data.num_samples=16", "data.gen_len=96", 'target.dtype="float32"',
             "eval.at_end=false", f'run.output_dir="{tmp_path}"', "drafter.init_from_target=false",
-            "train.max_minutes=0"]  # fmt: skip
+            "train.max_minutes=0", 'target.kind="tiny"', "target.tiny.vocab_size=49152", "target.tiny.hidden_size=576",
+            "target.tiny.num_layers=30", "target.tiny.num_heads=9", "target.tiny.num_kv_heads=3",
+            "target.tiny.head_dim=64", "target.tiny.intermediate_size=1536"]  # fmt: skip
     training = build_training(load_config(ROOT / "configs" / "demo.toml", sets))
     batch, target, rep, dev, HostFeatures = _one_batch(training)
     teacher = training.micro.loss.teacher_topk

@@ -1,7 +1,7 @@
 """FLOPs of each stage's work for one batch, from the models' configs and the batch's shapes.
 
 Counted as the code executes them — what `torch.utils.flop_counter.FlopCounterMode` counts
-(tests/test_roofline.py checks it within 5 % on the tiny and the demo models): matrix
+(tests/test_roofline.py checks it within 5 % on the tiny model and the demo recipe at SmolLM2-135M sizes): matrix
 multiplies only (2 per multiply-add; norms, RoPE, softmax and elementwise work are left out),
 attention as the dense kernels run it, every query against every key of its row (a padded
 row's and a causal mask's skipped pairs included; packed documents share their row's square).

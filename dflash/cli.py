@@ -530,7 +530,9 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
         raise ConfigError("dflash serve-target: no folder to serve in: --spool DIR or target.engine_spool")
     logs.configure(sys.stdout)
     import shutil
+    import signal
     import tempfile
+    import threading
     import time
 
     import structlog
@@ -539,6 +541,9 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
     from dflash.engines import spool as spooled
 
     log = structlog.get_logger("dflash")
+    asked = threading.Event()  # Ctrl-C / SIGTERM: stop after the request in hand, folder left clean
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: asked.set())
     heart = spooled.start_serving(folder)
     scratch = Path(tempfile.mkdtemp(prefix="dflash-serve-target-"))  # vLLM's own files, on this host
     llm = None
@@ -558,7 +563,7 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
             compute, meta = spooled.local_compute(cfg, dev)
         log.info("serve_start", engine=engine, spool=str(folder), layer_ids=meta.layer_ids, dtype=meta.dtype)
         logs.human(f'dflash serve-target ({engine}): serving {folder}; start the run with target.engine = "remote"')
-        stats = spooled.serve(folder, compute, meta, engine, progress)
+        stats = spooled.serve(folder, compute, meta, engine, progress, asked)
     finally:
         heart.stop()
         if llm is not None:
@@ -567,7 +572,8 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
             shut_down(llm)
         shutil.rmtree(scratch, ignore_errors=True)
     log.info("serve_end", **stats)
-    logs.human(f"dflash serve-target: the run ended; {stats['requests']} batches, {stats['documents']} documents, "
+    why = "stopped" if stats.get("stopped") == "signal" else "the run ended"
+    logs.human(f"dflash serve-target: {why}; {stats['requests']} batches, {stats['documents']} documents, "
                f"{stats['tokens']} tokens answered in {stats['wall_s']}s")  # fmt: skip
 
 

@@ -311,8 +311,16 @@ def start_serving(spool: Path) -> _Heart:
 Progress = Callable[[dict[str, Any]], None]
 
 
-def serve(spool: Path, compute: Compute, meta: FeatureMeta, engine: str, progress: Progress | None = None) -> dict:
-    """Answers the requests in `spool` until a trainer writes `stop`: the `serve_end` counts."""
+def serve(
+    spool: Path,
+    compute: Compute,
+    meta: FeatureMeta,
+    engine: str,
+    progress: Progress | None = None,
+    asked: threading.Event | None = None,
+) -> dict:
+    """Answers the requests in `spool` until a trainer writes `stop` or `asked` is set (Ctrl-C,
+    SIGTERM: after the request in hand): the `serve_end` counts."""
     width = meta.width
     info = {"engine": engine, "host": socket.gethostname(), "pid": os.getpid(), "target": meta.target,
             "dtype": meta.dtype, "layer_ids": meta.layer_ids, "width": width}  # fmt: skip
@@ -323,7 +331,8 @@ def serve(spool: Path, compute: Compute, meta: FeatureMeta, engine: str, progres
         if not spool.is_dir():
             msg = f"dflash serve-target: the spool folder {spool} is gone"
             raise DataError(msg)
-        if (spool / "stop").exists():
+        if (spool / "stop").exists() or (asked is not None and asked.is_set()):
+            stats["stopped"] = "signal" if asked is not None and asked.is_set() else "run ended"
             break
         requests = sorted(spool.glob("req-*.safetensors"))
         if not requests:

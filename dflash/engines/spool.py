@@ -49,6 +49,7 @@ from dflash.engines.live import lay_out, prompts_of
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.features.files import Entry, FeatureMeta
 from dflash.runtime.messages import Batch, Teacher
+from dflash.store.atomic import atomic_path
 
 __all__ = ["SpoolTarget", "local_compute", "serve", "vllm_compute"]
 
@@ -63,9 +64,10 @@ Compute = Callable[[list[list[int]]], list[Entry]]  # token ids of each document
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    """`write` into a hidden file beside `path`, renamed to it when whole (no fsync: the hand-off
+    is transient)."""
+    with atomic_path(path, durable=False) as tmp:
+        write(tmp)
 
 
 def _write_text(path: Path, text: str) -> None:

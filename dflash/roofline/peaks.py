@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dflash.store.atomic import atomic_path
+
 __all__ = ["GPUS", "GpuSpec", "Peak", "device_name", "gpu_spec", "peaks_of", "probe_bandwidth", "probe_peak"]
 
 
@@ -161,9 +163,8 @@ def _store(path: Path, key: str, value: Any) -> None:
     cached[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
+        with atomic_path(path, durable=False) as tmp:
+            tmp.write_text(json.dumps(cached, indent=1))
     except OSError:
         pass
 

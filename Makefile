@@ -92,7 +92,7 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 
 # llama.cpp for `dflash eval --engine llamacpp`, the GGUF round-trip test and converting an hf
 # target to GGUF: built from llama-cpp-python's source package on PyPI (it vendors llama.cpp),
-# llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (~4 min on 2 cores).
+# llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (4-6 min on 2 cores).
 # Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI (into .venv). Its converter
 # (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece. The version is the one
 # dflash/engines/llamacpp.py names.

@@ -93,43 +93,58 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 # llama.cpp for `dflash eval --engine llamacpp`, the GGUF round-trip test and converting an hf
 # target to GGUF: built from llama-cpp-python's source package on PyPI (it vendors llama.cpp),
 # llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (4-6 min on 2 cores).
-# Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI (into .venv). Its converter
-# (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece. The version is the one
-# dflash/engines/llamacpp.py names.
+# Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI into a venv of their own,
+# .llamacpp/tools, so the build starts without waiting for .venv. Its converter
+# (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece, installed there once both are
+# ready. The version is the one dflash/engines/llamacpp.py names.
 LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/engines/llamacpp.py)
 LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
+LLAMACPP_TOOLS := .llamacpp/tools
+LLAMACPP_BUILT := $(LLAMACPP_HOME)/.server-built
 LLAMACPP_STAMP := $(LLAMACPP_HOME)/.built
 LLAMACPP_SDIST := $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
-LLAMACPP_CMAKE := -G Ninja -DCMAKE_MAKE_PROGRAM=$(CURDIR)/$(VENV)/bin/ninja -DCMAKE_BUILD_TYPE=Release \
+LLAMACPP_CMAKE := -G Ninja -DCMAKE_MAKE_PROGRAM=$(CURDIR)/$(LLAMACPP_TOOLS)/bin/ninja -DCMAKE_BUILD_TYPE=Release \
 	-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
 	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
 	-DCMAKE_UNITY_BUILD=ON -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/dflash/engines/llamacpp-unity.cmake
 
 llamacpp: $(LLAMACPP_STAMP)
 
-$(LLAMACPP_STAMP): | $(STAMP)
+$(LLAMACPP_STAMP): $(LLAMACPP_BUILT) | $(STAMP)
+	$(PY) -m pip install -q "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import sentencepiece" || (echo "set-up: sentencepiece failed to install in $(VENV)" >&2; exit 1)
+	@touch $(LLAMACPP_STAMP)
+
+ifneq ($(wildcard $(LLAMACPP_STAMP)),)
+$(LLAMACPP_BUILT):  # built whole before the server's build had a stamp of its own
+	@touch $(LLAMACPP_BUILT)
+else
+$(LLAMACPP_BUILT):
 	@rm -rf $(LLAMACPP_HOME) && mkdir -p $(LLAMACPP_HOME)/src
-	$(PY) -m pip install -q "cmake>=3.19" ninja "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import sentencepiece" && test -x $(VENV)/bin/cmake -a -x $(VENV)/bin/ninja \
-		|| (echo "set-up: cmake, ninja or sentencepiece failed to install in $(VENV)" >&2; exit 1)
-	$(PY) -m pip download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)" \
+	@test -x $(LLAMACPP_TOOLS)/bin/python || $(PYTHON) -m venv $(LLAMACPP_TOOLS)
+	$(LLAMACPP_TOOLS)/bin/python -m pip install -q "cmake>=3.19" ninja 2>&1 | grep -v "^WARNING: Location" || true
+	@test -x $(LLAMACPP_TOOLS)/bin/cmake -a -x $(LLAMACPP_TOOLS)/bin/ninja \
+		|| (echo "set-up: cmake or ninja failed to install in $(LLAMACPP_TOOLS)" >&2; exit 1)
+	$(LLAMACPP_TOOLS)/bin/python -m pip download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)" \
 		-d $(LLAMACPP_HOME) 2>&1 | grep -v "^WARNING: Location" || true
 	@test -f $(LLAMACPP_SDIST) || (echo "set-up: llama-cpp-python $(LLAMACPP_VERSION)'s source package did not download" >&2; exit 1)
 	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_HOME)/src --strip-components=3 llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 	@rm -f $(LLAMACPP_SDIST)
-	$(VENV)/bin/cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build $(LLAMACPP_CMAKE) > $(LLAMACPP_HOME)/cmake.log 2>&1 \
+	$(LLAMACPP_TOOLS)/bin/cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build $(LLAMACPP_CMAKE) > $(LLAMACPP_HOME)/cmake.log 2>&1 \
 		|| (tail -20 $(LLAMACPP_HOME)/cmake.log >&2; echo "set-up: llama.cpp did not configure (a C++ compiler?)" >&2; exit 1)
-	$(VENV)/bin/cmake --build $(LLAMACPP_HOME)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_HOME)/build.log 2>&1 \
+	$(LLAMACPP_TOOLS)/bin/cmake --build $(LLAMACPP_HOME)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_HOME)/build.log 2>&1 \
 		|| (tail -20 $(LLAMACPP_HOME)/build.log >&2; echo "set-up: llama.cpp failed to build (log: $(LLAMACPP_HOME)/build.log)" >&2; exit 1)
 	@test -x $(LLAMACPP_HOME)/build/bin/llama-server || (echo "set-up: llama-server was not built" >&2; exit 1)
-	@touch $(LLAMACPP_STAMP)
+	@touch $(LLAMACPP_BUILT)
+endif
 
-# The two venvs are set up side by side (mostly downloads and unpacking), then the tests run in
+# llama.cpp's build (the longest part: both cores for 4-6 min) starts first, .venv beside it, then
+# .venv-engines (mostly downloads and unpacking); then the tests run in
 # TEST_WORKERS processes, each taking whole test files (pytest-xdist --dist loadfile: a file's
 # fixtures are made once; a fixture of conftest.py is made in each process that uses it).
 TEST_WORKERS ?= 2
 test:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(ENGINES_STAMP) $(LLAMACPP_STAMP)
+	@$(MAKE) --no-print-directory -j2 $(LLAMACPP_BUILT) $(STAMP) $(ENGINES_STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)

@@ -1,4 +1,4 @@
-# `make llamacpp`: unity builds for the heavy libraries only (ggml, llama: ~2x faster on 2 cores);
+# `make llamacpp`'s build settings: unity builds for the heavy libraries only (ggml, llama: ~2x faster on 2 cores);
 # the rest compiles file by file (llama.cpp's common/ does not build as one unit). Of the rest,
 # what runs per token (sampling, speculative drafting, the server's decode loop) keeps -O3 and
 # the other files (HTTP, JSON, argument parsing, templates, multimodal) compile at -O1: ~10 %

@@ -42,6 +42,7 @@ __all__ = [
     "CPU_HEAD_DIMS",
     "EngineRun",
     "decode",
+    "engine_core_in_process",
     "engine_device",
     "engine_failed",
     "gpu_share",
@@ -105,6 +106,20 @@ def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
         raise ConfigError(msg)
     # vLLM logs to stdout by default; stdout is for dflash's JSON records (its workers inherit this)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
+_IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def engine_core_in_process() -> None:
+    """On a CPU, vLLM's engine core runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`
+    unless the user set it): in a process of its own it imports vLLM again and polls beside the
+    front end for the same cores (a tiny engine's start and decode took ~2.5x as long on 2 cores,
+    BENCHMARKS.md). On a GPU vLLM's default stands. Called before each decoding engine is made
+    (eval, regen); feature extraction keeps vLLM's process: its hidden-states connector's reader
+    waits on a file lock that the engine core releases on a later step of its own."""
+    if engine_device() == "cpu":
+        os.environ.setdefault(_IN_PROCESS, "0")
 
 
 def engine_device() -> str:
@@ -249,6 +264,7 @@ def open_engine(
     cache sized for `seqs` sequences of `max_len` tokens (`kv_cache_bytes`)."""
     from vllm import LLM
 
+    engine_core_in_process()
     kwargs: dict[str, Any] = {
         "model": str(target), "skip_tokenizer_init": True, "dtype": dtype, "enforce_eager": True,
         "max_model_len": max_len, "seed": 0, "disable_log_stats": False, "tensor_parallel_size": tensor_parallel,

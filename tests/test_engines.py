@@ -139,6 +139,19 @@ def test_a_speculators_export_reads_back_as_the_same_drafter(tmp_path, layer_typ
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
 
 
+def test_a_cpu_engine_runs_its_core_in_process_unless_the_user_says_otherwise(monkeypatch):
+    """On a CPU the decoding engines run vLLM's engine core in dflash's process; a value the
+    user set stands, and on a GPU vLLM's own default (a process of its own) does."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    for device, preset, expected in (("cpu", None, "0"), ("cpu", "1", "1"), ("cuda", None, None)):
+        monkeypatch.delenv(key, raising=False)
+        if preset is not None:
+            monkeypatch.setenv(key, preset)
+        monkeypatch.setattr(vllm, "engine_device", lambda d=device: d)
+        vllm.engine_core_in_process()
+        assert os.environ.get(key) == expected, (device, preset)
+
+
 def test_the_speculators_verifier_is_the_targets_folder(tmp_path, monkeypatch):
     """vLLM serving a speculators export loads `verifier.name_or_path` as the target: the
     absolute path of the target's HF folder, or "" when there is none to name."""

@@ -155,3 +155,22 @@ def test_a_vllm_engine_that_dies_mid_call_ends_the_wait_in_one_line(monkeypatch)
     with pytest.raises(DataError, match=r"target\.engine_wait: the vLLM engine failed: its engine core process exited"):
         target.engine_call(SimpleNamespace())
     target._watch.set()
+
+
+def test_a_request_vanishing_while_its_folder_is_removed_says_the_folder_is_gone(tmp_path):
+    """A removal deletes the folder's files before the folder: a request can vanish a moment
+    before its folder does, and that is the folder going, not a lost request."""
+    import threading
+
+    from dflash.engines.spool import SpoolTarget
+
+    client = object.__new__(SpoolTarget)  # only its folder matters here
+    client.spool = tmp_path / "spool"
+    client.spool.mkdir()
+    assert not client._removed(grace_s=0.05)  # a folder that stays: the request itself was lost
+    remover = threading.Timer(0.1, shutil.rmtree, (client.spool,))
+    remover.start()
+    try:
+        assert client._removed(grace_s=5.0)
+    finally:
+        remover.join()

@@ -118,6 +118,16 @@ class SpoolTarget:
     def _gone(self, stage: str) -> DataError:
         return DataError(f"{stage}: the spool folder {self.spool} is gone")
 
+    def _removed(self, grace_s: float = 1.0) -> bool:
+        """Whether the spool folder is gone, or going: a removal deletes the files before the
+        folder, so a request can vanish a moment before its folder does."""
+        end = time.monotonic() + grace_s
+        while self.spool.is_dir():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
+        return True
+
     def _alive(self, stage: str) -> None:
         """Raises once the server has not beaten for `timeout_s` (or never started)."""
         try:
@@ -182,7 +192,7 @@ class SpoolTarget:
                 raise DataError(msg)
             self._alive("target.engine_wait")
             if not _opens(req) and not _opens(out) and not _opens(err):
-                if not self.spool.is_dir():
+                if self._removed():
                     raise self._gone("target.engine_wait")
                 msg = f"target.engine_wait: the request {req.name} vanished from {self.spool} unanswered"
                 raise DataError(msg)

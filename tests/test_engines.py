@@ -140,16 +140,34 @@ def test_a_speculators_export_reads_back_as_the_same_drafter(tmp_path, layer_typ
 
 
 def test_a_cpu_engine_runs_its_core_in_process_unless_the_user_says_otherwise(monkeypatch):
-    """On a CPU the decoding engines run vLLM's engine core in dflash's process; a value the
-    user set stands, and on a GPU vLLM's own default (a process of its own) does."""
+    """On a CPU a decoding engine is made with vLLM's engine core in dflash's process, the
+    variable unset after and vLLM's cache of its variables off (a later engine reads them
+    afresh); a value the user set stands, and on a GPU vLLM's own default does."""
+    import sys
+    import types
+
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    for device, preset, expected in (("cpu", None, "0"), ("cpu", "1", "1"), ("cuda", None, None)):
+    uncached = []
+    envs = types.SimpleNamespace(disable_envs_cache=lambda: uncached.append(True))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(envs=envs))
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    for device, preset, inside, after in (("cpu", None, "0", None), ("cpu", "1", "1", "1"), ("cuda", None, None, None)):
         monkeypatch.delenv(key, raising=False)
         if preset is not None:
             monkeypatch.setenv(key, preset)
         monkeypatch.setattr(vllm, "engine_device", lambda d=device: d)
-        vllm.engine_core_in_process()
-        assert os.environ.get(key) == expected, (device, preset)
+        uncached.clear()
+        with vllm.engine_core_in_process():
+            assert os.environ.get(key) == inside, (device, preset)
+        assert os.environ.get(key) == after and uncached == ([True] if inside == "0" else []), (device, preset)
+    # open_engine makes its engine inside it
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(vllm, "engine_device", lambda: "cpu")
+    monkeypatch.setattr(vllm, "kv_cache_bytes", lambda *a, **k: None)
+    seen = []
+    sys.modules["vllm"].LLM = lambda **kwargs: seen.append(os.environ.get(key)) or "engine"
+    assert vllm.open_engine(Path("target"), None, None, "float32", 64) == "engine"
+    assert seen == ["0"] and key not in os.environ
 
 
 def test_the_speculators_verifier_is_the_targets_folder(tmp_path, monkeypatch):

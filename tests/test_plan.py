@@ -66,12 +66,15 @@ def test_profile_records_and_report_carry_mfu_per_stage(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     profiles = [r for r in json_lines(proc.stdout) if r["event"] == "profile" and "roofline" in r]
     assert profiles
-    stages = profiles[-1]["stages"]
+
+    def last(name: str) -> dict:  # a window holds the stages that ran in it: the target may be done before the last
+        return next(p["stages"][name] for p in reversed(profiles) if name in p["stages"])
+
     for name in ("target.model_forward", "drafter.forward", "drafter.backward"):
-        assert stages[name]["tflops"] > 0 and 0 < stages[name]["mfu"] < 1, stages[name]
+        assert last(name)["tflops"] > 0 and 0 < last(name)["mfu"] < 1, last(name)
     roof = profiles[-1]["roofline"]
-    assert roof["peaks"]["cpu"]["source"] == "probe" and roof["furthest_below"] in stages
-    assert "mfu" not in stages["drafter.optimizer_step"]  # elementwise: no matmul roofline
+    assert roof["peaks"]["cpu"]["source"] == "probe" and roof["furthest_below"] in profiles[-1]["stages"]
+    assert "mfu" not in last("drafter.optimizer_step")  # elementwise: no matmul roofline
     report = dflash("report", str(log))
     assert report.returncode == 0 and "MFU: furthest below its device's peak" in report.stdout, report.stdout
     planned = _plan(str(ROOT / "configs" / "tiny.toml"), "--gpu", "cpu", "--calibrate", str(log))

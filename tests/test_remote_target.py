@@ -157,9 +157,10 @@ def test_a_vllm_engine_that_dies_mid_call_ends_the_wait_in_one_line(monkeypatch)
     target._watch.set()
 
 
-def test_a_request_vanishing_while_its_folder_is_removed_says_the_folder_is_gone(tmp_path):
+def test_a_folder_being_removed_counts_as_removed(tmp_path):
     """A removal deletes the folder's files before the folder: a request can vanish a moment
-    before its folder does, and that is the folder going, not a lost request."""
+    before its folder does. The wait then says the folder is gone once it is (within a grace),
+    and that the request vanished only where the folder stays."""
     import threading
 
     from dflash.engines.spool import SpoolTarget

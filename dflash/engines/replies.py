@@ -11,7 +11,7 @@ prompt's index, so a reply does not depend on which requests ran together.
 
 `ReplyEngine` holds one engine: prompts are added as slots free up (vLLM's scheduler batches
 them, continuously, `max_num_seqs` at once), each step returns the replies that finished, and
-closing it shuts the engine's process down, with the requests still running dropped. Under a
+closing it shuts the engine down, with the requests still running dropped. Under a
 deadline, the first `max_num_seqs` prompts always go in; after them, a prompt goes in only when
 its reply (max_new steps at the recent step time) would end by the deadline: what is admitted
 is answered, and no reply is cut off half generated.
@@ -22,7 +22,7 @@ every engine step that finished one). The reply is the generated token ids cut a
 decoded like the local loop's. regen.max_minutes is a deadline from the engine's start (its
 load is not counted, as the target's is not in the local loop): past the first slots' worth,
 no prompt starts whose reply would end after it, and those started are answered. An error,
-Ctrl-C or SIGTERM drops the requests still running and ends the engine's process; a later
+Ctrl-C or SIGTERM drops the requests still running and shuts the engine down; a later
 regen asks them again.
 """
 
@@ -200,10 +200,13 @@ class ReplyEngine:
         return done
 
     def close(self) -> None:
-        """The requests still running dropped, the engine's process ended."""
+        """The requests still running dropped, the engine shut down. On a CPU the engine core
+        runs in this process, where Ctrl-C can land mid-step: an abort that then fails does not
+        hide why the engine closes (the replies written are whole; a later regen asks the rest)."""
         try:
             if self.running:
-                self.llm.llm_engine.abort_request(sorted(self.running))
+                with contextlib.suppress(Exception):
+                    self.llm.llm_engine.abort_request(sorted(self.running))
                 self.running.clear()
         finally:
             shut_down(self.llm)

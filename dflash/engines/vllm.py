@@ -111,15 +111,28 @@ def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-def engine_core_in_process() -> None:
-    """On a CPU, vLLM's engine core runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`
-    unless the user set it): in a process of its own it imports vLLM again and polls beside the
-    front end for the same cores (a tiny engine's start and decode took ~2.5x as long on 2 cores,
-    BENCHMARKS.md). On a GPU vLLM's default stands. Called before each decoding engine is made
-    (eval, regen); feature extraction keeps vLLM's process: its hidden-states connector's reader
-    waits on a file lock that the engine core releases on a later step of its own."""
-    if engine_device() == "cpu":
-        os.environ.setdefault(_IN_PROCESS, "0")
+@contextlib.contextmanager
+def engine_core_in_process() -> Iterator[None]:
+    """While a decoding engine (eval, regen) is made on a CPU: vLLM's engine core in the calling
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless the user set that variable). Otherwise its
+    worker process binds its threads to all cores but one, kept for the scheduling (on 2 cores one
+    decodes), and the core's process imports vLLM again: a tiny engine's start and decode took
+    ~2.5x as long on 2 cores (BENCHMARKS.md). After: the
+    variable unset again and vLLM's cache of its variables (filled by an in-process core) off, so
+    a later engine reads them afresh. On a GPU vLLM's default stands. Feature extraction keeps
+    vLLM's process: its hidden-states connector's reader waits on a file lock that the engine
+    core releases on a later step of its own."""
+    if engine_device() != "cpu" or _IN_PROCESS in os.environ:
+        yield
+        return
+    os.environ[_IN_PROCESS] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(_IN_PROCESS, None)
+        from vllm import envs
+
+        envs.disable_envs_cache()
 
 
 def engine_device() -> str:
@@ -264,7 +277,6 @@ def open_engine(
     cache sized for `seqs` sequences of `max_len` tokens (`kv_cache_bytes`)."""
     from vllm import LLM
 
-    engine_core_in_process()
     kwargs: dict[str, Any] = {
         "model": str(target), "skip_tokenizer_init": True, "dtype": dtype, "enforce_eager": True,
         "max_model_len": max_len, "seed": 0, "disable_log_stats": False, "tensor_parallel_size": tensor_parallel,
@@ -279,13 +291,15 @@ def open_engine(
     if drafter is not None and spec is not None:
         kwargs["speculative_config"] = speculative_config(drafter, spec)
     try:
-        return LLM(**kwargs)
+        with engine_core_in_process():
+            return LLM(**kwargs)
     except RuntimeError as err:
         raise engine_failed(err, kv) from None
 
 
 def shut_down(llm: Any) -> None:
-    """The engine's process ended now (its memory freed), not when the engine is collected."""
+    """The engine shut down now (its process ended, or its in-process core's memory freed), not
+    when the engine is collected."""
     shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
     if callable(shutdown):
         shutdown()

@@ -117,11 +117,11 @@ def engine_core_in_process() -> Iterator[None]:
     process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless the user set that variable). Otherwise its
     worker process binds its threads to all cores but one, kept for the scheduling (on 2 cores one
     decodes), and the core's process imports vLLM again: a tiny engine's start and decode took
-    ~2.5x as long on 2 cores (BENCHMARKS.md). After: the
-    variable unset again and vLLM's cache of its variables (filled by an in-process core) off, so
-    a later engine reads them afresh. On a GPU vLLM's default stands. Feature extraction keeps
-    vLLM's process: its hidden-states connector's reader waits on a file lock that the engine
-    core releases on a later step of its own."""
+    ~2.5x as long on 2 cores (BENCHMARKS.md). After: the variable unset again and vLLM's cache
+    of its variables (filled by an in-process core) off, so a later engine reads them afresh. On
+    a GPU vLLM's default stands. Feature extraction keeps vLLM's process: its hidden-states
+    connector's reader waits on a file lock that the engine core releases on a later step of its
+    own."""
     if engine_device() != "cpu" or _IN_PROCESS in os.environ:
         yield
         return

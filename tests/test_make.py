@@ -1,0 +1,59 @@
+"""The Makefile's plan for llama.cpp (`make -n`, nothing built): one build per machine in the
+user's cache, each clone linked to it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+VERSION = re.search(r'^VERSION = "(.*)"', (ROOT / "dflash/engines/llamacpp.py").read_text(), re.M).group(1)
+
+
+def _plan(clone: Path, cache: Path) -> str:
+    env = {"PATH": os.environ["PATH"], "HOME": str(clone.parent)}
+    proc = subprocess.run(
+        ["make", "-n", "--no-print-directory", f"LLAMACPP_CACHE={cache}", f".llamacpp/{VERSION}/.server-built"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_llamacpp_builds_once_per_machine_and_every_clone_links_to_it(tmp_path: Path):
+    clone, cache = tmp_path / "clone", tmp_path / "cache"
+    for name in ("Makefile", "setup.py", "dflash/engines/llamacpp.py", "dflash/engines/llamacpp-build.cmake"):
+        (clone / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, clone / name)
+    home = clone / ".llamacpp" / VERSION
+    # Nothing built on the machine: the build goes into the cache, then the clone links to it.
+    plan = _plan(clone, cache)
+    shared = Path(re.search(rf"cmake --build ({re.escape(str(cache))}/{VERSION}-\d+)/build ", plan).group(1))
+    assert f"ln -s {shared} .llamacpp/{VERSION}" in plan and plan.index("cmake --build") < plan.index("ln -s")
+    # Built once (by another clone): only the link.
+    (shared / "build" / "bin").mkdir(parents=True)
+    (shared / ".server-built").touch()
+    plan = _plan(clone, cache)
+    assert "cmake" not in plan and f"ln -s {shared} .llamacpp/{VERSION}" in plan
+    home.parent.mkdir(exist_ok=True)
+    home.symlink_to(shared)
+    assert "is up to date" in _plan(clone, cache)  # linked: nothing to do
+    # A link to another key's build (another CPU under the same home, other build settings): remade.
+    other = cache / f"{VERSION}-1"
+    (other / ".server-built").parent.mkdir(parents=True)
+    (other / ".server-built").touch()
+    home.unlink()
+    home.symlink_to(other)
+    assert f"ln -s {shared} .llamacpp/{VERSION}" in _plan(clone, cache)
+    # A build made inside the clone by an earlier set-up stays in use.
+    home.unlink()
+    home.mkdir()
+    (home / ".server-built").touch()
+    assert "is up to date" in _plan(clone, cache)

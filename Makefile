@@ -101,7 +101,11 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 # converter (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece, installed there once
 # both are ready. The version is the one dflash/engines/llamacpp.py names.
 LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/engines/llamacpp.py)
-LLAMACPP_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflash/llama.cpp
+# The user's cache, or, where it cannot be written (a read-only home), the clone's .llamacpp/cache.
+ifeq ($(origin LLAMACPP_CACHE),undefined)
+LLAMACPP_CACHE := $(shell d="$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflash/llama.cpp"; p="$$d"; \
+	while [ ! -e "$$p" ]; do p=$$(dirname "$$p"); done; [ -d "$$p" ] && [ -w "$$p" ] && echo "$$d" || echo "$(CURDIR)/.llamacpp/cache")
+endif
 LLAMACPP_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DCMAKE_UNITY_BUILD=ON
 LLAMACPP_KEY := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; c++ --version | head -1; \

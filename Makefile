@@ -92,33 +92,36 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 
 # llama.cpp for `dflash eval --engine llamacpp`, the GGUF round-trip test and converting an hf
 # target to GGUF: built from llama-cpp-python's source package on PyPI (it vendors llama.cpp),
-# llama-server only (4-6 min on 2 cores), once per machine: into the user's cache,
+# llama-server only (4-6 min on 2 cores), once per user and machine: into the user's cache,
 # LLAMACPP_CACHE/<version>-<key> (the key: the CPU's flags, as the build is native, the compiler
-# and the build settings), shared by every clone (a lock keeps two builds apart); the clone's
-# .llamacpp/<version> (git-ignored) links to it. `make clean` keeps it; remove that folder to
-# build again. Needs a C++ compiler (g++ or clang++); cmake and ninja come from PyPI into a venv
-# of their own (LLAMACPP_CACHE/tools), so the build starts without waiting for .venv. Its
-# converter (convert_hf_to_gguf.py) runs in .venv and imports sentencepiece, installed there once
-# both are ready. The version is the one dflash/engines/llamacpp.py names.
+# and the build settings), shared by every clone (where flock exists, a lock on the cache keeps
+# two builds apart); the clone's .llamacpp/<version> (git-ignored) links to it. `make clean`
+# keeps it; remove that folder to build again. Needs a C++ compiler (g++ or clang++); cmake and
+# ninja come from PyPI into a venv of their own (LLAMACPP_CACHE/tools-<arch>), so the build
+# starts without waiting for .venv. Its converter (convert_hf_to_gguf.py) runs in .venv and
+# imports sentencepiece, installed there once both are ready. The version is the one
+# dflash/engines/llamacpp.py names.
 LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/engines/llamacpp.py)
-# The user's cache, or, where it cannot be written (a read-only home), the clone's .llamacpp/cache.
+# The user's cache, or, with no home or one that cannot be written, the clone's .llamacpp/cache.
 ifeq ($(origin LLAMACPP_CACHE),undefined)
 LLAMACPP_CACHE := $(shell d="$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflash/llama.cpp"; p="$$d"; \
-	while [ ! -e "$$p" ]; do p=$$(dirname "$$p"); done; [ -d "$$p" ] && [ -w "$$p" ] && echo "$$d" || echo "$(CURDIR)/.llamacpp/cache")
+	while [ ! -e "$$p" ]; do p=$$(dirname "$$p"); done; [ -n "$(or $(XDG_CACHE_HOME),$(HOME))" ] && [ -d "$$p" ] \
+	&& [ -w "$$p" ] && echo "$$d" || echo "$(CURDIR)/.llamacpp/cache")
 endif
+override LLAMACPP_CACHE := $(abspath $(LLAMACPP_CACHE))
 LLAMACPP_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DCMAKE_UNITY_BUILD=ON
-LLAMACPP_KEY := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; c++ --version | head -1; \
-	echo '$(LLAMACPP_FLAGS)'; cat dflash/engines/llamacpp-build.cmake) 2>/dev/null | cksum | cut -d' ' -f1)
+LLAMACPP_KEY := $(shell (uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo; "$${CXX:-c++}" --version | head -1; \
+	echo "$$CXXFLAGS $$CFLAGS" '$(LLAMACPP_FLAGS)'; cat dflash/engines/llamacpp-build.cmake) 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMACPP_SHARED := $(LLAMACPP_CACHE)/$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
 LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
-LLAMACPP_TOOLS := $(LLAMACPP_CACHE)/tools
+LLAMACPP_TOOLS := $(LLAMACPP_CACHE)/tools-$(shell uname -m)
 LLAMACPP_BUILT := $(LLAMACPP_HOME)/.server-built
 LLAMACPP_STAMP := $(VENV)/.llamacpp-converter
 LLAMACPP_SDIST := $(LLAMACPP_SHARED)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
 LLAMACPP_CMAKE := -G Ninja -DCMAKE_MAKE_PROGRAM=$(LLAMACPP_TOOLS)/bin/ninja $(LLAMACPP_FLAGS) \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMACPP_SHARED)/build.cmake
-LLAMACPP_LOCK := $(shell command -v flock >/dev/null && echo flock $(LLAMACPP_SHARED).lock)
+LLAMACPP_LOCK := $(LLAMACPP_CACHE)/.lock
 
 llamacpp: $(LLAMACPP_STAMP)
 
@@ -127,26 +130,39 @@ $(LLAMACPP_STAMP): $(LLAMACPP_BUILT) | $(STAMP)
 	@$(PY) -c "import sentencepiece" || (echo "set-up: sentencepiece failed to install in $(VENV)" >&2; exit 1)
 	@touch $(LLAMACPP_STAMP)
 
-# A build made in the clone (.llamacpp/<version> a folder of its own) is kept and used; a link
-# to another key's build (another CPU under the same home, new build settings) is remade.
+# A build made in the clone by an earlier set-up (.llamacpp/<version> a folder with its
+# .server-built) is kept and used; a link to another key's build (another CPU under the same
+# home, new build settings) is remade, and so is one whose server has gone.
 ifneq ($(filter-out $(LLAMACPP_SHARED),$(shell readlink $(LLAMACPP_HOME) 2>/dev/null)),)
+$(LLAMACPP_BUILT): llamacpp-relink
+endif
+ifeq ($(wildcard $(LLAMACPP_HOME)/build/bin/llama-server),)
 $(LLAMACPP_BUILT): llamacpp-relink
 endif
 .PHONY: llamacpp-relink
 llamacpp-relink:
 
+# Under the lock, the shared build is made unless it is there (its stamp and its server).
 $(LLAMACPP_BUILT):
-	@mkdir -p $(LLAMACPP_CACHE) .llamacpp && $(LLAMACPP_LOCK) $(MAKE) --no-print-directory llamacpp-shared
-	@rm -rf $(LLAMACPP_HOME) && ln -s $(LLAMACPP_SHARED) $(LLAMACPP_HOME)
+	@mkdir -p $(LLAMACPP_CACHE) .llamacpp && if command -v flock >/dev/null; then \
+		flock -n $(LLAMACPP_LOCK) true || echo "set-up: waiting for another llama.cpp build in $(LLAMACPP_CACHE)"; \
+		flock $(LLAMACPP_LOCK) $(MAKE) --no-print-directory llamacpp-shared; \
+	else $(MAKE) --no-print-directory llamacpp-shared; fi
+	@rm -rf $(LLAMACPP_HOME) && ln -s $(LLAMACPP_SHARED) $(LLAMACPP_HOME) && test -x $(LLAMACPP_HOME)/build/bin/llama-server \
+		|| (echo "set-up: $(LLAMACPP_HOME) does not lead to a built llama-server ($(LLAMACPP_SHARED))" >&2; exit 1)
 
 .PHONY: llamacpp-shared
 llamacpp-shared: $(LLAMACPP_SHARED)/.server-built
 
+ifeq ($(wildcard $(LLAMACPP_SHARED)/build/bin/llama-server),)
+$(LLAMACPP_SHARED)/.server-built: llamacpp-relink
+endif
 $(LLAMACPP_SHARED)/.server-built:
 	@echo "set-up: building llama.cpp $(LLAMACPP_VERSION) into $(LLAMACPP_SHARED) (once on this machine)"
 	@rm -rf $(LLAMACPP_SHARED) && mkdir -p $(LLAMACPP_SHARED)/src
-	@test -x $(LLAMACPP_TOOLS)/bin/python || $(PYTHON) -m venv $(LLAMACPP_TOOLS)
-	$(LLAMACPP_TOOLS)/bin/python -m pip install -q "cmake>=3.19" ninja 2>&1 | grep -v "^WARNING: Location" || true
+	@test -x $(LLAMACPP_TOOLS)/bin/cmake -a -x $(LLAMACPP_TOOLS)/bin/ninja || { rm -rf $(LLAMACPP_TOOLS) \
+		&& $(PYTHON) -m venv $(LLAMACPP_TOOLS) && $(LLAMACPP_TOOLS)/bin/python -m pip install -q "cmake>=3.19" ninja 2>&1 \
+		| grep -v "^WARNING: Location"; true; }
 	@test -x $(LLAMACPP_TOOLS)/bin/cmake -a -x $(LLAMACPP_TOOLS)/bin/ninja \
 		|| (echo "set-up: cmake or ninja failed to install in $(LLAMACPP_TOOLS)" >&2; exit 1)
 	$(LLAMACPP_TOOLS)/bin/python -m pip download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)" \

@@ -26,12 +26,18 @@ def _plan(clone: Path, cache: Path) -> str:
     return proc.stdout
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_llamacpp_builds_once_per_machine_and_every_clone_links_to_it(tmp_path: Path):
-    clone, cache = tmp_path / "clone", tmp_path / "cache"
+def _clone(tmp_path: Path) -> Path:
+    """What the Makefile reads, copied: make's plan in a scratch clone."""
+    clone = tmp_path / "clone"
     for name in ("Makefile", "setup.py", "dflash/engines/llamacpp.py", "dflash/engines/llamacpp-build.cmake"):
         (clone / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, clone / name)
+    return clone
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_llamacpp_builds_once_per_machine_and_every_clone_links_to_it(tmp_path: Path):
+    clone, cache = _clone(tmp_path), tmp_path / "cache"
     home = clone / ".llamacpp" / VERSION
     # Nothing built on the machine: the build goes into the cache, then the clone links to it.
     plan = _plan(clone, cache)
@@ -40,20 +46,32 @@ def test_llamacpp_builds_once_per_machine_and_every_clone_links_to_it(tmp_path: 
     # Built once (by another clone): only the link.
     (shared / "build" / "bin").mkdir(parents=True)
     (shared / ".server-built").touch()
+    assert "cmake --build" in _plan(clone, cache)  # a stamp without its server: built again
+    (shared / "build" / "bin" / "llama-server").touch()
     plan = _plan(clone, cache)
-    assert "cmake" not in plan and f"ln -s {shared} .llamacpp/{VERSION}" in plan
+    assert "cmake --build" not in plan and f"ln -s {shared} .llamacpp/{VERSION}" in plan
     home.parent.mkdir(exist_ok=True)
     home.symlink_to(shared)
     assert "is up to date" in _plan(clone, cache)  # linked: nothing to do
     # A link to another key's build (another CPU under the same home, other build settings): remade.
     other = cache / f"{VERSION}-1"
-    (other / ".server-built").parent.mkdir(parents=True)
+    (other / "build" / "bin").mkdir(parents=True)
+    (other / "build" / "bin" / "llama-server").touch()
     (other / ".server-built").touch()
     home.unlink()
     home.symlink_to(other)
     assert f"ln -s {shared} .llamacpp/{VERSION}" in _plan(clone, cache)
     # A build made inside the clone by an earlier set-up stays in use.
     home.unlink()
-    home.mkdir()
+    (home / "build" / "bin").mkdir(parents=True)
+    (home / "build" / "bin" / "llama-server").touch()
     (home / ".server-built").touch()
     assert "is up to date" in _plan(clone, cache)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_a_relative_llamacpp_cache_is_made_absolute(tmp_path: Path):
+    """The clone's link is resolved from inside .llamacpp/: a relative cache would dangle."""
+    clone = _clone(tmp_path)
+    plan = _plan(clone, Path("rel"))
+    assert f"ln -s {clone / 'rel'}/{VERSION}-" in plan

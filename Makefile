@@ -177,6 +177,9 @@ $(LLAMACPP_SHARED)/.server-built:
 		|| (tail -20 $(LLAMACPP_SHARED)/build.log >&2; echo "set-up: llama.cpp failed to build (log: $(LLAMACPP_SHARED)/build.log)" >&2; exit 1)
 	@test -x $(LLAMACPP_SHARED)/build/bin/llama-server || (echo "set-up: llama-server was not built" >&2; exit 1)
 	@touch $@
+	@for d in $(LLAMACPP_CACHE)/*-*/.server-built; do d=$${d%/.server-built}; [ -d "$$d" ] && [ "$$d" != "$(LLAMACPP_SHARED)" ] \
+		&& echo "set-up: an older llama.cpp build is in the cache: $$d ($$(du -sh "$$d" | cut -f1); remove it once no clone links to it)"; \
+		true; done
 
 # llama.cpp's build (the longest part: both cores for 4-6 min) starts first, .venv beside it, then
 # .venv-engines (mostly downloads and unpacking); then the tests run in

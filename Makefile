@@ -181,10 +181,11 @@ $(LLAMACPP_SHARED)/.server-built:
 		&& echo "set-up: an older llama.cpp build is in the cache: $$d ($$(du -sh "$$d" | cut -f1); remove it once no clone links to it)"; \
 		true; done
 
-# llama.cpp's build (the longest part: both cores for 4-6 min) starts first, .venv beside it, then
-# .venv-engines (mostly downloads and unpacking); then the tests run in
-# TEST_WORKERS processes, each taking whole test files (pytest-xdist --dist loadfile: a file's
-# fixtures are made once; a fixture of conftest.py is made in each process that uses it).
+# llama.cpp's build (the machine's first time, the longest part: both cores for 4-6 min; later,
+# only the clone's link) starts first, .venv beside it, then .venv-engines (mostly downloads and
+# unpacking); then the tests run in TEST_WORKERS processes, each taking whole test files
+# (pytest-xdist --dist loadfile: a file's fixtures are made once; a fixture of conftest.py is made
+# in each process that uses it), and the 15 slowest are named at the end.
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j2 $(LLAMACPP_BUILT) $(STAMP) $(ENGINES_STAMP) $(LLAMACPP_STAMP)

@@ -111,11 +111,12 @@ endif
 override LLAMACPP_CACHE := $(abspath $(LLAMACPP_CACHE))
 LLAMACPP_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DCMAKE_UNITY_BUILD=ON
-LLAMACPP_KEY := $(shell (uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo; "$${CXX:-c++}" --version | head -1; \
+LLAMACPP_ARCH := $(shell uname -m)
+LLAMACPP_KEY := $(shell (echo $(LLAMACPP_ARCH); grep -m1 -E '^(flags|Features)' /proc/cpuinfo; "$${CXX:-c++}" --version | head -1; \
 	echo "$$CXXFLAGS $$CFLAGS" '$(LLAMACPP_FLAGS)'; cat dflash/engines/llamacpp-build.cmake) 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMACPP_SHARED := $(LLAMACPP_CACHE)/$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
 LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
-LLAMACPP_TOOLS := $(LLAMACPP_CACHE)/tools-$(shell uname -m)
+LLAMACPP_TOOLS := $(LLAMACPP_CACHE)/tools-$(LLAMACPP_ARCH)
 LLAMACPP_BUILT := $(LLAMACPP_HOME)/.server-built
 LLAMACPP_STAMP := $(VENV)/.llamacpp-converter
 LLAMACPP_SDIST := $(LLAMACPP_SHARED)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz

@@ -37,6 +37,15 @@ run through the Coordinator as `dflash run` does:
   pipeline_equals_serial  pipeline runs (features on the GPU; D2H through pinned buffers) against
                           `pipeline.mode = "serial"`, same seed: every step's loss and the final
                           weights bit-identical (else within RACE_TOL = 1e-3 relative, stated)
+  families                for `drafter.family` "dflash2" and "dspark" (their convolutions,
+                          selector, Markov and confidence heads): the `REF` config's losses on
+                          CPU and CUDA within REF_TOL at every step, and a `SMALL` pipeline run
+                          (features on the GPU, with its end-of-run eval) against the serial
+                          loop, as pipeline_equals_serial judges it; τ and lossless reported
+  families_syncs          no_unnamed_syncs for "dflash2" and "dspark"
+The families' checks run after the measures, each only if the time budget still holds what it
+needs on an H200 (families 170 s, families_syncs 80 s), else SKIP; alone:
+`GPU_CHECK_ONLY="families families_syncs"` runs only the checks named (no measures).
 Measures, on the bench config (configs/gpu_bench.toml: a Qwen3-8B-shaped random target, a
 5-layer drafter), FLOPs counted as 2 per multiply-add of the model's matmuls:
   matmul_peak             bf16 8192³ torch.matmul, CUDA events, best of 3 × 20
@@ -589,9 +598,11 @@ def check_reference_losses(ctx: Context) -> str:
     return detail
 
 
-def sync_debug_run(ctx: Context, kind: str, mode: str) -> str:
+def sync_debug_run(ctx: Context, kind: str, mode: str, **extra: Any) -> str:
     """One run with `pipeline.sync_debug = true`: it must finish, with the mode seen on."""
-    cfg = path_config(ctx, kind, mode, f"sync_debug_{mode}", **{"pipeline.sync_debug": True, "eval.at_end": False})
+    prefix = f"{extra['drafter.family']}_" if "drafter.family" in extra else ""
+    sets = {"pipeline.sync_debug": True, "eval.at_end": False, **extra}
+    cfg = path_config(ctx, kind, mode, f"{prefix}sync_debug_{mode}", **sets)
     modes: set[int] = set()
 
     def observe(rec: dict[str, Any]) -> None:
@@ -609,7 +620,7 @@ def sync_debug_run(ctx: Context, kind: str, mode: str) -> str:
     return f"{steps} steps"
 
 
-def check_sync_debug(ctx: Context) -> str:
+def check_sync_debug(ctx: Context, **extra: Any) -> str:
     """The mode is process-wide and off while any named sync runs (dflash.runtime.devices): in the
     pipeline, a long named wait in one thread (the D2H wait, the grad-norm sync) leaves the
     others unchecked meanwhile. The serial loop overlaps nothing, so there every stage
@@ -620,7 +631,7 @@ def check_sync_debug(ctx: Context) -> str:
     out, bad = [], []
     for kind, mode in (("d2h_and_cache", "serial"), ("device_features", "pipeline")):
         try:
-            out.append(f"{mode} ({kind}): {sync_debug_run(ctx, kind, mode)}")
+            out.append(f"{mode} ({kind}): {sync_debug_run(ctx, kind, mode, **extra)}")
         except ConfigError as err:
             msg = f"the config does not accept pipeline.sync_debug ({one_line(err)})"
             raise CheckFailed(msg) from None
@@ -662,6 +673,54 @@ def check_pipeline_equals_serial(ctx: Context) -> str:
         where = f"{n_streams} streams" if ctx.cuda else "CPU"
         out.append(f"{kind} ({len(la)} steps, {where}): " + (diff or "losses and final weights bit-identical"))
     return "; ".join(out)
+
+
+FAMILIES = ("dflash2", "dspark")
+
+
+def check_families(ctx: Context) -> str:
+    """Each successor family through the CUDA paths: losses against CPU float32, and pipeline
+    against serial with its own end-of-run eval (its own proposal: the selector's walk, the
+    Markov-biased tokens)."""
+    out, bad = [], []
+    for fam in FAMILIES:
+        try:
+            sets = {"drafter.family": fam, "train.max_steps": 6, "train.log_every": 1}
+            shapes = REF if ctx.cuda else TINY
+            cpu = run_dflash(ctx.config(f"{fam}_ref_cpu", shapes, "cpu", **sets), timeout_s=120)
+            with tiny_target_built_on_host():
+                dev = run_dflash(ctx.config(f"{fam}_ref_device", shapes, **sets), timeout_s=120)
+            a, b = cpu.losses, dev.losses
+            if len(a) != 6 or len(b) != 6 or None in a or None in b:
+                raise CheckFailed(f"expected 6 finite losses on each side; cpu {a}, {ctx.dev} {b}")
+            worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True))
+            if worst > REF_TOL:
+                raise CheckFailed(f"max |Δloss|/loss {worst:.1e} against CPU (tolerance {REF_TOL:g})")
+            fam_set = {"drafter.family": fam}
+            pipe = run_dflash(path_config(ctx, "device_features", "pipeline", f"{fam}_pipeline", **fam_set),
+                              timeout_s=150)  # fmt: skip
+            serial = run_dflash(path_config(ctx, "device_features", "serial", f"{fam}_serial", **fam_set),
+                                timeout_s=150)  # fmt: skip
+            diff = compare(pipe.losses, pipe.weights(), serial.losses, serial.weights())
+            evals = [r for r in pipe.records if r["event"] == "eval"]
+            if not evals:
+                raise CheckFailed("no end-of-run eval")
+            out.append(
+                f"{fam}: losses against CPU max {worst:.1e}; pipeline ({len(pipe.losses)} steps) against serial: "
+                f"{diff or 'bit-identical'}; eval τ {evals[-1]['tau']}, lossless {evals[-1]['lossless']}"
+            )
+        except Exception as err:
+            traceback.print_exc(file=sys.stderr)
+            bad.append(f"{fam}: {one_line(err)}")
+    if bad:
+        raise CheckFailed("; ".join(bad + out))
+    return "; ".join(out)
+
+
+def check_families_syncs(ctx: Context) -> str:
+    """no_unnamed_syncs for each successor family (its selector walk, Markov and confidence
+    losses run in the drafter's step)."""
+    return "; ".join(f"{fam}: {check_sync_debug(ctx, **{'drafter.family': fam})}" for fam in FAMILIES)
 
 
 # -- measures ----------------------------------------------------------------------------------
@@ -973,6 +1032,17 @@ def main() -> int:
             f"results in {out}" + (f", runs in {work}" if work != out else ""))  # fmt: skip
     if not dry and not cuda:
         ctx._verdict("cuda", "FAIL", "no CUDA device here (DRY_RUN=1 checks the script on CPU)")
+    elif os.environ.get("GPU_CHECK_ONLY"):
+        checks = {"cuda_paths": (check_cuda_paths, "exercise"),
+                  "cpu_reference_losses": (check_reference_losses, "exercise"),
+                  "no_unnamed_syncs": (check_sync_debug, "require"), "families": (check_families, "judge"),
+                  "families_syncs": (check_families_syncs, "require")}  # fmt: skip
+        for name in os.environ["GPU_CHECK_ONLY"].split():
+            if name not in checks:
+                ctx._verdict(name, "FAIL", f"GPU_CHECK_ONLY: no check named {name!r} (one of {sorted(checks)})")
+                continue
+            fn, cuda_rule = checks[name]
+            ctx.check(name, lambda fn=fn: fn(ctx), cuda=cuda_rule)
     else:
         ctx.measure("matmul_peak", lambda: measure_matmul_peak(ctx))
         ctx.measure("flex_compile", lambda: measure_flex_compile(ctx))
@@ -986,6 +1056,14 @@ def main() -> int:
         ctx.measure("drafter_step", lambda: measure_drafter_step(ctx), reserve_s=60)
         ctx.measure("pipeline_vs_serial", lambda: measure_pipeline_vs_serial(ctx), reserve_s=40)
         ctx.measure("peak_memory", lambda: measure_peak_memory(ctx), cuda=True)
+        # Last, each only if what it needs is left: the measures above keep their share of the budget.
+        for name, fn, need_s, cuda_rule in (("families", check_families, 170, "judge"),
+                                            ("families_syncs", check_families_syncs, 80, "require")):  # fmt: skip
+            left = ctx.budget_s - ctx.elapsed()
+            if left >= need_s or not ctx.cuda:
+                ctx.check(name, lambda fn=fn: fn(ctx), cuda=cuda_rule)
+            else:
+                ctx._verdict(name, "SKIP", f"(time budget: {left:.0f} s left; GPU_CHECK_ONLY={name} runs it alone)")
     res = ctx.save(partial=False)
     print(json.dumps(res), flush=True)
     return 0 if res["ok"] else 1

@@ -34,12 +34,14 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert last["bench"] == "gpu_check" and last["dry_run"] and last["ok"] and not last["partial"]
     assert {line.split()[0] for line in lines[:-1]} <= {"INFO", "PASS", "SKIP", "MEASURE"}, lines
     checks = last["checks"]
-    assert list(checks) == ["cuda_paths", "cpu_reference_losses", "no_unnamed_syncs", "pipeline_equals_serial"]
-    assert (
-        checks["pipeline_equals_serial"]["status"] == "PASS"
-        and "bit-identical" in checks["pipeline_equals_serial"]["detail"]
-    )
-    assert all(c["status"] == "SKIP" for n, c in checks.items() if n != "pipeline_equals_serial")
+    assert list(checks) == [
+        "cuda_paths", "cpu_reference_losses", "no_unnamed_syncs", "pipeline_equals_serial", "families", "families_syncs"
+    ]  # fmt: skip
+    judged_on_cpu = ("pipeline_equals_serial", "families")
+    for name in judged_on_cpu:
+        assert checks[name]["status"] == "PASS" and "bit-identical" in checks[name]["detail"], checks[name]
+    assert "dflash2:" in checks["families"]["detail"] and "dspark:" in checks["families"]["detail"]
+    assert all(c["status"] == "SKIP" for n, c in checks.items() if n not in judged_on_cpu)
     for name in ("cuda_paths", "cpu_reference_losses"):  # exercised on CPU, not only skipped
         assert checks[name]["detail"].startswith("(no CUDA) ran on CPU"), checks[name]
     assert "calls outside training" in checks["cuda_paths"]["detail"]  # the end-of-run eval's, apart

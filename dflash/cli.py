@@ -26,7 +26,7 @@ _SET_HELP = "override a config key, e.g. --set drafter.num_layers=2 (repeatable)
 
 def _prog() -> str:
     """`dflash`, or `dflash[rank N]` in a run of several processes (torchrun)."""
-    from dflash.runtime.distributed import launched
+    from dflash.runtime.ranks import launched
 
     try:
         ranked = launched()
@@ -130,7 +130,7 @@ def run(
             why = llamacpp.gguf_export_problem(cfg.target.kind, cfg.target.path, cfg.target.layer_ids)
             if why is not None:
                 raise ConfigError(f"checkpoint.export_gguf: {why}")
-        from dflash.runtime.distributed import launched
+        from dflash.runtime.ranks import launched
 
         ranked = launched()  # under torchrun: JSON on stdout from rank 0 only
         first = ranked is None or ranked[0] == 0

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import tomllib
 from pathlib import Path
@@ -106,6 +107,21 @@ def test_config_misuse_is_a_one_line_error(tmp_path: Path, case: str, expect: st
     }[case]  # fmt: skip
     line = assert_one_line_error(dflash(*args))
     assert expect in line
+
+
+def test_a_config_error_is_reported_before_torch_loads(tmp_path: Path) -> None:
+    """A mistyped path or key is answered at once: the error line (its rank prefix included)
+    needs no torch, which takes seconds to import."""
+    code = (
+        "import sys\n"
+        "from dflash.cli import entry\n"
+        f"sys.argv = ['dflash', 'run', {str(tmp_path / 'missing.toml')!r}]\n"
+        "try:\n    entry()\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert "missing.toml" in proc.stderr
 
 
 def test_negative_profile_interval_is_a_one_line_error(tmp_path: Path) -> None:

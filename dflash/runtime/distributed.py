@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash.errors import ConfigError, DFlashError
+from dflash.runtime.ranks import launched
 
 if TYPE_CHECKING:
     from dflash.config import Config
@@ -59,17 +60,6 @@ NCCL_BACKSTOP_S = 60.0  # NCCL's watchdog deadline, past distributed.timeout_s (
 
 class DistributedError(DFlashError):
     """A rank was lost or the ranks disagree; raised on every survivor."""
-
-
-def launched() -> tuple[int, int] | None:
-    """(rank, world size) when this process is one of several launched by torchrun."""
-    try:
-        size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-    except ValueError:
-        msg = f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} / RANK={os.environ.get('RANK')!r}: expected integers"
-        raise ConfigError(msg) from None
-    return (rank, size) if size > 1 else None
 
 
 def shard(items: Iterable[tuple[int, Any, Any]], rank: int, size: int) -> Iterator[tuple[int, Any, Any]]:

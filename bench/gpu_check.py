@@ -45,7 +45,8 @@ run through the Coordinator as `dflash run` does:
   families_syncs          no_unnamed_syncs for "dflash2" and "dspark"
 The families' checks run after the measures, each only if the time budget still holds what it
 needs on an H200 (families 170 s, families_syncs 80 s), else SKIP; alone:
-`GPU_CHECK_ONLY="families families_syncs"` runs only the checks named (no measures).
+`GPU_CHECK_ONLY="families families_syncs"` runs only what it names, in its order (checks and
+measures alike; target_forward, drafter_step and pipeline_vs_serial need bench_setup first).
 Measures, on the bench config (configs/gpu_bench.toml: a Qwen3-8B-shaped random target, a
 5-layer drafter), FLOPs counted as 2 per multiply-add of the model's matmuls:
   matmul_peak             bf16 8192³ torch.matmul, CUDA events, best of 3 × 20
@@ -1037,12 +1038,18 @@ def main() -> int:
                   "cpu_reference_losses": (check_reference_losses, "exercise"),
                   "no_unnamed_syncs": (check_sync_debug, "require"), "families": (check_families, "judge"),
                   "families_syncs": (check_families_syncs, "require")}  # fmt: skip
+        measures = {"matmul_peak": measure_matmul_peak, "flex_compile": measure_flex_compile,
+                    "bench_setup": measure_bench_setup, "target_forward": measure_target_forward,
+                    "drafter_step": measure_drafter_step, "pipeline_vs_serial": measure_pipeline_vs_serial}  # fmt: skip
         for name in os.environ["GPU_CHECK_ONLY"].split():
-            if name not in checks:
-                ctx._verdict(name, "FAIL", f"GPU_CHECK_ONLY: no check named {name!r} (one of {sorted(checks)})")
-                continue
-            fn, cuda_rule = checks[name]
-            ctx.check(name, lambda fn=fn: fn(ctx), cuda=cuda_rule)
+            if name in checks:
+                fn, cuda_rule = checks[name]
+                ctx.check(name, lambda fn=fn: fn(ctx), cuda=cuda_rule)
+            elif name in measures:  # the last three need bench_setup before them
+                ctx.measure(name, lambda fn=measures[name]: fn(ctx))
+            else:
+                known = sorted(checks) + sorted(measures)
+                ctx._verdict(name, "FAIL", f"GPU_CHECK_ONLY: no check or measure named {name!r} (one of {known})")
     else:
         ctx.measure("matmul_peak", lambda: measure_matmul_peak(ctx))
         ctx.measure("flex_compile", lambda: measure_flex_compile(ctx))

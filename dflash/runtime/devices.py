@@ -292,8 +292,18 @@ class Device:
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """`host_sync`'s blocking copy, in this device's worker thread (a simulated device
-        first waits for its simulated queue, so it syncs exactly where the real one does)."""
-        return t.to("cpu")  # sync: the named one (host_sync)
+        first waits for its simulated queue, so it syncs exactly where the real one does).
+        From a GPU: into pinned memory, then this thread waits on an event. A blocking copy
+        into pageable memory would also hold back the other threads' CUDA calls until the
+        stream drains (on one GPU the drafter's next batch waited on the grad-norm sync)."""
+        if not t.is_cuda:
+            return t.to("cpu")  # sync: the named one (host_sync)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        done.synchronize()  # sync: the named one (host_sync); this thread alone waits
+        return out
 
     def pinned(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An empty host buffer the device can copy into and out of asynchronously."""

@@ -83,7 +83,9 @@ class Calibration:
             if side in host_s and "tflops" not in s and name not in Stage.WAITS and batches:
                 host_s[side] += s["mean_ms"] / 1000 * s["count"] / batches
             elif side == "optimizer" and name not in (Stage.EVAL, Stage.CHECKPOINT) and steps:
-                step_s += s["mean_ms"] / 1000 * s["count"] / steps
+                # A named sync on a GPU is mostly a wait for the device: its device time is the work.
+                mean_ms = s.get("device_mean_ms", s["mean_ms"]) if name in Stage.HOST_SYNCS else s["mean_ms"]
+                step_s += min(mean_ms, s["mean_ms"]) / 1000 * s["count"] / steps
         replicas = len(pipe.get("drafter_devices", [1]))
         return cls(mfu, setup.get("batch_shape") or {}, workers, host_s, step_s, replicas)
 

@@ -5,7 +5,9 @@ stages by the worker that runs them (data, target, drafter, optimizer — the wo
 group is serial, so its busy fraction is how loaded that worker is), and names the
 bottleneck: the busiest group. Wait stages (queue waits, step waits) are idle time and
 tell the rest of the story: drafters waiting on the hidden-state queue are starved by the
-targets; targets waiting to put are back-pressured by the drafters.
+targets; targets waiting to put are back-pressured by the drafters. On a GPU the named host
+syncs (`drafter.grad_norm_sync`, `metrics.sync`) are mostly the host waiting for the device's
+queued work: their device time counts as the optimizer's work, the rest as a wait for the GPU.
 
 A run of several processes (torchrun) has a `rank` in every record: the report then reads
 each rank on its own as well (its throughput, busy fractions, bottleneck, the share of the
@@ -28,6 +30,8 @@ from dflash.errors import DataError
 from dflash.runtime.profiler import Stage
 
 __all__ = ["analyze", "format_report", "read_logs", "read_records"]
+
+GPU_BOUND_WAIT = 0.25  # the host waiting for the GPU in named syncs this share of wall time, at least: GPU-bound
 
 # Which worker runs a stage (the optimizer thread runs the drafter.grad_* / optimizer stages).
 _OPTIMIZER = {Stage.GRAD_REDUCE, Stage.ALLREDUCE, Stage.GRAD_NORM_SYNC, Stage.OPTIMIZER_STEP, Stage.METRICS_SYNC,
@@ -141,8 +145,9 @@ def _analyze(
         raise DataError(msg)
     wall = sum(p["wall_s"] for p in steady)
     stages = _sum_stages(steady)
-    table, groups, waits = _stage_table(stages, wall)
-    per_worker = _worker_shares(steady, wall)
+    cuda = any("device_mean_ms" in s for p in steady for s in p["stages"].values())
+    table, groups, waits = _stage_table(stages, wall, cuda)
+    per_worker = _worker_shares(steady, wall, {k: v for k, v in waits.items() if k in Stage.HOST_SYNCS})
     busiest = next(iter(per_worker), None)
     if busiest is not None and busiest != "loop":
         # The busiest worker names the bottleneck (several replicas of a role add up in
@@ -155,6 +160,13 @@ def _analyze(
     busy = max((v for w, v in per_worker.items() if _role(w) == bottleneck), default=0.0)
     if not busy:
         busy = groups.get(bottleneck, 0.0) if bottleneck else 0.0
+    # The host waiting for the GPU longer than any worker is busy: the device's queued work is
+    # the limit. The named syncs wait for the drafters' device work (on one GPU, shared with
+    # the target's), so the drafter is named; no host worker's idling bounds the throughput.
+    gpu_wait = sum(v for k, v in waits.items() if k in Stage.HOST_SYNCS)
+    gpu_bound = cuda and gpu_wait >= GPU_BOUND_WAIT and gpu_wait >= busy
+    if gpu_bound:
+        bottleneck = "drafter"
     return {
         "windows": len(steady),
         "warmup_windows_dropped": len(profiles) - len(steady),
@@ -164,13 +176,14 @@ def _analyze(
         "workers": per_worker,
         "waits": {k: round(v, 4) for k, v in waits.items()},
         "bottleneck": bottleneck,
+        "gpu_bound": round(gpu_wait, 4) if gpu_bound else None,  # the share of wall time the host waits for it
         "tokens_per_s": round(measured, 2),
         # If the bottleneck worker were busy all the time, throughput would scale by 1/busy.
-        "bound_tokens_per_s": round(measured / busy, 2) if busy > 0 else None,
+        "bound_tokens_per_s": round(measured / busy, 2) if busy > 0 and not gpu_bound else None,
         "host_share": round(sum(groups.values()), 4),
         # On CUDA, host time is launch work holding the GIL; on CPU it includes the compute
         # itself (torch releases the GIL there), so the GIL verdict is only made on CUDA.
-        "cuda": any("device_mean_ms" in s for p in steady for s in p["stages"].values()),
+        "cuda": cuda,
         "what_if": _what_if(records, stages, groups),
         "roofline": _roofline(steady, table, bottleneck),
     }
@@ -236,16 +249,19 @@ def _sum_stages(steady: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             st = stages[name]
             st["count"] += s["count"]
             st["total_s"] += s["total_s"]
+            if "device_mean_ms" in s:  # CUDA events: the device's time of the span's work
+                st["device_s"] = st.get("device_s", 0.0) + s["device_mean_ms"] * s["count"] / 1000
             st["max_ms"] = max(st["max_ms"], s["max_ms"])
             st["p95_ms"] = max(st["p95_ms"], s["p95_ms"])
     return stages
 
 
 def _stage_table(
-    stages: dict[str, dict[str, float]], wall: float
+    stages: dict[str, dict[str, float]], wall: float, cuda: bool = False
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float], dict[str, float]]:
     """The report's stage table (busiest first), and each stage's share of wall time summed
-    by role (work) or kept by stage (waits: idle time)."""
+    by role (work) or kept by stage (waits: idle time). On CUDA a named host sync is work for
+    its device time only; the rest of it is kept as a wait (the host waiting for the GPU)."""
     table = {}
     groups: dict[str, float] = defaultdict(float)
     waits: dict[str, float] = {}
@@ -258,20 +274,33 @@ def _stage_table(
             "p95_ms": round(st["p95_ms"], 3),
             "share": round(share, 4),
         }
+        if "device_s" in st and st["count"]:
+            table[name]["device_mean_ms"] = round(1000 * st["device_s"] / st["count"], 3)
         if name in Stage.WAITS:
             waits[name] = share
+        elif cuda and name in Stage.HOST_SYNCS and "device_s" in st and wall:
+            work = min(st["device_s"], st["total_s"]) / wall
+            groups[_group(name)] += work
+            waits[name] = share - work
         else:
             groups[_group(name)] += share
     return table, groups, waits
 
 
-def _worker_shares(steady: list[dict[str, Any]], wall: float) -> dict[str, float]:
-    """Each worker's busy fraction of wall time, busiest first ({} without wall time)."""
+def _worker_shares(steady: list[dict[str, Any]], wall: float, gpu_waits: dict[str, float]) -> dict[str, float]:
+    """Each worker's busy fraction of wall time, busiest first ({} without wall time); the
+    optimizer's less its named syncs' waits for the GPU (`gpu_waits`, shares of wall time)."""
     workers: dict[str, float] = defaultdict(float)
     for p in steady:
         for w, frac in p.get("workers", {}).items():
             workers[w] += frac * p["wall_s"]
-    return {w: round(v / wall, 4) for w, v in sorted(workers.items(), key=lambda kv: -kv[1])} if wall else {}
+    if not wall:
+        return {}
+    shares = {w: v / wall for w, v in workers.items()}
+    for w in shares:
+        if _role(w) == "optimizer":
+            shares[w] = max(shares[w] - sum(gpu_waits.values()), 0.0)
+    return {w: round(v, 4) for w, v in sorted(shares.items(), key=lambda kv: -kv[1])}
 
 
 def _bottleneck_busy(a: dict[str, Any]) -> float:
@@ -458,7 +487,15 @@ def format_report(a: dict[str, Any]) -> str:
     if a["workers"]:
         lines.append("busy by worker: " + ", ".join(f"{w} {100 * v:.0f}%" for w, v in a["workers"].items()))
     b = a["bottleneck"]
-    lines.append(f"bottleneck: {b} ({100 * _bottleneck_busy(a):.0f}% busy)")
+    if a.get("gpu_bound"):
+        top = next(iter(a["workers"].items()), None)
+        lines.append(
+            f"bottleneck: the drafter's GPU: the host waits for its queued work {100 * a['gpu_bound']:.0f}% of wall "
+            "time in the named syncs (drafter.grad_norm_sync, metrics.sync)"
+            + (f"; the busiest host worker is {top[0]} ({100 * top[1]:.0f}%)" if top else "")
+        )
+    else:
+        lines.append(f"bottleneck: {b} ({100 * _bottleneck_busy(a):.0f}% busy)")
     starve = a["waits"].get(Stage.DRAFTER_QUEUE_WAIT, 0.0)
     back = a["waits"].get(Stage.TARGET_QUEUE_PUT, 0.0)
     if starve > 0.05 and back > 0.05:
@@ -468,6 +505,14 @@ def format_report(a: dict[str, Any]) -> str:
         )
     if starve > 0.05:
         lines.append(f"drafters are starved: {100 * starve:.0f}% of wall time waiting for hidden states")
+    gpu_wait = {k: v for k, v in a["waits"].items() if k in Stage.HOST_SYNCS and v > 0}
+    if sum(gpu_wait.values()) > 0.05 and not a.get("gpu_bound"):
+        each = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(gpu_wait.items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"the host waits for the GPU {100 * sum(gpu_wait.values()):.0f}% of wall time in its named syncs "
+            f"({each}): the device's queued work, not host work, sets the pace there (counted as waiting, "
+            "not as the optimizer's work)"
+        )
     if back > 0.05:
         lines.append(f"targets are back-pressured: {100 * back:.0f}% of wall time waiting to hand over features")
     if a["bound_tokens_per_s"]:
@@ -497,7 +542,7 @@ def format_report(a: dict[str, Any]) -> str:
             + f", best {best} ({w['batches_per_s'][best]:.2f} batches/s)"
             + (" — devices are all 'cpu' here, so splits share cores: indicative only" if w["shared_cpu"] else "")
         )
-    if a["cuda"] and a["host_share"] > 0.9:
+    if a["cuda"] and a["host_share"] > 0.9 and not a.get("gpu_bound"):
         lines.append(
             f"host work sums to {100 * a['host_share']:.0f}% of wall time: one process holding the GIL "
             "is near its limit; more devices will not help"

@@ -72,6 +72,43 @@ def test_busiest_worker_wins_over_summed_roles():
     assert a["bottleneck"] == "target"
 
 
+def _on_gpu(rec: dict, device_ms: dict[str, float]) -> dict:
+    """`rec`'s stages as a CUDA run writes them: with the mean device time of their events."""
+    for name, ms in device_ms.items():
+        rec["stages"][name]["device_mean_ms"] = ms
+    return rec
+
+
+def test_a_named_sync_waiting_for_the_gpu_is_not_the_optimizers_work():
+    """On a GPU the grad-norm sync's host time is the wait for the device's queued work: only
+    its device time is the optimizer's. Waiting more than any worker is busy makes the run
+    GPU-bound: the drafter's device is named, with no host worker's bound on throughput."""
+    stages = {"target.model_forward": 1.0, "drafter.forward": 0.5, "drafter.backward": 2.5,
+              "drafter.grad_norm_sync": 5.4, "drafter.optimizer_step": 0.1}  # fmt: skip
+    workers = {"target0": 0.1, "drafter0": 0.3, "optimizer": 0.55}
+    rec = _on_gpu(_profile(0, False, stages, workers=workers), {"drafter.grad_norm_sync": 0.5})  # 10 × 0.5 ms
+    a = analyze([rec])
+    assert a["cuda"] and a["waits"]["drafter.grad_norm_sync"] == pytest.approx(0.5395)
+    assert a["busy"]["optimizer"] == pytest.approx(0.0105) and a["workers"]["optimizer"] == pytest.approx(0.0105)
+    assert a["bottleneck"] == "drafter" and a["gpu_bound"] == pytest.approx(0.5395)
+    assert a["bound_tokens_per_s"] is None
+    text = format_report(a)
+    assert "bottleneck: the drafter's GPU" in text and "busiest host worker is drafter0 (30%)" in text
+    assert "never idled" not in text and "GIL" not in text
+    assert a["stages"]["drafter.grad_norm_sync"]["device_mean_ms"] == 0.5
+
+    # A short wait leaves the verdict to the busiest worker, and is said apart.
+    stages["drafter.grad_norm_sync"] = 1.0
+    rec = _on_gpu(_profile(0, False, stages, workers={**workers, "optimizer": 0.11}), {"drafter.grad_norm_sync": 0.5})
+    a = analyze([rec])
+    assert a["bottleneck"] == "drafter" and a["gpu_bound"] is None and a["bound_tokens_per_s"] == round(100 / 0.3, 2)
+    assert "the host waits for the GPU 10% of wall time" in format_report(a)
+
+    # On a CPU the same stages are work: the optimizer's sync stays its own.
+    a = analyze([_profile(0, False, {**stages, "drafter.grad_norm_sync": 5.4}, workers=workers)])
+    assert not a["cuda"] and a["bottleneck"] == "optimizer" and a["gpu_bound"] is None
+
+
 @pytest.mark.slow
 def test_report_cli_on_a_real_log(cli_run: CliRun):
     """`dflash report --json` reads a real run's log from stdin and prints exactly the

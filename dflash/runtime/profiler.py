@@ -57,6 +57,9 @@ class Stage:
 
     # Waits are idle time, not work: the report keeps them apart from busy stages.
     WAITS = frozenset({TARGET_QUEUE_PUT, DRAFTER_QUEUE_WAIT, DRAFTER_STEP_WAIT})
+    # The named host syncs: on a GPU their host time is mostly the wait for the device's queued
+    # work; the report counts their device time as work and the rest as waiting for the GPU.
+    HOST_SYNCS = frozenset({GRAD_NORM_SYNC, METRICS_SYNC})
     # Counted work that is not matmuls (AdamW): its TFLOP/s shown, no MFU against a matmul peak.
     ELEMENTWISE = frozenset({OPTIMIZER_STEP})
     # Names of streams only: their work is timed as other stages' spans.

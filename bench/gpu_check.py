@@ -46,7 +46,8 @@ run through the Coordinator as `dflash run` does:
 The families' checks run after the measures, each only if the time budget still holds what it
 needs on an H200 (families 170 s, families_syncs 80 s), else SKIP; alone:
 `GPU_CHECK_ONLY="families families_syncs"` runs only what it names, in its order (checks and
-measures alike; target_forward, drafter_step and pipeline_vs_serial need bench_setup first).
+measures alike, but pipeline_equals_serial and peak_memory, which need the runs before them;
+target_forward and pipeline_vs_serial need bench_setup first, drafter_step target_forward too).
 Measures, on the bench config (configs/gpu_bench.toml: a Qwen3-8B-shaped random target, a
 5-layer drafter), FLOPs counted as 2 per multiply-add of the model's matmuls:
   matmul_peak             bf16 8192³ torch.matmul, CUDA events, best of 3 × 20

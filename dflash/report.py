@@ -7,7 +7,8 @@ bottleneck: the busiest group. Wait stages (queue waits, step waits) are idle ti
 tell the rest of the story: drafters waiting on the hidden-state queue are starved by the
 targets; targets waiting to put are back-pressured by the drafters. On a GPU the named host
 syncs (`drafter.grad_norm_sync`, `metrics.sync`) are mostly the host waiting for the device's
-queued work: their device time counts as the optimizer's work, the rest as a wait for the GPU.
+queued work: their device time counts as the optimizer's work, the rest as a wait for the GPU
+(one process only: with several ranks the sync also waits for the others' all-reduce).
 
 A run of several processes (torchrun) has a `rank` in every record: the report then reads
 each rank on its own as well (its throughput, busy fractions, bottleneck, the share of the
@@ -138,15 +139,17 @@ def analyze(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _analyze(
-    records: list[dict[str, Any]], profiles: list[dict[str, Any]], steady: list[dict[str, Any]]
+    records: list[dict[str, Any]], profiles: list[dict[str, Any]], steady: list[dict[str, Any]], ranked: bool = False
 ) -> dict[str, Any]:
+    """`ranked`: records of several processes, whose grad-norm sync also waits for the other
+    ranks' all-reduce: there the named syncs stay the optimizer's time (no GPU verdict)."""
     if not profiles:
         msg = "no profile records in the log (was it written by `dflash run`?)"
         raise DataError(msg)
     wall = sum(p["wall_s"] for p in steady)
     stages = _sum_stages(steady)
     cuda = any("device_mean_ms" in s for p in steady for s in p["stages"].values())
-    table, groups, waits = _stage_table(stages, wall, cuda)
+    table, groups, waits = _stage_table(stages, wall, cuda and not ranked)
     per_worker = _worker_shares(steady, wall, {k: v for k, v in waits.items() if k in Stage.HOST_SYNCS})
     busiest = next(iter(per_worker), None)
     if busiest is not None and busiest != "loop":
@@ -315,7 +318,7 @@ def _rank_figures(
     """One rank's figures for the per-rank table; `work_ms_per_step` is what the slowest
     rank is judged by: the busiest worker's busy time per optimizer step, all-reduce
     excluded (waiting there for the other ranks is no work of this rank's)."""
-    a = _analyze(records, profiles, steady)
+    a = _analyze(records, profiles, steady, ranked=True)
     wall = a["wall_s"]
     ar = sum(p["stages"].get(Stage.ALLREDUCE, {}).get("total_s", 0.0) for p in steady)
     steps = sum(int(p.get("steps") or 0) for p in steady)
@@ -365,7 +368,7 @@ def _analyze_ranks(records: list[dict[str, Any]], by_rank: dict[int, list[dict[s
             ranks.append(_rank_figures(rank, recs, prof, st))
         else:
             ranks.append({"rank": rank, "windows": 0})
-    a = _analyze(records, profiles, steady)
+    a = _analyze(records, profiles, steady, ranked=True)
     measured = sum(r.get("tokens_per_s", 0.0) for r in ranks)
     busy = _bottleneck_busy(a)
     a["tokens_per_s"] = round(measured, 2)

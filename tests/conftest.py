@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +87,95 @@ def run_records(
 
 
 def dflash(
-    *args: str, env: dict[str, str] | None = None, input: str | None = None, timeout: float = CLI_TIMEOUT_S
+    *args: str,
+    env: dict[str, str] | None = None,
+    input: str | None = None,
+    timeout: float = CLI_TIMEOUT_S,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run bin/dflash from the repository root, DFLASH_PROFILE_INTERVAL cleared unless `env` sets it."""
+    """Run bin/dflash from the repository root, DFLASH_PROFILE_INTERVAL cleared unless `env` sets it.
+    A process forked from a server that has imported torch, transformers and dflash already
+    (tests/cli_child.py); `fresh`: bin/dflash itself, a new interpreter."""
     full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"}
     full_env.update(env or {})
-    return subprocess.run(
-        [str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT, input=input
-    )
+    if fresh or os.environ.get("DFLASH_TESTS_FRESH_CLI") == "1":
+        return subprocess.run(
+            [str(DFLASH), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT, input=input
+        )
+    return _forked_cli(list(args), full_env, input, timeout)
+
+
+_cli_server: Any = None  # the multiprocessing context whose forkserver has dflash imported
+
+
+def _forked_cli(
+    args: list[str], env: dict[str, str], input: str | None, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    global _cli_server
+    import multiprocessing
+    import tempfile
+
+    from tests import cli_child
+
+    if _cli_server is None:
+        from multiprocessing import forkserver
+
+        _cli_server = multiprocessing.get_context("forkserver")
+        _cli_server.set_forkserver_preload(["tests.cli_child"])
+        # The server imports tests.cli_child from the checkout (its sys.path comes from this
+        # environment, not from ours).
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), before]))
+        try:
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}  # as bin/dflash
+    cmd = [str(DFLASH), *args]
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="dflash-cli-") as tmp:
+        paths = [os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")]
+        for path, text in zip(paths, (input or "", "", ""), strict=True):
+            Path(path).write_text(text, encoding="utf-8")
+
+        def read() -> tuple[str, str]:
+            out, err = (Path(p).read_text(encoding="utf-8", errors="replace") for p in paths[1:])
+            return out, err
+
+        proc = _cli_server.Process(target=cli_child.run_cli, args=(args, env, str(ROOT), *paths), daemon=False)
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            out, err = read()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+        # As with pipes: done when no process (a server the CLI left running) holds its output.
+        while _holders(paths[1:]):
+            if time.monotonic() > deadline:
+                out, err = read()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+            time.sleep(0.1)
+        out, err = read()
+    if proc.exitcode and not out and not err:
+        msg = f"the forked CLI died before running (exit {proc.exitcode}): its server's stderr has the cause; {cmd}"
+        raise RuntimeError(msg)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, out, err)
+
+
+def _holders(paths: list[str]) -> list[int]:
+    """The pids of processes with any of these files open (Linux's /proc)."""
+    wanted, pids = set(paths), []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in wanted for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
 
 
 @dataclass(frozen=True)
@@ -116,7 +198,7 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> CliRun:
         "--set", "data.gen_len=24", "--set", "train.epochs=1", "--set", "train.log_every=1",
         "--set", "eval.max_new_tokens=16",
         "--profile-interval", "0.5", "--log-file", str(out / "log.jsonl"),
-        env={"DFLASH_PROFILE_INTERVAL": "0.25"},
+        env={"DFLASH_PROFILE_INTERVAL": "0.25"}, fresh=True,  # bin/dflash itself, a new interpreter
     )  # fmt: skip
     return CliRun(out, out / "log.jsonl", proc)
 

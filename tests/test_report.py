@@ -104,6 +104,13 @@ def test_a_named_sync_waiting_for_the_gpu_is_not_the_optimizers_work():
     assert a["bottleneck"] == "drafter" and a["gpu_bound"] is None and a["bound_tokens_per_s"] == round(100 / 0.3, 2)
     assert "the host waits for the GPU 10% of wall time" in format_report(a)
 
+    # Several ranks: the sync also waits for the others' all-reduce, so it stays the optimizer's.
+    ranked = [{**_on_gpu(_profile(0, False, {**stages, "drafter.grad_norm_sync": 5.4}, workers=workers),
+                         {"drafter.grad_norm_sync": 0.5}), "rank": r} for r in (0, 1)]  # fmt: skip
+    a = analyze(ranked)
+    assert a["bottleneck"] == "optimizer" and a["gpu_bound"] is None and a["bound_tokens_per_s"] is not None
+    assert all(r["bottleneck"] == "optimizer" for r in a["ranks"])
+
     # On a CPU the same stages are work: the optimizer's sync stays its own.
     a = analyze([_profile(0, False, {**stages, "drafter.grad_norm_sync": 5.4}, workers=workers)])
     assert not a["cuda"] and a["bottleneck"] == "optimizer" and a["gpu_bound"] is None

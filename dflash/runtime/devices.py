@@ -136,8 +136,9 @@ def host_sync(t: torch.Tensor) -> torch.Tensor:
     """The hot path's one way to read a device value on the host: a blocking copy, i.e. a
     host sync point. Call it only inside a `Device.span` named for the sync
     (`drafter.grad_norm_sync`, `metrics.sync`), so that the profiler times it. In a device's
-    worker thread the device makes the copy (`Device.to_host`: a plain blocking copy; a
-    simulated device first waits for its queue, a checked one folds its clocks)."""
+    worker thread the device makes the copy (`Device.to_host`: from a GPU into pinned memory,
+    then an event wait in this thread alone; a simulated device first waits for its queue, a
+    checked one folds its clocks)."""
     with named_sync():
         device = _worker_device()
         if device is not None:

@@ -579,13 +579,17 @@ def check_cuda_paths(ctx: Context) -> str:
     return " | ".join(seen)
 
 
-def check_reference_losses(ctx: Context) -> str:
+def reference_losses(ctx: Context, **extra: Any) -> tuple[float, str]:
+    """The same tiny config on CPU in float32 and on the check's device (`extra`: more
+    overrides, a family): the worst relative loss difference and the detail; CheckFailed
+    beyond REF_TOL."""
     steps = 6
-    sets = {"train.max_steps": steps, "train.log_every": 1}
+    prefix = f"{extra['drafter.family']}_" if "drafter.family" in extra else ""
+    sets = {"train.max_steps": steps, "train.log_every": 1, **extra}
     shapes = REF if ctx.cuda else TINY
-    cpu = run_dflash(ctx.config("ref_cpu", shapes, "cpu", **sets), timeout_s=120)
+    cpu = run_dflash(ctx.config(f"{prefix}ref_cpu", shapes, "cpu", **sets), timeout_s=120)
     with tiny_target_built_on_host():
-        dev = run_dflash(ctx.config("ref_device", shapes, **sets), timeout_s=120)
+        dev = run_dflash(ctx.config(f"{prefix}ref_device", shapes, **sets), timeout_s=120)
     a, b = cpu.losses, dev.losses
     if len(a) != steps or len(b) != steps or None in a or None in b:
         raise CheckFailed(f"expected {steps} finite losses on each side; cpu {a}, {ctx.dev} {b}")
@@ -597,7 +601,11 @@ def check_reference_losses(ctx: Context) -> str:
     )
     if worst > REF_TOL:
         raise CheckFailed(detail)
-    return detail
+    return worst, detail
+
+
+def check_reference_losses(ctx: Context) -> str:
+    return reference_losses(ctx)[1]
 
 
 def sync_debug_run(ctx: Context, kind: str, mode: str, **extra: Any) -> str:
@@ -687,18 +695,8 @@ def check_families(ctx: Context) -> str:
     out, bad = [], []
     for fam in FAMILIES:
         try:
-            sets = {"drafter.family": fam, "train.max_steps": 6, "train.log_every": 1}
-            shapes = REF if ctx.cuda else TINY
-            cpu = run_dflash(ctx.config(f"{fam}_ref_cpu", shapes, "cpu", **sets), timeout_s=120)
-            with tiny_target_built_on_host():
-                dev = run_dflash(ctx.config(f"{fam}_ref_device", shapes, **sets), timeout_s=120)
-            a, b = cpu.losses, dev.losses
-            if len(a) != 6 or len(b) != 6 or None in a or None in b:
-                raise CheckFailed(f"expected 6 finite losses on each side; cpu {a}, {ctx.dev} {b}")
-            worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True))
-            if worst > REF_TOL:
-                raise CheckFailed(f"max |Δloss|/loss {worst:.1e} against CPU (tolerance {REF_TOL:g})")
             fam_set = {"drafter.family": fam}
+            worst, _ = reference_losses(ctx, **fam_set)
             pipe = run_dflash(path_config(ctx, "device_features", "pipeline", f"{fam}_pipeline", **fam_set),
                               timeout_s=150)  # fmt: skip
             serial = run_dflash(path_config(ctx, "device_features", "serial", f"{fam}_serial", **fam_set),
@@ -1007,6 +1005,55 @@ def measure_peak_memory(ctx: Context) -> tuple[dict[str, Any], str]:
     )
 
 
+@dataclass(frozen=True)
+class Step:
+    """One check or measure of the run. A check: `cuda` its rule (Context.check); `need_s`:
+    on a GPU, SKIP unless that much of the budget is left. A measure: `reserve_s` (starts
+    only with that much left), `cuda_only`. `alone`: GPU_CHECK_ONLY may name it (not those
+    that need the steps before them)."""
+
+    name: str
+    fn: Callable[[Context], Any]
+    measure: bool = False
+    cuda: str = "judge"
+    need_s: float = 0.0
+    reserve_s: float = 0.0
+    cuda_only: bool = False
+    alone: bool = True
+
+    def run(self, ctx: Context, gated: bool = True) -> None:
+        if self.measure:
+            ctx.measure(self.name, lambda: self.fn(ctx), reserve_s=self.reserve_s if gated else 0.0,
+                        cuda=self.cuda_only)  # fmt: skip
+            return
+        left = ctx.budget_s - ctx.elapsed()
+        if gated and ctx.cuda and left < self.need_s:
+            msg = f"(time budget: {left:.0f} s left; GPU_CHECK_ONLY={self.name} runs it alone)"
+            ctx._verdict(self.name, "SKIP", msg)
+            return
+        ctx.check(self.name, lambda: self.fn(ctx), cuda=self.cuda)
+
+
+# The full run, in order. Each measure after the checks starts only with at least reserve_s
+# left of the budget: what the rest needs. The families' checks come last, each only if what
+# it needs on an H200 is left: the measures keep their share of the budget.
+STEPS = [
+    Step("matmul_peak", measure_matmul_peak, measure=True),
+    Step("flex_compile", measure_flex_compile, measure=True),
+    Step("cuda_paths", check_cuda_paths, cuda="exercise"),
+    Step("cpu_reference_losses", check_reference_losses, cuda="exercise"),
+    Step("no_unnamed_syncs", check_sync_debug, cuda="require"),
+    Step("pipeline_equals_serial", check_pipeline_equals_serial, alone=False),
+    Step("bench_setup", measure_bench_setup, measure=True, reserve_s=90),
+    Step("target_forward", measure_target_forward, measure=True, reserve_s=70),
+    Step("drafter_step", measure_drafter_step, measure=True, reserve_s=60),
+    Step("pipeline_vs_serial", measure_pipeline_vs_serial, measure=True, reserve_s=40),
+    Step("peak_memory", measure_peak_memory, measure=True, cuda_only=True, alone=False),
+    Step("families", check_families, need_s=170),
+    Step("families_syncs", check_families_syncs, cuda="require", need_s=80),
+]
+
+
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1035,43 +1082,16 @@ def main() -> int:
     if not dry and not cuda:
         ctx._verdict("cuda", "FAIL", "no CUDA device here (DRY_RUN=1 checks the script on CPU)")
     elif os.environ.get("GPU_CHECK_ONLY"):
-        checks = {"cuda_paths": (check_cuda_paths, "exercise"),
-                  "cpu_reference_losses": (check_reference_losses, "exercise"),
-                  "no_unnamed_syncs": (check_sync_debug, "require"), "families": (check_families, "judge"),
-                  "families_syncs": (check_families_syncs, "require")}  # fmt: skip
-        measures = {"matmul_peak": measure_matmul_peak, "flex_compile": measure_flex_compile,
-                    "bench_setup": measure_bench_setup, "target_forward": measure_target_forward,
-                    "drafter_step": measure_drafter_step, "pipeline_vs_serial": measure_pipeline_vs_serial}  # fmt: skip
+        steps = {st.name: st for st in STEPS if st.alone}
         for name in os.environ["GPU_CHECK_ONLY"].split():
-            if name in checks:
-                fn, cuda_rule = checks[name]
-                ctx.check(name, lambda fn=fn: fn(ctx), cuda=cuda_rule)
-            elif name in measures:  # the last three need bench_setup before them
-                ctx.measure(name, lambda fn=measures[name]: fn(ctx))
+            if name in steps:
+                steps[name].run(ctx, gated=False)
             else:
-                known = sorted(checks) + sorted(measures)
-                ctx._verdict(name, "FAIL", f"GPU_CHECK_ONLY: no check or measure named {name!r} (one of {known})")
+                msg = f"GPU_CHECK_ONLY: no check or measure named {name!r} (one of {sorted(steps)})"
+                ctx._verdict(name, "FAIL", msg)
     else:
-        ctx.measure("matmul_peak", lambda: measure_matmul_peak(ctx))
-        ctx.measure("flex_compile", lambda: measure_flex_compile(ctx))
-        ctx.check("cuda_paths", lambda: check_cuda_paths(ctx), cuda="exercise")
-        ctx.check("cpu_reference_losses", lambda: check_reference_losses(ctx), cuda="exercise")
-        ctx.check("no_unnamed_syncs", lambda: check_sync_debug(ctx), cuda="require")
-        ctx.check("pipeline_equals_serial", lambda: check_pipeline_equals_serial(ctx))
-        # Each starts only with at least reserve_s left of the budget: what the rest needs.
-        ctx.measure("bench_setup", lambda: measure_bench_setup(ctx), reserve_s=90)
-        ctx.measure("target_forward", lambda: measure_target_forward(ctx), reserve_s=70)
-        ctx.measure("drafter_step", lambda: measure_drafter_step(ctx), reserve_s=60)
-        ctx.measure("pipeline_vs_serial", lambda: measure_pipeline_vs_serial(ctx), reserve_s=40)
-        ctx.measure("peak_memory", lambda: measure_peak_memory(ctx), cuda=True)
-        # Last, each only if what it needs is left: the measures above keep their share of the budget.
-        for name, fn, need_s, cuda_rule in (("families", check_families, 170, "judge"),
-                                            ("families_syncs", check_families_syncs, 80, "require")):  # fmt: skip
-            left = ctx.budget_s - ctx.elapsed()
-            if left >= need_s or not ctx.cuda:
-                ctx.check(name, lambda fn=fn: fn(ctx), cuda=cuda_rule)
-            else:
-                ctx._verdict(name, "SKIP", f"(time budget: {left:.0f} s left; GPU_CHECK_ONLY={name} runs it alone)")
+        for st in STEPS:
+            st.run(ctx)
     res = ctx.save(partial=False)
     print(json.dumps(res), flush=True)
     return 0 if res["ok"] else 1

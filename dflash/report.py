@@ -149,8 +149,9 @@ def _analyze(
     wall = sum(p["wall_s"] for p in steady)
     stages = _sum_stages(steady)
     cuda = any("device_mean_ms" in s for p in steady for s in p["stages"].values())
-    table, groups, waits = _stage_table(stages, wall, cuda and not ranked)
-    per_worker = _worker_shares(steady, wall, {k: v for k, v in waits.items() if k in Stage.HOST_SYNCS})
+    table, groups, waits = _stage_table(stages, wall, gpu_syncs=cuda and not ranked)
+    gpu_wait = sum(v for k, v in waits.items() if k in Stage.HOST_SYNCS)  # 0 but on CUDA, one process
+    per_worker = _worker_shares(steady, wall, gpu_wait)
     busiest = next(iter(per_worker), None)
     if busiest is not None and busiest != "loop":
         # The busiest worker names the bottleneck (several replicas of a role add up in
@@ -166,8 +167,7 @@ def _analyze(
     # The host waiting for the GPU longer than any worker is busy: the device's queued work is
     # the limit. The named syncs wait for the drafters' device work (on one GPU, shared with
     # the target's), so the drafter is named; no host worker's idling bounds the throughput.
-    gpu_wait = sum(v for k, v in waits.items() if k in Stage.HOST_SYNCS)
-    gpu_bound = cuda and gpu_wait >= GPU_BOUND_WAIT and gpu_wait >= busy
+    gpu_bound = gpu_wait >= GPU_BOUND_WAIT and gpu_wait >= busy
     if gpu_bound:
         bottleneck = "drafter"
     return {
@@ -260,11 +260,12 @@ def _sum_stages(steady: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def _stage_table(
-    stages: dict[str, dict[str, float]], wall: float, cuda: bool = False
+    stages: dict[str, dict[str, float]], wall: float, gpu_syncs: bool = False
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float], dict[str, float]]:
     """The report's stage table (busiest first), and each stage's share of wall time summed
-    by role (work) or kept by stage (waits: idle time). On CUDA a named host sync is work for
-    its device time only; the rest of it is kept as a wait (the host waiting for the GPU)."""
+    by role (work) or kept by stage (waits: idle time). `gpu_syncs` (CUDA, one process): a
+    named host sync is work for its device time only; the rest of it is kept as a wait (the
+    host waiting for the GPU)."""
     table = {}
     groups: dict[str, float] = defaultdict(float)
     waits: dict[str, float] = {}
@@ -281,7 +282,7 @@ def _stage_table(
             table[name]["device_mean_ms"] = round(1000 * st["device_s"] / st["count"], 3)
         if name in Stage.WAITS:
             waits[name] = share
-        elif cuda and name in Stage.HOST_SYNCS and "device_s" in st and wall:
+        elif gpu_syncs and name in Stage.HOST_SYNCS and "device_s" in st and wall:
             work = min(st["device_s"], st["total_s"]) / wall
             groups[_group(name)] += work
             waits[name] = share - work
@@ -290,9 +291,9 @@ def _stage_table(
     return table, groups, waits
 
 
-def _worker_shares(steady: list[dict[str, Any]], wall: float, gpu_waits: dict[str, float]) -> dict[str, float]:
+def _worker_shares(steady: list[dict[str, Any]], wall: float, gpu_wait: float = 0.0) -> dict[str, float]:
     """Each worker's busy fraction of wall time, busiest first ({} without wall time); the
-    optimizer's less its named syncs' waits for the GPU (`gpu_waits`, shares of wall time)."""
+    optimizer's less its named syncs' wait for the GPU (`gpu_wait`, a share of wall time)."""
     workers: dict[str, float] = defaultdict(float)
     for p in steady:
         for w, frac in p.get("workers", {}).items():
@@ -302,7 +303,7 @@ def _worker_shares(steady: list[dict[str, Any]], wall: float, gpu_waits: dict[st
     shares = {w: v / wall for w, v in workers.items()}
     for w in shares:
         if _role(w) == "optimizer":
-            shares[w] = max(shares[w] - sum(gpu_waits.values()), 0.0)
+            shares[w] = max(shares[w] - gpu_wait, 0.0)
     return {w: round(v, 4) for w, v in sorted(shares.items(), key=lambda kv: -kv[1])}
 
 

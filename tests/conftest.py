@@ -95,7 +95,8 @@ def dflash(
 ) -> subprocess.CompletedProcess[str]:
     """Run bin/dflash from the repository root, DFLASH_PROFILE_INTERVAL cleared unless `env` sets it.
     A process forked from a server that has imported torch, transformers and dflash already
-    (tests/cli_child.py); `fresh`: bin/dflash itself, a new interpreter."""
+    (tests/cli_child.py); `fresh` (or DFLASH_TESTS_FRESH_CLI=1 for every call): bin/dflash
+    itself, a new interpreter."""
     full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"}
     full_env.update(env or {})
     if fresh or os.environ.get("DFLASH_TESTS_FRESH_CLI") == "1":
@@ -108,58 +109,49 @@ def dflash(
 _cli_server: Any = None  # the multiprocessing context whose forkserver has dflash imported
 
 
+def _root_first(pythonpath: str | None) -> str:
+    return os.pathsep.join(filter(None, [str(ROOT), pythonpath]))
+
+
 def _forked_cli(
     args: list[str], env: dict[str, str], input: str | None, timeout: float
 ) -> subprocess.CompletedProcess[str]:
     global _cli_server
     import multiprocessing
     import tempfile
+    from multiprocessing import forkserver
+    from unittest import mock
 
     from tests import cli_child
 
     if _cli_server is None:
-        from multiprocessing import forkserver
-
         _cli_server = multiprocessing.get_context("forkserver")
         _cli_server.set_forkserver_preload(["tests.cli_child"])
-        # The server imports tests.cli_child from the checkout (its sys.path comes from this
-        # environment, not from ours).
-        before = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), before]))
-        try:
+        # The server imports tests.cli_child from the checkout: its sys.path comes from the
+        # environment it starts in, not from ours.
+        with mock.patch.dict(os.environ, {"PYTHONPATH": _root_first(os.environ.get("PYTHONPATH"))}):
             forkserver.ensure_running()
-        finally:
-            if before is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = before
-    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}  # as bin/dflash
+    env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
     cmd = [str(DFLASH), *args]
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="dflash-cli-") as tmp:
         paths = [os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")]
         for path, text in zip(paths, (input or "", "", ""), strict=True):
             Path(path).write_text(text, encoding="utf-8")
-
-        def read() -> tuple[str, str]:
-            out, err = (Path(p).read_text(encoding="utf-8", errors="replace") for p in paths[1:])
-            return out, err
-
         proc = _cli_server.Process(target=cli_child.run_cli, args=(args, env, str(ROOT), *paths), daemon=False)
         proc.start()
         proc.join(timeout)
-        if proc.exitcode is None:
+        timed_out = proc.exitcode is None
+        if timed_out:
             proc.kill()
             proc.join()
-            out, err = read()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
         # As with pipes: done when no process (a server the CLI left running) holds its output.
-        while _holders(paths[1:]):
-            if time.monotonic() > deadline:
-                out, err = read()
-                raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+        while not timed_out and _holders(paths[1:]):
+            timed_out = time.monotonic() > deadline
             time.sleep(0.1)
-        out, err = read()
+        out, err = (Path(p).read_text(encoding="utf-8", errors="replace") for p in paths[1:])
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
     if proc.exitcode and not out and not err:
         msg = f"the forked CLI died before running (exit {proc.exitcode}): its server's stderr has the cause; {cmd}"
         raise RuntimeError(msg)

@@ -299,11 +299,9 @@ class Device:
         stream drains (on one GPU the drafter's next batch waited on the grad-norm sync)."""
         if not t.is_cuda:
             return t.to("cpu")  # sync: the named one (host_sync)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out = self.pinned(t.shape, t.dtype)
         out.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(t.device))
-        done.synchronize()  # sync: the named one (host_sync); this thread alone waits
+        self.event(t).synchronize()  # sync: the named one (host_sync); this thread alone waits
         return out
 
     def pinned(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

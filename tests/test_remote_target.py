@@ -178,3 +178,24 @@ def test_a_folder_being_removed_counts_as_removed(tmp_path):
         assert client._removed(grace_s=5.0)
     finally:
         remover.join()
+
+
+def test_an_answer_that_vanishes_with_its_folder_names_the_folder(tmp_path):
+    """The run's read of an answer can come between the removal of the answer's file and that
+    of its folder: the error then names the folder, as the wait does; an answer lost from a
+    folder that stays is named itself."""
+    import pytest
+    import torch
+
+    from dflash.engines.spool import SpoolTarget
+    from dflash.errors import DataError
+
+    client = object.__new__(SpoolTarget)  # only its folder matters here
+    client.spool = tmp_path / "spool"
+    client.spool.mkdir()
+    pending = ([0], torch.zeros(1, dtype=torch.int32), client.spool / "out-x.safetensors")
+    with pytest.raises(DataError, match=r"target\.engine_read: the engine's answer .*out-x\.safetensors is gone"):
+        client.engine_read(None, pending)
+    client.spool.rmdir()
+    with pytest.raises(DataError, match=rf"target\.engine_read: the spool folder {client.spool} is gone"):
+        client.engine_read(None, pending)

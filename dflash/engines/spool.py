@@ -186,7 +186,12 @@ class SpoolTarget:
         pause = 0.001
         while not _opens(out):  # an open, not a stat: NFS revalidates on open
             if _opens(err):
-                why = err.read_text().strip()
+                try:
+                    why = err.read_text().strip()
+                except OSError:  # removed since it opened: the folder with it, or not
+                    if self._removed():
+                        raise self._gone("target.engine_wait") from None
+                    raise
                 err.unlink(missing_ok=True)
                 msg = f"target.engine_wait: the engine serving {self.spool} refused a batch: {why}"
                 raise DataError(msg)
@@ -211,9 +216,13 @@ class SpoolTarget:
         try:
             t = load_file(path)
         except FileNotFoundError:
+            if self._removed():  # the folder went with it: say so, not that one file is missing
+                raise self._gone("target.engine_read") from None
             msg = f"target.engine_read: the engine's answer {path} is gone"
             raise DataError(msg) from None
         except (SafetensorError, OSError) as err:
+            if self._removed(grace_s=0.0):
+                raise self._gone("target.engine_read") from None
             msg = f"target.engine_read: the engine's answer {path} is not whole ({err})"
             raise DataError(msg) from None
         path.unlink(missing_ok=True)

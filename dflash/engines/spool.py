@@ -191,7 +191,7 @@ class SpoolTarget:
                 except OSError:  # removed since it opened: the folder with it, or not
                     if self._removed():
                         raise self._gone("target.engine_wait") from None
-                    raise
+                    why = f"its reason ({err.name}) vanished unread"
                 err.unlink(missing_ok=True)
                 msg = f"target.engine_wait: the engine serving {self.spool} refused a batch: {why}"
                 raise DataError(msg)

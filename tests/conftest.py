@@ -36,6 +36,42 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# `make test` starts the tests once .venv is ready and makes what only some of them need
+# (llama.cpp's build, .venv-engines with vLLM and speculators) meanwhile, in the background; this
+# file then holds that set-up's exit status once it is done. The tests marked `engines` run last
+# (below) and wait for it first, outside their time limit.
+SETUP_STATUS = os.environ.get("DFLASH_TESTS_SETUP")
+SETUP_WAIT_S = 3600  # far above a first build on a slow machine: only a hung set-up
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that need the background set-up last (a stable sort: whole files, as `engines`
+    marks files), so that by the time a worker reaches them it is mostly done."""
+    items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Before pytest-timeout starts the test's clock: the wait for the background set-up."""
+    if SETUP_STATUS and item.get_closest_marker("engines") is not None:
+        deadline = time.monotonic() + SETUP_WAIT_S
+        while not Path(SETUP_STATUS).exists() and time.monotonic() < deadline:
+            time.sleep(1.0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _background_setup(request: pytest.FixtureRequest) -> None:
+    """A test marked `engines` fails in one line where the background set-up failed."""
+    if not SETUP_STATUS or request.node.get_closest_marker("engines") is None:
+        return
+    status = Path(SETUP_STATUS)
+    code = status.read_text().strip() if status.exists() else f"none after {SETUP_WAIT_S} s"
+    if code != "0":
+        log = status.with_suffix(".log")
+        pytest.fail(f"make test's set-up of llama.cpp and .venv-engines failed (exit status {code}): see {log}")
+
+
 @pytest.fixture(autouse=True)
 def _reset_structlog():
     structlog.reset_defaults()

@@ -18,6 +18,8 @@ from dflash.model.drafter import DFlashDrafter, DrafterSpec
 from dflash.model.export import drafter_config_json, export_drafter
 from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
 
+pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+
 ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 
 SPEC = DrafterSpec(

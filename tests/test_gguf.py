@@ -26,6 +26,8 @@ from dflash.model.export_gguf import TargetGGUF, gguf_problem, read_target_gguf,
 from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
 from tests.tiny_llama import save_tiny_llama
 
+pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+
 SPEC = DrafterSpec(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=512,
     rms_norm_eps=1e-5, rope_theta=1e4, target_layer_ids=[1, 2], num_target_layers=4, block_size=4, mask_token_id=0,

@@ -23,6 +23,8 @@ from dflash.errors import ConfigError
 from tests.conftest import ROOT, dflash
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
+pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+
 ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 
 # In .venv-engines: `dflash regen ARGS...`, in this process, with each reply's token ids (as

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import traceback
+from typing import Any
 
 # What the server imports before it forks (set_forkserver_preload imports this module).
 import torch  # noqa: F401
@@ -26,15 +27,34 @@ import dflash.pipeline.coordinator
 import dflash.train.build
 
 
-def run_cli(argv: list[str], env: dict[str, str], cwd: str, stdin: str, stdout: str, stderr: str) -> None:
-    """The child's body: `dflash ARGV`, its standard streams from and to these files; exits
-    with the CLI's status as an interpreter would: its non-daemon threads joined, then its
-    atexit handlers run."""
+class Fd:
+    """A file descriptor of the parent's handed to the child as its own (a pipe's end):
+    multiprocessing sends it over the forkserver's socket; the child's argument is the int."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def run_cli(
+    argv: list[str], env: dict[str, str], cwd: str, stdin: str | int, stdout: str | int, stderr: str | int
+) -> None:
+    """The child's body: `dflash ARGV`, its standard streams from and to these files (a path)
+    or pipes (a descriptor, `Fd` in the parent); exits with the CLI's status as an interpreter
+    would: its non-daemon threads joined, then its atexit handlers run."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for fd, path, flags in ((0, stdin, os.O_RDONLY), (1, stdout, os.O_WRONLY), (2, stderr, os.O_WRONLY)):
-        f = os.open(path, flags)
+    for fd, where, flags in ((0, stdin, os.O_RDONLY), (1, stdout, os.O_WRONLY), (2, stderr, os.O_WRONLY)):
+        f = os.open(where, flags) if isinstance(where, str) else where
         os.dup2(f, fd)
         os.close(f)
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # multiprocessing put /dev/null there  # noqa: SIM115

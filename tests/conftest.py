@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,16 +150,12 @@ def _root_first(pythonpath: str | None) -> str:
     return os.pathsep.join(filter(None, [str(ROOT), pythonpath]))
 
 
-def _forked_cli(
-    args: list[str], env: dict[str, str], input: str | None, timeout: float
-) -> subprocess.CompletedProcess[str]:
+def _server() -> Any:
+    """The multiprocessing context whose forkserver has imported tests.cli_child (started once)."""
     global _cli_server
     import multiprocessing
-    import tempfile
     from multiprocessing import forkserver
     from unittest import mock
-
-    from tests import cli_child
 
     if _cli_server is None:
         _cli_server = multiprocessing.get_context("forkserver")
@@ -167,6 +164,17 @@ def _forked_cli(
         # environment it starts in, not from ours.
         with mock.patch.dict(os.environ, {"PYTHONPATH": _root_first(os.environ.get("PYTHONPATH"))}):
             forkserver.ensure_running()
+    return _cli_server
+
+
+def _forked_cli(
+    args: list[str], env: dict[str, str], input: str | None, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    import tempfile
+
+    from tests import cli_child
+
+    _server()
     env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
     cmd = [str(DFLASH), *args]
     deadline = time.monotonic() + timeout
@@ -204,6 +212,115 @@ def _holders(paths: list[str]) -> list[int]:
         except OSError:  # gone, or not ours to read
             continue
     return pids
+
+
+class ForkedPopen:
+    """`subprocess.Popen(cmd, text=True, ...)` of `bin/dflash ARGS` (or `python -m dflash
+    ARGS`), the process forked from the server as `dflash()` forks it, for the tests that
+    signal a run or read its output as it comes: stdout and stderr pipes (or /dev/null, or the
+    test's own), stdin /dev/null; pid, poll, wait, communicate, send_signal, terminate, kill and
+    returncode as Popen's (a signal's end: minus its number)."""
+
+    def __init__(self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path | str, stdout: Any, stderr: Any):
+        from tests import cli_child
+
+        self.args, self.stdin = cmd, None
+        ends: dict[str, Any] = {}
+        mine: list[int] = []  # the child's ends of the pipes, closed here once it has them
+        for name, how in (("stdout", stdout), ("stderr", stderr)):
+            if how == subprocess.PIPE:
+                r, w = os.pipe()
+                setattr(self, name, open(r, encoding="utf-8", errors="replace"))  # noqa: SIM115
+                ends[name], mine = cli_child.Fd(w), [*mine, w]
+            elif how == subprocess.DEVNULL:
+                setattr(self, name, None)
+                ends[name] = os.devnull
+            elif how is None:
+                setattr(self, name, None)
+                ends[name] = cli_child.Fd(1 if name == "stdout" else 2)
+            else:
+                raise ValueError(f"ForkedPopen: {name}={how!r} (PIPE, DEVNULL or None)")
+        env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
+        self._proc = _server().Process(
+            target=cli_child.run_cli, args=(args, env, str(cwd), os.devnull, ends["stdout"], ends["stderr"]),
+            daemon=False,
+        )
+        try:
+            self._proc.start()
+        finally:
+            for fd in mine:
+                os.close(fd)
+        self.pid: int = self._proc.pid
+        self._read: dict[str, list[str]] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self._proc.exitcode
+
+    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """Reads both pipes to their end (beside each other, as Popen), then waits."""
+        import threading
+
+        if input:
+            raise ValueError("ForkedPopen: no stdin")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        streams = {n: s for n in ("stdout", "stderr") if (s := getattr(self, n)) is not None}
+        if self._read is None:
+            self._read = {n: [] for n in streams}
+            self._readers = [
+                threading.Thread(target=lambda s=s, into=self._read[n]: into.append(s.read()), daemon=True)
+                for n, s in streams.items()
+            ]
+            for t in self._readers:
+                t.start()
+        for t in self._readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for s in streams.values():
+            s.close()
+        return tuple("".join(self._read[n]) if n in self._read else None for n in ("stdout", "stderr"))  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def popen_cli(cmd: list[str], fresh: bool = False, **kwargs: Any) -> Any:
+    """`subprocess.Popen(cmd, text=True, cwd=ROOT, **kwargs)`, or, for `bin/dflash ARGS` and
+    `python -m dflash ARGS` with pipes, /dev/null or the test's streams (unless `fresh` or
+    DFLASH_TESTS_FRESH_CLI=1), a `ForkedPopen` of it: no new interpreter importing torch."""
+    kwargs = {"cwd": ROOT, **kwargs}
+    if cmd[:1] == [str(DFLASH)]:
+        args = cmd[1:]
+    elif cmd[:3] == [sys.executable, "-m", "dflash"]:
+        args = cmd[3:]
+    else:
+        args = None
+    forkable = set(kwargs) <= {"cwd", "env", "stdout", "stderr"} and all(
+        kwargs.get(n) in (None, subprocess.PIPE, subprocess.DEVNULL) for n in ("stdout", "stderr")
+    )
+    if args is None or not forkable or fresh or os.environ.get("DFLASH_TESTS_FRESH_CLI") == "1":
+        return subprocess.Popen(cmd, text=True, **kwargs)
+    env = kwargs.get("env")
+    return ForkedPopen(cmd, args, dict(os.environ if env is None else env), kwargs["cwd"],
+                       kwargs.get("stdout"), kwargs.get("stderr"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -265,12 +382,13 @@ def lines_until(lines: Iterable[str], text: str) -> list[str]:
 
 @pytest.fixture
 def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """`popen(cmd, **kwargs)`: a text-mode Popen from the repository root whose process is
-    killed at teardown if still running, so that a failed test leaves no process behind."""
+    """`popen(cmd, fresh=False, **kwargs)`: a text-mode Popen from the repository root
+    (`popen_cli`: `bin/dflash` forked unless `fresh`) whose process is killed at teardown if
+    still running, so that a failed test leaves no process behind."""
     started: list[subprocess.Popen[str]] = []
 
-    def start(cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(cmd, text=True, **{"cwd": ROOT, **kwargs})
+    def start(cmd: list[str], fresh: bool = False, **kwargs: Any) -> subprocess.Popen[str]:
+        proc = popen_cli(cmd, fresh=fresh, **kwargs)
         started.append(proc)
         return proc
 

@@ -24,6 +24,7 @@ from tests.conftest import (
     dflash,
     json_lines,
     lines_until,
+    popen_cli,
     records_until,
     run_records,
     tiny_overrides,
@@ -223,10 +224,7 @@ def first_record(*args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S
     The run_start record carries the resolved config and comes before the (slow) set-up,
     so this checks how a run resolves its config without paying for a training run."""
     full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_PROFILE_INTERVAL"} | env
-    proc = subprocess.Popen(
-        [str(DFLASH), "run", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=full_env, cwd=ROOT,
-    )  # fmt: skip
+    proc = popen_cli([str(DFLASH), "run", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full_env)
     watchdog = threading.Timer(timeout, proc.kill)  # a silent hang ends as an empty line
     watchdog.start()
     try:
@@ -312,7 +310,7 @@ def test_sigterm_stops_cleanly_a_second_aborts_and_resume_ends_like_an_uninterru
     latest = latest_checkpoint(out / "tiny")
     assert latest is not None and load_checkpoint(latest).step > end["steps"]
 
-    done = subprocess.run([*args, "--resume", "auto"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    done = dflash(*args[1:], "--resume", "auto")
     assert done.returncode == 0, done.stderr
     assert json_lines(done.stdout)[-1]["steps"] == 24
     ref = load_file(tmp_path / "ref" / "tiny" / "checkpoints" / "step_000024" / "drafter.safetensors")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import CLI_TIMEOUT_S, ROOT, records_until, tiny_overrides
+from tests.conftest import CLI_TIMEOUT_S, ROOT, dflash, records_until, tiny_overrides
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo on 127.0.0.1")
 Popen = Callable[..., subprocess.Popen[str]]
@@ -80,10 +80,7 @@ def _same_weights(a: dict, b: dict) -> bool:
 
 def _single(out: Path, replicas: int, **extra: object) -> Path:
     devs = json.dumps(["cpu"] * replicas)
-    p = subprocess.run(
-        [sys.executable, "-m", "dflash", *_args(out, **{"pipeline.drafter_devices": devs, **extra})],
-        env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=CLI_TIMEOUT_S,
-    )  # fmt: skip
+    p = dflash(*_args(out, **{"pipeline.drafter_devices": devs, **extra}), env=_env())
     assert p.returncode == 0, p.stderr[-2000:]
     return out / "tiny"
 
@@ -205,10 +202,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_resume_on_one_process_keeps_th
     state = json.loads((ckpts[0] / "state.json").read_text())
     assert state["world"]["size"] == 2 and len(state["world"]["cursors"]) == 2
     assert state["batch"] == {"processes": 2, "replicas": 1, "grad_accum": 1}
-    p = subprocess.run(
-        [sys.executable, "-m", "dflash", *_args(out, **extra), "--resume", "auto"],
-        env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=CLI_TIMEOUT_S,
-    )  # fmt: skip
+    p = dflash(*_args(out, **extra), "--resume", "auto", env=_env())
     assert p.returncode == 0, p.stderr[-2000:]
     rec = next(r for r in _records(out / "tiny" / "records.jsonl") if r["event"] == "resume")
     assert rec["step"] == stopped and not rec["global_batch_changed"] and "grad_accum 2" in rec["global_batch"]

@@ -13,17 +13,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import DFLASH, ROOT, dflash, json_lines
+from tests.conftest import DFLASH, dflash, json_lines, popen_cli
 from tests.test_engine_features import LIVE, _setup
 
 REMOTE = ["--set", 'target.engine="remote"', "--set", 'target.load="head"']
 
 
 def _serve(config: Path, spool: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return popen_cli(
         [str(DFLASH), "serve-target", str(config), "--engine", "local", "--spool", str(spool), "--device", "cpu",
          "--set", 'target.dtype="float32"'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
 
 
@@ -67,8 +67,7 @@ def _stopped_mid_run(tmp_path: Path, stop: str) -> tuple[subprocess.CompletedPro
     sets = [*REMOTE, "--set", f'target.engine_spool="{spool}"', "--set", "target.engine_timeout_s=3",
             "--set", "train.epochs=1000", "--set", "checkpoint.every_steps=2", "--set", 'target.dtype="float32"',
             "--set", "data.feature_cache_mb=0", "--set", "data.feature_files=false"]  # fmt: skip
-    run = subprocess.Popen([str(DFLASH), "run", str(config), *sets], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    run = popen_cli([str(DFLASH), "run", str(config), *sets], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     checkpoints = tmp_path / "runs" / "feats" / "checkpoints"
     try:
         deadline = time.monotonic() + 120

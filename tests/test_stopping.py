@@ -181,8 +181,9 @@ def _catches_sigterm(pid: int) -> bool:
 def test_a_signal_before_the_event_loop_ends_the_run_with_its_run_end(tmp_path: Path, popen) -> None:
     """SIGTERM as soon as the process takes it (its handler is in /proc's SigCgt), long before
     torch is imported and the event loop runs: the run starts stopped, exit 0, `run_start`
-    then `run_end` (reason "stopped" during "setup"), no set-up done."""
-    proc = popen(_args(tmp_path), **_pipes())
+    then `run_end` (reason "stopped" during "setup"), no set-up done. A new interpreter: one
+    forked from the tests' server has torch loaded already."""
+    proc = popen(_args(tmp_path), fresh=True, **_pipes())
     deadline = time.monotonic() + 60
     while not _catches_sigterm(proc.pid):
         assert proc.poll() is None and time.monotonic() < deadline, "the process never took SIGTERM"

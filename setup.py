@@ -34,7 +34,7 @@ setup(
         # GGUF exports for llama.cpp (`dflash export --format gguf`, checkpoint.export_gguf)
         "gguf": ["gguf>=0.17"],
         "dev": [
-            "pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "ruff>=0.6",
+            "pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.8", "ruff>=0.6",
             "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7", "gguf>=0.17",
         ],
     },

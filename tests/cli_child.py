@@ -2,7 +2,7 @@
 imported torch, transformers and dflash once (multiprocessing's forkserver, one per test
 worker), instead of a fresh interpreter that imports them again (~6 CPU-s a call, some
 hundred calls a suite). The child is what `bin/dflash` would be: its own pid, exit status,
-environment, working directory, stdin, stdout and stderr (files here), `PYTHONPATH` with the
+environment, working directory, stdin, stdout and stderr (files, or pipes: `Fd`), `PYTHONPATH` with the
 checkout first, `dflash.cli.entry` as the program. What it cannot be is a process that
 imports a module for the first time with its own environment: a test of that runs `bin/dflash`
 itself (`conftest.dflash(..., fresh=True)`)."""

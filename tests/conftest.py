@@ -51,20 +51,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
 
 
+_setup_deadline: float | None = None  # one wait for the whole session, not one per test
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Before pytest-timeout starts the test's clock: the wait for the background set-up."""
+    """Before pytest-timeout starts the test's clock: the wait for the background set-up
+    (the Makefile writes its status whole, by a rename)."""
+    global _setup_deadline
     if SETUP_STATUS and item.get_closest_marker("engines") is not None:
-        deadline = time.monotonic() + SETUP_WAIT_S
-        while not Path(SETUP_STATUS).exists() and time.monotonic() < deadline:
+        if _setup_deadline is None:
+            _setup_deadline = time.monotonic() + SETUP_WAIT_S
+        while not Path(SETUP_STATUS).exists() and time.monotonic() < _setup_deadline:
             time.sleep(1.0)
     yield
 
 
-@pytest.fixture(autouse=True)
-def _background_setup(request: pytest.FixtureRequest) -> None:
-    """A test marked `engines` fails in one line where the background set-up failed."""
-    if not SETUP_STATUS or request.node.get_closest_marker("engines") is None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `engines` fails in one line where the background set-up failed, before
+    any of its fixtures is made."""
+    if not SETUP_STATUS or item.get_closest_marker("engines") is None:
         return
     status = Path(SETUP_STATUS)
     code = status.read_text().strip() if status.exists() else f"none after {SETUP_WAIT_S} s"
@@ -293,7 +300,10 @@ class ForkedPopen:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended, its status not yet passed on by the server
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -319,8 +329,17 @@ def popen_cli(cmd: list[str], fresh: bool = False, **kwargs: Any) -> Any:
     if args is None or not forkable or fresh or os.environ.get("DFLASH_TESTS_FRESH_CLI") == "1":
         return subprocess.Popen(cmd, text=True, **kwargs)
     env = kwargs.get("env")
-    return ForkedPopen(cmd, args, dict(os.environ if env is None else env), kwargs["cwd"],
+    proc = ForkedPopen(cmd, args, dict(os.environ if env is None else env), kwargs["cwd"],
                        kwargs.get("stdout"), kwargs.get("stderr"))  # fmt: skip
+    if not _forked:  # before multiprocessing's own exit handler, which would wait for them
+        import atexit
+
+        atexit.register(lambda: [p.kill() for p in _forked])
+    _forked.append(proc)
+    return proc
+
+
+_forked: list[ForkedPopen] = []  # killed at exit if still running: a test that left one behind
 
 
 @dataclass(frozen=True)

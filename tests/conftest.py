@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
 
 
-_setup_deadline: float | None = None  # one wait for the whole session, not one per test
+_setup_deadline: float | None = None  # one wait for the whole test run, not one per test
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -177,48 +177,24 @@ def _server() -> Any:
 def _forked_cli(
     args: list[str], env: dict[str, str], input: str | None, timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    import tempfile
-
-    from tests import cli_child
-
-    _server()
-    env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
+    """`bin/dflash ARGS` forked (`ForkedPopen`), run to its end as `subprocess.run` would: done
+    when no process (a server the CLI left running) holds its output any more."""
     cmd = [str(DFLASH), *args]
-    deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="dflash-cli-") as tmp:
-        paths = [os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")]
-        for path, text in zip(paths, (input or "", "", ""), strict=True):
-            Path(path).write_text(text, encoding="utf-8")
-        proc = _cli_server.Process(target=cli_child.run_cli, args=(args, env, str(ROOT), *paths), daemon=False)
-        proc.start()
-        proc.join(timeout)
-        timed_out = proc.exitcode is None
-        if timed_out:
-            proc.kill()
-            proc.join()
-        # As with pipes: done when no process (a server the CLI left running) holds its output.
-        while not timed_out and _holders(paths[1:]):
-            timed_out = time.monotonic() > deadline
-            time.sleep(0.1)
-        out, err = (Path(p).read_text(encoding="utf-8", errors="replace") for p in paths[1:])
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
-    if proc.exitcode and not out and not err:
-        msg = f"the forked CLI died before running (exit {proc.exitcode}): its server's stderr has the cause; {cmd}"
-        raise RuntimeError(msg)
-    return subprocess.CompletedProcess(cmd, proc.exitcode, out, err)
-
-
-def _holders(paths: list[str]) -> list[int]:
-    """The pids of processes with any of these files open (Linux's /proc)."""
-    wanted, pids = set(paths), []
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+    pipe = subprocess.PIPE
+    proc = ForkedPopen(cmd, args, env, ROOT, pipe, pipe, stdin=pipe if input is not None else None)
+    try:
+        out, err = proc.communicate(input, timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
         try:
-            if any(os.readlink(fd) in wanted for fd in fd_dir.iterdir()):
-                pids.append(int(fd_dir.parent.name))
-        except OSError:  # gone, or not ours to read
-            continue
-    return pids
+            out, err = proc.communicate(timeout=5.0)
+        except subprocess.TimeoutExpired:  # a process it started still holds the output
+            out = err = ""
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    if proc.returncode and not out and not err:
+        msg = f"the forked CLI died before running (exit {proc.returncode}): its server's stderr has the cause; {cmd}"
+        raise RuntimeError(msg)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 class ForkedPopen:
@@ -226,14 +202,22 @@ class ForkedPopen:
     ARGS`), the process forked from the server as `dflash()` forks it, for the tests that
     signal a run or read its output as it comes: stdout and stderr pipes (or /dev/null, or the
     test's own), stdin /dev/null; pid, poll, wait, communicate, send_signal, terminate, kill and
-    returncode as Popen's (a signal's end: minus its number)."""
+    returncode as Popen's (a signal's end: minus its number); stdin a pipe for `communicate`'s
+    input, else /dev/null."""
 
-    def __init__(self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path | str, stdout: Any, stderr: Any):
+    def __init__(
+        self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path | str, stdout: Any, stderr: Any,
+        stdin: Any = None,
+    ):  # fmt: skip
         from tests import cli_child
 
         self.args, self.stdin = cmd, None
-        ends: dict[str, Any] = {}
+        ends: dict[str, Any] = {"stdin": os.devnull}
         mine: list[int] = []  # the child's ends of the pipes, closed here once it has them
+        if stdin == subprocess.PIPE:
+            r, w = os.pipe()
+            self.stdin = open(w, "w", encoding="utf-8")  # noqa: SIM115
+            ends["stdin"], mine = cli_child.Fd(r), [r]
         for name, how in (("stdout", stdout), ("stderr", stderr)):
             if how == subprocess.PIPE:
                 r, w = os.pipe()
@@ -249,7 +233,7 @@ class ForkedPopen:
                 raise ValueError(f"ForkedPopen: {name}={how!r} (PIPE, DEVNULL or None)")
         env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
         self._proc = _server().Process(
-            target=cli_child.run_cli, args=(args, env, str(cwd), os.devnull, ends["stdout"], ends["stderr"]),
+            target=cli_child.run_cli, args=(args, env, str(cwd), ends["stdin"], ends["stdout"], ends["stderr"]),
             daemon=False,
         )
         try:
@@ -277,8 +261,8 @@ class ForkedPopen:
         """Reads both pipes to their end (beside each other, as Popen), then waits."""
         import threading
 
-        if input:
-            raise ValueError("ForkedPopen: no stdin")
+        if input and self.stdin is None:
+            raise ValueError("ForkedPopen: input without stdin=PIPE")
         deadline = None if timeout is None else time.monotonic() + timeout
         streams = {n: s for n in ("stdout", "stderr") if (s := getattr(self, n)) is not None}
         if self._read is None:
@@ -287,6 +271,13 @@ class ForkedPopen:
                 threading.Thread(target=lambda s=s, into=self._read[n]: into.append(s.read()), daemon=True)
                 for n, s in streams.items()
             ]
+            if self.stdin is not None:  # written beside the reads: a pipe holds 64 KiB
+
+                def write(f: Any = self.stdin, text: str = input or "") -> None:
+                    with f:
+                        f.write(text)
+
+                self._readers.append(threading.Thread(target=write, daemon=True))
             for t in self._readers:
                 t.start()
         for t in self._readers:

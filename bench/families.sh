@@ -4,7 +4,7 @@
 # the demo's training (3.75 minutes) and its eval on the 32 held-out prompts and the first 5
 # MT-Bench questions. Prints one row per entry: held-out and MT-Bench τ, lossless, training
 # steps and tok/s, drafter parameters. Logs: runs/families_<family>_b<block>/*.jsonl.
-#   bash bench/families.sh                          # the four default entries (about 35 minutes on 2 cores)
+#   bash bench/families.sh                          # the four default entries (about 25 minutes on 2 cores)
 #   FAMILIES="dflash:4 dflash2:5" bash bench/families.sh
 #   SKIP_REGEN=1 bash bench/families.sh             # reuse runs/demo/regen.jsonl and its features
 # An entry is family:block_size (drafter.block_size). The block holds the anchor and what the
@@ -18,6 +18,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 make --no-print-directory .venv/.dflash-demo-installed >/dev/null
 FAMILIES=${FAMILIES:-"dflash:4 dflash:5 dflash2:5 dspark:4"}
+for entry in $FAMILIES; do  # every entry checked before the first regen or run
+  case $entry in
+    dflash:[1-9] | dflash:[1-9][0-9] | dflash2:[1-9] | dflash2:[1-9][0-9] | dspark:[1-9] | dspark:[1-9][0-9]) ;;
+    *) echo "bench/families.sh: '$entry' is not family:block_size (dflash, dflash2 or dspark; e.g. dflash2:5)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p runs/demo
 if [ -z "${SKIP_REGEN:-}" ]; then
   bin/dflash regen configs/demo.toml > runs/demo/regen.log.jsonl
@@ -25,10 +31,6 @@ fi
 names=()
 for entry in $FAMILIES; do
   family=${entry%%:*} block=${entry#*:}
-  case $family:$block in
-    dflash:[0-9]* | dflash2:[0-9]* | dspark:[0-9]*) ;;
-    *) echo "bench/families.sh: '$entry' is not family:block_size (dflash, dflash2 or dspark; e.g. dflash2:5)" >&2; exit 2 ;;
-  esac
   name="families_${family}_b$block"
   names+=("$name")
   set -- --set "run.name=\"$name\"" --set "drafter.family=\"$family\"" --set "drafter.block_size=$block"

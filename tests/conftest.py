@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -201,9 +202,9 @@ class ForkedPopen:
     """`subprocess.Popen(cmd, text=True, ...)` of `bin/dflash ARGS` (or `python -m dflash
     ARGS`), the process forked from the server as `dflash()` forks it, for the tests that
     signal a run or read its output as it comes: stdout and stderr pipes (or /dev/null, or the
-    test's own), stdin /dev/null; pid, poll, wait, communicate, send_signal, terminate, kill and
-    returncode as Popen's (a signal's end: minus its number); stdin a pipe for `communicate`'s
-    input, else /dev/null."""
+    test's own), stdin a pipe for `communicate`'s input, else /dev/null; pid, poll, wait,
+    communicate, send_signal, terminate, kill and returncode as Popen's (a signal's end: minus
+    its number)."""
 
     def __init__(
         self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path | str, stdout: Any, stderr: Any,
@@ -259,8 +260,6 @@ class ForkedPopen:
 
     def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[Any, Any]:
         """Reads both pipes to their end (beside each other, as Popen), then waits."""
-        import threading
-
         if input and self.stdin is None:
             raise ValueError("ForkedPopen: input without stdin=PIPE")
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -7,6 +7,7 @@ the run in one line naming the stage and the folder, with the checkpoints writte
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -183,8 +184,6 @@ def test_an_answer_that_vanishes_with_its_folder_names_the_folder(tmp_path):
     """The run's read of an answer can come between the removal of the answer's file and that
     of its folder: the error then names the folder, as the wait does; an answer lost from a
     folder that stays is named itself."""
-    import re
-
     import pytest
     import torch
 

@@ -272,6 +272,8 @@ def _eval_table(records: list[dict]) -> str:
     mode = "greedy" if not records[0].get("temperature") else f"sampled at temperature {records[0]['temperature']}"
     if records[0].get("batch_size", 1) > 1:
         mode += f", {records[0]['batch_size']} prompts at once: speedup is batched against batched plain decoding"
+    if records[0].get("family_head") is False:
+        mode += ", drafted from the backbone's logits alone (eval.family_head = false)"
     return f"dflash eval ({mode}; p_k: share of verify steps accepting at least k drafted tokens)\n" + "\n".join(rows)
 
 

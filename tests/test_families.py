@@ -88,7 +88,10 @@ def test_tiny_run_exports_loads_and_decodes_lossless(tiny_config, tmp_path, fami
     prompts = [torch.randint(0, 400, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     for batch in (1, 2):
         rec = evaluate(target, drafter, head, prompts, DecodeSettings(max_new=12, batch_size=batch))
-        assert rec["lossless"] is True
+        assert rec["lossless"] is True and rec["family_head"] is True
+        # the ablation: drafted from the backbone's logits alone, still lossless
+        rec = evaluate(target, drafter, head, prompts, DecodeSettings(max_new=12, batch_size=batch, family_head=False))
+        assert rec["lossless"] is True and rec["family_head"] is False
 
 
 def _spec(family: str, **kw: object) -> DrafterSpec:
@@ -275,6 +278,44 @@ def test_under_dpace_the_family_terms_keep_the_gamma_decay(shift):
     without = block_loss(hidden, head, t, spec).loss_sum
     want = sum(math.exp(-(k + shift - 1) / gamma) for k in t.slot.tolist())
     assert math.isclose(float(with_extra - without), want, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_without_the_family_head_each_slot_drafts_the_backbones_argmax(family):
+    """`eval.family_head = false`: no selector walk, no Markov bias, no confidence cut."""
+    from dflash.model.families import propose
+
+    torch.manual_seed(0)
+    model = DFlashDrafter(_spec(family))
+    with torch.no_grad():  # heads strong enough to change the drafts
+        for name, p in model.named_parameters():
+            if name.startswith(("candidate_selector.", "markov_head.")):
+                p.normal_(0, 3.0)
+    h, lm_head, anchor = torch.randn(5, 3, 32), torch.randn(64, 32), torch.randint(0, 64, (5,))
+    argmax = (h @ lm_head.t()).argmax(dim=-1)
+    got, _ = propose(model, h, lm_head, anchor, family_head=False)
+    assert torch.equal(got, argmax)
+    own, _ = propose(model, h, lm_head, anchor)
+    assert torch.equal(own, argmax) == (family == "dflash")
+
+
+def test_without_the_family_head_dspark_verifies_every_draft(tiny_config):
+    from dflash.eval import DecodeSettings
+
+    dspark = {**_family("dspark"), "drafter.dspark.confidence_threshold": "0.5"}
+    assert DecodeSettings.of(tiny_config(**dspark), []).confidence == 0.5
+    settings = DecodeSettings.of(tiny_config(**dspark, **{"eval.family_head": "false"}), [])
+    assert settings.confidence == 0.0 and settings.family_head is False
+
+
+def test_another_engine_refuses_eval_without_the_family_head(tiny_config, tmp_path):
+    from dflash.eval.command import run_eval
+
+    cfg = tiny_config(**{"eval.family_head": "false"})
+    for engine in ("vllm", "llamacpp"):
+        with pytest.raises(ConfigError, match=r"eval\.family_head = false") as err:
+            run_eval(cfg, tmp_path / "nowhere", engine=engine)
+        assert "\n" not in str(err.value) and f"--engine {engine}" in str(err.value)
 
 
 @pytest.mark.parametrize("family", ["dflash2", "dspark"])

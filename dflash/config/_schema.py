@@ -667,6 +667,12 @@ class EvalConfig(_Section):
         "batched plain decoding",
     )  # fmt: skip
     every_steps: int = Field(0, ge=0, description="eval every N optimizer steps; 0 = never")
+    family_head: bool = Field(
+        True,
+        description="draft with the drafter family's own proposal (DFlash2: its selector's walk; DSpark: its "
+        "Markov bias and confidence cut); false: each slot's argmax (or sample) of the backbone's logits, the "
+        "family's head left out — an ablation that shows what the head adds (dflash's own decoding only)",
+    )
     at_end: bool = Field(True, description="evaluate the trained drafter when training ends")
 
 

@@ -61,6 +61,12 @@ def run_eval(
     if cfg.target.load == "head" and engine == "dflash":
         msg = "target.load = 'head': the target's decoder layers are not loaded here; decode in vLLM (--engine vllm)"
         raise ConfigError(msg)
+    if engine != "dflash" and not cfg.eval.family_head:
+        msg = (
+            f"eval.family_head = false drafts from the backbone's logits alone, in dflash's own decoding; "
+            f"--engine {engine} drafts with the family's head: use --engine dflash"
+        )
+        raise ConfigError(msg)
     if engine == "vllm":
         check_vllm_eval(cfg)  # before any model is loaded
     if engine == "llamacpp":

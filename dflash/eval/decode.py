@@ -130,6 +130,7 @@ class Sampling:
     temperature: float = 0.0
     generator: torch.Generator | None = None
     confidence: float = 0.0  # DSpark: verify only the drafts whose joint confidence stays above this (0: all)
+    family_head: bool = True  # False: draft from the backbone's logits alone (`families.propose`)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from logits (V,): argmax at temperature 0, else a sample."""
@@ -250,7 +251,9 @@ def speculative_generate(
         last = torch.tensor([tokens[-1]], device=ddev)
         h = state.draft(last, q_pos[:, :size], inference_masks(drafter, state.drafter_cache.length, size, ddev))
         drafting = h[:, 1 - state.shift :]
-        proposals, qs = propose(drafter, drafting, head.lm_head, last, sampling.temperature, sampling.generator)
+        proposals, qs = propose(
+            drafter, drafting, head.lm_head, last, sampling.temperature, sampling.generator, sampling.family_head
+        )
         (keep,) = verify_lengths(drafter, drafting, proposals, last, sampling.confidence)
         proposals, q, q_pos = proposals[0, :keep], None if qs is None else qs[0, :keep], q_pos[:, : keep + 1]
         logits, feats = state.verify(torch.cat([last, proposals])[None], q_pos)
@@ -335,6 +338,7 @@ def speculative_generate_batch(
     stop_ids: AbstractSet[int],
     should_stop: StopCheck = None,
     confidence: float = 0.0,
+    family_head: bool = True,
 ) -> list[SpecOutput]:
     """Greedy speculative decoding of several prompts at once: each verify step is one target
     forward over every row's block (on a CPU or a GPU, R rows cost far less than R forwards).
@@ -363,7 +367,7 @@ def speculative_generate_batch(
         q_pos = torch.tensor([row.context for row in rows], device=ddev)[:, None] + torch.arange(span, device=ddev)
         last = torch.tensor([row.tokens[-1] for row in rows], device=ddev)
         h = state.draft(last, q_pos[:, :B], _batch_masks(drafter, valid, [row.context for row in rows], sizes, B))
-        proposals, _ = propose(drafter, h[:, 1 - shift :], head.lm_head, last)  # (R, span - 1)
+        proposals, _ = propose(drafter, h[:, 1 - shift :], head.lm_head, last, family_head=family_head)  # (R, span - 1)
         keep = verify_lengths(drafter, h[:, 1 - shift :], proposals, last, confidence)
         attn = torch.cat([valid, torch.ones(R, span, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
         logits, feats = state.verify(torch.cat([last[:, None], proposals], dim=1), q_pos, attention_mask=attn)

@@ -50,20 +50,28 @@ class DecodeSettings:
     batch_size: int = 1
     should_stop: Callable[[], bool] | None = field(default=None, compare=False)
     confidence: float = 0.0  # DSpark: drafter.dspark.confidence_threshold
+    family_head: bool = True  # eval.family_head
 
     @classmethod
     def of(cls, cfg: Config, stop_ids: Iterable[int], should_stop: Callable[[], bool] | None = None) -> DecodeSettings:
         """The settings a config gives (`[eval]`, and `run.seed`), ending at `stop_ids`."""
         e = cfg.eval
-        conf = cfg.drafter.dspark.confidence_threshold  # decoding applies it to DSpark drafters only
-        return cls(e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size, should_stop, conf)
+        # decoding applies the confidence cut to DSpark drafters only, and as part of its head
+        conf = cfg.drafter.dspark.confidence_threshold if e.family_head else 0.0
+        return cls(
+            e.max_new_tokens, frozenset(stop_ids), e.temperature, cfg.run.seed, e.batch_size, should_stop, conf,
+            e.family_head,
+        )  # fmt: skip
 
 
 class _Tally:
     """What the `eval` record reports, summed over generations."""
 
-    def __init__(self, block_size: int, temperature: float = 0.0, batch_size: int = 1, drafts: int = 0) -> None:
+    def __init__(
+        self, block_size: int, temperature: float = 0.0, batch_size: int = 1, drafts: int = 0, family_head: bool = True
+    ) -> None:
         self.B = block_size
+        self.family_head = family_head
         self.span = (drafts or block_size - 1) + 1  # a verify step's tokens: the drafts and the target's own
         self.temperature = temperature
         self.batch_size = batch_size if temperature <= 0 else 1
@@ -110,6 +118,7 @@ class _Tally:
             "mismatched_prompts": self.mismatches,
             "block_size": self.B,
             "temperature": self.temperature,
+            "family_head": self.family_head,  # False: drafted from the backbone's logits alone (eval.family_head)
         }
 
 
@@ -130,13 +139,14 @@ class _Evaluation:
     def __init__(self, target: Target, drafter: DFlashDrafter, head: FrozenHead, settings: DecodeSettings) -> None:
         self.target, self.drafter, self.head, self.settings = target, drafter, head, settings
         spec = drafter.spec
-        self.tally = _Tally(spec.block_size, settings.temperature, settings.batch_size, spec.drafts)
+        s = settings
+        self.tally = _Tally(spec.block_size, s.temperature, s.batch_size, spec.drafts, s.family_head)
         self.generator = torch.Generator().manual_seed(settings.seed)
 
     def one(self, prompt: torch.Tensor) -> SpecOutput:
         """One speculative generation and the plain one (greedy: it must equal it), both timed."""
         s = self.settings
-        sampling = Sampling(self.tally.temperature, self.generator, s.confidence)
+        sampling = Sampling(self.tally.temperature, self.generator, s.confidence, s.family_head)
         t0 = time.perf_counter()
         models = (self.target, self.drafter, self.head)
         spec = speculative_generate(*models, prompt, s.max_new, s.stop_ids, sampling, s.should_stop)
@@ -160,7 +170,9 @@ class _Evaluation:
         s, models = self.settings, (self.target, self.drafter, self.head)
         self.tally.largest_batch = max(self.tally.largest_batch, len(chunk))
         t0 = time.perf_counter()
-        specs = speculative_generate_batch(*models, chunk, s.max_new, s.stop_ids, s.should_stop, s.confidence)
+        specs = speculative_generate_batch(
+            *models, chunk, s.max_new, s.stop_ids, s.should_stop, s.confidence, s.family_head
+        )
         t1 = time.perf_counter()
         plains = greedy_generate_batch(self.target, chunk, s.max_new, s.stop_ids, s.should_stop)
         t2 = time.perf_counter()
@@ -168,8 +180,8 @@ class _Evaluation:
         for p, spec, plain in zip(chunk, specs, plains, strict=True):
             if spec.tokens != plain:
                 self.tally.singly += 1
-                spec = speculative_generate(*models, p, s.max_new, s.stop_ids, Sampling(confidence=s.confidence),
-                                            s.should_stop)  # fmt: skip
+                again = Sampling(confidence=s.confidence, family_head=s.family_head)
+                spec = speculative_generate(*models, p, s.max_new, s.stop_ids, again, s.should_stop)
                 plain = greedy_generate(self.target, p, s.max_new, s.stop_ids, should_stop=s.should_stop)
             self.tally.add(spec, plain, (t1 - t0) / len(chunk), (t2 - t1) / len(chunk))
             outs.append(spec)

@@ -37,12 +37,15 @@ def propose(
     anchor: torch.Tensor,  # (R,) each block's anchor token
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    family_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # no-sync: decoding (eval), off the training path
     """The drafted tokens (R, n) and, sampled (temperature > 0), the distributions (R, n, V)
-    they were drawn from (on the host), which speculative sampling's verification needs."""
+    they were drawn from (on the host), which speculative sampling's verification needs.
+    `family_head` False: drafted as DFlash drafts, from the backbone's logits alone
+    (`eval.family_head`: what DFlash2's selector or DSpark's Markov head adds)."""
     R, n, H = h.shape
     logits = torch.nn.functional.linear(h.reshape(R * n, H).to(lm_head.dtype), lm_head).view(R, n, -1)
-    family = model.spec.family
+    family = model.spec.family if family_head else "dflash"
     if family == "dflash2":
         from dflash.model.dflash2 import walk
 

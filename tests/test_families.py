@@ -65,8 +65,10 @@ def test_one_batch_loss_equals_speculators(reference, family):
 
 
 @pytest.mark.parametrize("family", ["dflash2", "dspark"])
-def test_tiny_run_exports_loads_and_decodes_lossless(tiny_config, tmp_path, family):
-    """Train, export, load the export back (both formats), eval: lossless, as DFlash."""
+def test_tiny_run_exports_loads_and_decodes_lossless(tiny_config, tmp_path, family, monkeypatch):
+    """Train, export, load the export back (both formats), eval: lossless, as DFlash; and so
+    without the family's head, which then reaches every decoding path."""
+    import dflash.eval.decode as decode
     from dflash.eval import DecodeSettings, evaluate
     from dflash.model.target import load_target
 
@@ -89,9 +91,22 @@ def test_tiny_run_exports_loads_and_decodes_lossless(tiny_config, tmp_path, fami
     for batch in (1, 2):
         rec = evaluate(target, drafter, head, prompts, DecodeSettings(max_new=12, batch_size=batch))
         assert rec["lossless"] is True and rec["family_head"] is True
-        # the ablation: drafted from the backbone's logits alone, still lossless
-        rec = evaluate(target, drafter, head, prompts, DecodeSettings(max_new=12, batch_size=batch, family_head=False))
-        assert rec["lossless"] is True and rec["family_head"] is False
+    # the ablation: drafted from the backbone's logits alone, still lossless, on each path
+    # (one prompt, a batch, sampled)
+    asked: list[bool] = []
+    propose = decode.propose
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("family_head", args[6] if len(args) > 6 else True))
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "propose", spy)
+    for batch, temperature in ((1, 0.0), (2, 0.0), (1, 0.8)):
+        off = DecodeSettings(max_new=12, batch_size=batch, temperature=temperature, family_head=False)
+        rec = evaluate(target, drafter, head, prompts, off)
+        assert rec["family_head"] is False and rec["lossless"] is (True if temperature == 0 else None)
+        assert asked and not any(asked)
+        asked.clear()
 
 
 def _spec(family: str, **kw: object) -> DrafterSpec:
@@ -297,15 +312,28 @@ def test_without_the_family_head_each_slot_drafts_the_backbones_argmax(family):
     assert torch.equal(got, argmax)
     own, _ = propose(model, h, lm_head, anchor)
     assert torch.equal(own, argmax) == (family == "dflash")
+    # sampled: the slots' softmax, which speculative sampling's verification reads
+    _, q = propose(model, h, lm_head, anchor, 0.7, torch.Generator().manual_seed(0), family_head=False)
+    assert q is not None and torch.allclose(q, torch.softmax((h @ lm_head.t()) / 0.7, dim=-1), atol=1e-6)
 
 
 def test_without_the_family_head_dspark_verifies_every_draft(tiny_config):
     from dflash.eval import DecodeSettings
+    from dflash.model.families import verify_lengths
 
     dspark = {**_family("dspark"), "drafter.dspark.confidence_threshold": "0.5"}
     assert DecodeSettings.of(tiny_config(**dspark), []).confidence == 0.5
     settings = DecodeSettings.of(tiny_config(**dspark, **{"eval.family_head": "false"}), [])
     assert settings.confidence == 0.0 and settings.family_head is False
+    # and in decoding itself, whatever threshold it is given
+    torch.manual_seed(0)
+    model = DFlashDrafter(_spec("dspark"))
+    with torch.no_grad():
+        model.confidence_head.proj.bias.fill_(-20.0)  # trusts no draft
+    h, anchor = torch.randn(2, 4, 32), torch.randint(0, 64, (2,))
+    tokens = torch.randint(0, 64, (2, 4))
+    assert verify_lengths(model, h, tokens, anchor, 0.5) == [1, 1]  # at least one
+    assert verify_lengths(model, h, tokens, anchor, 0.5, family_head=False) == [4, 4]
 
 
 def test_another_engine_refuses_eval_without_the_family_head(tiny_config, tmp_path):

@@ -254,7 +254,7 @@ def speculative_generate(
         proposals, qs = propose(
             drafter, drafting, head.lm_head, last, sampling.temperature, sampling.generator, sampling.family_head
         )
-        (keep,) = verify_lengths(drafter, drafting, proposals, last, sampling.confidence)
+        (keep,) = verify_lengths(drafter, drafting, proposals, last, sampling.confidence, sampling.family_head)
         proposals, q, q_pos = proposals[0, :keep], None if qs is None else qs[0, :keep], q_pos[:, : keep + 1]
         logits, feats = state.verify(torch.cat([last, proposals])[None], q_pos)
         props = proposals.tolist()
@@ -368,7 +368,7 @@ def speculative_generate_batch(
         last = torch.tensor([row.tokens[-1] for row in rows], device=ddev)
         h = state.draft(last, q_pos[:, :B], _batch_masks(drafter, valid, [row.context for row in rows], sizes, B))
         proposals, _ = propose(drafter, h[:, 1 - shift :], head.lm_head, last, family_head=family_head)  # (R, span - 1)
-        keep = verify_lengths(drafter, h[:, 1 - shift :], proposals, last, confidence)
+        keep = verify_lengths(drafter, h[:, 1 - shift :], proposals, last, confidence, family_head)
         attn = torch.cat([valid, torch.ones(R, span, dtype=torch.bool, device=ddev)], dim=1).long().to(dev)
         logits, feats = state.verify(torch.cat([last[:, None], proposals], dim=1), q_pos, attention_mask=attn)
         post = logits.argmax(dim=-1).tolist()  # (R, span): the target's token after each slot

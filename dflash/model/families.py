@@ -67,10 +67,12 @@ def verify_lengths(
     tokens: torch.Tensor,  # (R, n) their drafts
     anchor: torch.Tensor,  # (R,)
     threshold: float,
+    family_head: bool = True,
 ) -> list[int]:  # no-sync: decoding (eval), off the training path
     """How many of each row's drafts to verify: all of them, but for DSpark with a confidence
-    `threshold` the prefix its confidence head trusts (`dspark.confident`)."""
-    if model.spec.family == "dspark" and threshold > 0:
+    `threshold` the prefix its confidence head trusts (`dspark.confident`); without the
+    family's head (`family_head` False), all of them."""
+    if model.spec.family == "dspark" and threshold > 0 and family_head:
         from dflash.model.dspark import confident
 
         return confident(model, h, tokens, anchor, threshold).tolist()

@@ -113,6 +113,23 @@ def test_two_processes_equal_one_process_with_two_replicas_under_torchrun(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_each_family_on_two_processes_equals_one_process_with_two_replicas(tmp_path, popen, family):
+    """DFlash2's and DSpark's heads (codebooks, Markov and confidence heads) all-reduce as the
+    backbone does: two ranks give the losses and bit-identical weights of two replicas."""
+    options = {"dflash2": {"drafter.dflash2.selector_rank": 8, "drafter.dflash2.selector_top_k": 4},
+               "dspark": {"drafter.dspark.markov_rank": 8}}[family]  # fmt: skip
+    extra = {"data.num_samples": 32, "drafter.family": f'"{family}"', **options}
+    one = _single(tmp_path / "one", 2, **extra)
+    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path / "two", **extra))):
+        assert rc == 0, err[-2000:]
+    two = tmp_path / "two" / "tiny"
+    assert _steps(two / "records.jsonl") == _steps(one / "records.jsonl") == _steps(two / "records.rank1.jsonl")
+    assert len(_steps(one / "records.jsonl")) == 2
+    assert _same_weights(_weights(two), _weights(one))
+
+
+@pytest.mark.slow
 def test_uneven_shards_normalise_like_one_process(tmp_path, popen):
     """5 batches over 2 ranks: the last step has data on rank 0 only; rank 1 contributes
     nothing, and the update (divided by the global Σ w) equals the single-process one."""

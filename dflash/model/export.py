@@ -134,6 +134,14 @@ def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, 
     }
 
 
+def speculative_config(drafter: str | Path, spec: DrafterSpec) -> dict[str, Any]:
+    """What vLLM's `speculative_config` must say to run the export at `drafter` (in either
+    format: the offline API wants the token count even from a speculators config). DFlash2 is
+    method "dflash" too (its architecture selects it); DSpark is "dspark"."""
+    method = "dspark" if spec.family == "dspark" else "dflash"
+    return {"method": method, "model": str(drafter), "num_speculative_tokens": spec.drafts}
+
+
 _SPECULATORS_ARCH = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
 
 

@@ -27,12 +27,11 @@ import structlog
 import torch
 
 from dflash.config import Config, dump_toml
-from dflash.engines.vllm import speculative_config
 from dflash.errors import ConfigError
 from dflash.eval.decode import EvalStopped
 from dflash.logs import ProgressLine, RunLog
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.export import export_drafter
+from dflash.model.export import export_drafter, speculative_config
 from dflash.pipeline import topology
 from dflash.roofline.peaks import peaks_of
 from dflash.runtime import distributed, faults
@@ -41,7 +40,7 @@ from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Profiler, Trace
 from dflash.stages._link import root_error, stage_task
 from dflash.train.build import SetupStopped, Training, build_training, stopping_setup
-from dflash.train.checkpoint import Checkpointer, ResumeFrom
+from dflash.train.checkpoint import Checkpointer, ResumeFrom, write_run_gguf
 from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
 
 __all__ = ["Coordinator", "Record"]
@@ -351,20 +350,14 @@ class Coordinator:
     def _export_gguf(self, model: DFlashDrafter) -> None:
         """<run>/final.gguf for llama.cpp (checkpoint.export_gguf); a failure is a warning: the
         drafter is in <run>/final already (`dflash export <run> OUT.gguf --format gguf` again)."""
-        from dflash.engines import llamacpp
-        from dflash.model.export_gguf import read_target_gguf, write_gguf
-
-        cfg, out = self.config, self.run_dir / "final.gguf"
-        assert cfg.target.path is not None  # the config refuses the tiny target
+        out = self.run_dir / "final.gguf"
         try:
-            vocab = llamacpp.target_vocab(cfg.target.kind, cfg.target.path, cfg.data.cache_dir)
-            write_gguf(model.spec, model.state_dict(), read_target_gguf(vocab, cfg.target.path), out,
-                       cfg.checkpoint.export_gguf)  # fmt: skip
+            write_run_gguf(self.config, model, out)
         except Exception as err:  # the drafter is in <run>/final: a warning, not a lost run
             why = " ".join(str(err).split()) or type(err).__name__
             self.emit("warning", message=f"final.gguf not written: {why}")
             return
-        self.emit("export", step=self.steps, path=str(out), format="gguf", gguf_type=cfg.checkpoint.export_gguf)
+        self.emit("export", step=self.steps, path=str(out), format="gguf", gguf_type=self.config.checkpoint.export_gguf)
 
     async def _end_eval(self, training: Training) -> tuple[Record | None, bool]:
         """The end-of-run eval: its record, and whether a stop ended it first (it asks once per

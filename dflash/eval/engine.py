@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.engines import EngineRun, llamacpp, vllm
 from dflash.errors import ConfigError
 from dflash.eval.decode import greedy_generate
 from dflash.eval.tally import DecodeSettings, evaluate
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 from dflash.model.loading import model_folder
 from dflash.model.target import Target
+from dflash.serving import EngineRun, llamacpp, vllm
 
 __all__ = [
     "check_llamacpp_drafter",

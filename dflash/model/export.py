@@ -156,6 +156,8 @@ def export_drafter(
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = drafter_config_json(model.spec) if fmt == "dflash" else speculators_config_json(model.spec, verifier)
+    layers = config if fmt == "dflash" else config["transformer_layer_config"]
+    layers["torch_dtype"] = str(dtype).removeprefix("torch.")  # the weights': what AutoModel loads by default
     tensors = {  # DSpark's confidence head stays float32 (vLLM loads it so)
         k: v.detach().to("cpu", torch.float32 if k.startswith("confidence_head.") else dtype).contiguous()
         for k, v in model.state_dict().items()

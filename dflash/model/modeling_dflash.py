@@ -24,8 +24,10 @@ DFlash2 (`dflash_config.conv_kernel_size`) a grouped dynamic convolution around 
 attention and MLP sublayer (`DynamicConv`) and a candidate selector (`CandidateSelector`:
 `model.candidate_selector.scores`); DSpark (`markov_rank`) a Markov head
 (`model.markov_head.bias(prev)`, added to the logits) and a confidence head
-(`model.confidence_head`). The forward returns the block states either way; drafting with
-them is the caller's (dflash's `dflash.model.families`).
+(`model.confidence_head`, float32 as the export stores it). The forward returns the block
+states either way; drafting with them is the caller's (dflash's `dflash.model.families`).
+Every weight loads as stored, in value and dtype, with `from_pretrained`'s defaults (the
+config's `torch_dtype`; the confidence head stays float32).
 """
 
 from __future__ import annotations
@@ -291,6 +293,9 @@ class DFlashDraftModel(PreTrainedModel):
 
     config_class = Qwen3Config
     _no_split_modules = ("DFlashDecoderLayer",)
+    # DSpark's confidence head is stored in float32 (vLLM loads it so): kept in float32 when
+    # the rest loads in bfloat16 / float16 (the config's dtype), so every weight is the export's
+    _keep_in_fp32_modules_strict = ("confidence_head",)
     base_model_prefix = "dflash"
 
     def __init__(self, config: PretrainedConfig) -> None:

@@ -451,11 +451,11 @@ def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[T
     load = load_target_head if cfg.target.load == "head" else load_target
     targets = [load(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
     if cfg.target.engine == "vllm":  # the decoder layers in a live vLLM engine, started now
-        from dflash.engines.live import EngineTarget
+        from dflash.targets.live import EngineTarget
 
         targets = [EngineTarget(t, cfg) for t in targets]
     elif cfg.target.engine == "remote":  # the decoder layers in a `dflash serve-target` elsewhere
-        from dflash.engines.spool import SpoolTarget
+        from dflash.targets.spool_client import SpoolTarget
 
         targets = [SpoolTarget(t, cfg) for t in targets]
     for tgt in targets:
@@ -472,7 +472,7 @@ def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:
     """`target.load = "head"`: what would need the target's decoder layers is refused before
     anything loads."""
     if cfg.target.engine != "local":  # the engine serves every batch's features
-        from dflash.engines.live import check_engine_target
+        from dflash.targets.live import check_engine_target
 
         check_engine_target(cfg)
     if cfg.target.load != "head":

@@ -374,7 +374,8 @@ def write_run_gguf(cfg: Config, model: torch.nn.Module, out: Path) -> None:
 
     assert cfg.target.path is not None  # the config refuses the tiny target
     vocab = llamacpp.target_vocab(cfg.target.kind, cfg.target.path, cfg.data.cache_dir)
-    write_gguf(model.spec, model.state_dict(), read_target_gguf(vocab, cfg.target.path), out, cfg.checkpoint.export_gguf)
+    target = read_target_gguf(vocab, cfg.target.path)
+    write_gguf(model.spec, model.state_dict(), target, out, cfg.checkpoint.export_gguf)
 
 
 def restore(loaded: Loaded, replicas: list[Any], cfg: Config | None = None) -> None:

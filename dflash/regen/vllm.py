@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import Config
-from dflash.engines.replier import Output, Todo, until_eos
 from dflash.engines.vllm import engine_device, open_engine, require_vllm, shut_down
 from dflash.errors import ConfigError
+from dflash.regen.replier import Output, Todo, until_eos
 
 __all__ = [
     "ReplyEngine",

@@ -8,10 +8,10 @@ answered one after the other), keeps `holdout` of the first set aside for eval, 
 generates replies in batches (greedy, or sampled) in a seeded random order, like lengths
 batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended
 batch by batch and flushed: an interrupted regen resumes where it stopped. Who writes the
-replies is a `Replier` (`dflash/engines/replier.py`): the target's own loop here
-(`engines/local.py`), or with `regen.server` an OpenAI-compatible server (vLLM, SGLang,
-llama.cpp; `engines/server.py`), or with `regen.engine = "vllm"` vLLM's offline API in this
-process (`engines/replies.py`): same prompts, split, order and records.
+replies is a `Replier` (`dflash/regen/replier.py`, picked by `open_replier` here): the
+target's own loop (`regen/local.py`), or with `regen.server` an OpenAI-compatible server (vLLM,
+SGLang, llama.cpp; `regen/server.py`), or with `regen.engine = "vllm"` vLLM's offline API in
+this process (`regen/vllm.py`): same prompts, split, order and records.
 """
 
 from __future__ import annotations
@@ -31,12 +31,29 @@ from dflash import logs
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids
 from dflash.data.prompts import Messages, Prompts, load_prompts, prompt_key
-from dflash.engines.replier import Replier, Todo, open_replier
 from dflash.errors import DataError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
+from dflash.regen.replier import Replier, Todo
 from dflash.store.atomic import atomic_path
 
-__all__ = ["regenerate", "write_jsonl"]
+__all__ = ["open_replier", "regenerate", "write_jsonl"]
+
+
+def open_replier(cfg: Config, target: Any, tokenizer: Any) -> Replier:
+    """Who answers, from the config: `regen.server` (checked to answer GET /v1/models),
+    `regen.engine = "vllm"` (checked to be installed) or the target's own loop. Called before
+    anything is written, so that a server that is down or a Python without vLLM fails first."""
+    if cfg.regen.server:
+        from dflash.regen.server import ServerReplier
+
+        return ServerReplier.connect(cfg)
+    if cfg.regen.engine == "vllm":
+        from dflash.regen.vllm import VllmReplier
+
+        return VllmReplier(cfg, tokenizer)
+    from dflash.regen.local import LocalReplier
+
+    return LocalReplier(cfg, target, tokenizer)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:

@@ -34,8 +34,8 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from dflash.config import Config
 from dflash.data.prompts import Messages
-from dflash.engines.replier import Output, Todo
 from dflash.errors import DFlashError
+from dflash.regen.replier import Output, Todo
 
 __all__ = ["ChatServer", "RequestPool", "ServerError", "ServerReplier"]
 

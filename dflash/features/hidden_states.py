@@ -12,7 +12,7 @@ thread pool, lock and file layout.
 
 vLLM loads it from this module (it imports vLLM, so only `.venv-engines` can import it):
 `kv_transfer_config = {"kv_connector": "HiddenStatesConnector", "kv_connector_module_path":
-"dflash.engines.hidden_states", "kv_role": "kv_producer", ...}`.
+"dflash.features.hidden_states", "kv_role": "kv_producer", ...}`.
 """
 
 from __future__ import annotations

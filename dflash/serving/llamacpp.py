@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.engines import EngineRun
 from dflash.errors import ConfigError, DFlashError
+from dflash.serving import EngineRun
 
 __all__ = [
     "VERSION",

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 CONNECTOR = "HiddenStatesConnector"
-CONNECTOR_MODULE = "dflash.engines.hidden_states"
+CONNECTOR_MODULE = "dflash.features.hidden_states"
 # vLLM 0.32 checks the extract_hidden_states draft model (ExtractHiddenStatesModel, not SupportsPP)
 # against the pipeline-parallel size too: SpeculativeConfig._verify_args -> verify_with_parallel_config.
 PP_REFUSED = (

@@ -18,9 +18,9 @@ from dflash.config import Config
 from dflash.data.chat_template import tokenize_many
 from dflash.data.prompts import Messages
 from dflash.data.samples import Sample, collate
-from dflash.engines.replier import Output, Todo, until_eos
 from dflash.features.files import Entry
 from dflash.model.hf_compat import cache_kwarg, output_cache, plain_kv_cache
+from dflash.regen.replier import Output, Todo, until_eos
 
 __all__ = ["LocalReplier", "feature_entries"]
 

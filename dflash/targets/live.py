@@ -2,7 +2,7 @@
 
 The trainer holds only the target's embeddings and LM head (`target.load = "head"`); each
 batch's documents go to a vLLM engine in this process as token ids, under its
-`extract_hidden_states` method with dflash's connector (`dflash/engines/hidden_states.py`,
+`extract_hidden_states` method with dflash's connector (`dflash/features/hidden_states.py`,
 the same engine `dflash features` starts, any tensor parallelism vLLM takes), and the
 chosen layers come back as the batch's features — nothing is written for the whole dataset.
 
@@ -29,7 +29,11 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.engines.extract import (
+from dflash.engines.vllm import require_vllm, shut_down
+from dflash.errors import ConfigError, DataError, DFlashError
+from dflash.features.cache import doc_spans
+from dflash.features.files import Entry
+from dflash.features.vllm import (
     EngineSettings,
     generate_hidden,
     read_hidden,
@@ -37,10 +41,6 @@ from dflash.engines.extract import (
     target_meta,
     vllm_layer_ids,
 )
-from dflash.engines.vllm import require_vllm, shut_down
-from dflash.errors import ConfigError, DataError, DFlashError
-from dflash.features.cache import doc_spans
-from dflash.features.files import Entry
 from dflash.runtime.messages import Batch, Teacher
 
 __all__ = ["EngineTarget", "check_engine_target", "lay_out", "prompts_of", "watch_engine"]

@@ -1,6 +1,7 @@
-"""Who writes `dflash regen`'s replies, behind one face: the target's own generate loop here
-(`local`), vLLM's offline API in this process (`replies`), or an OpenAI-compatible server
-(`server`). `open_replier` picks one from the config, once.
+"""Who writes `dflash regen`'s replies, behind one face (`Replier`): the target's own generate
+loop here (`regen/local.py`), vLLM's offline API in this process (`regen/vllm.py`), or an
+OpenAI-compatible server (`regen/server.py`). `command.open_replier` picks one from the config,
+once.
 
 A replier is handed the prompts to answer as batches (in the order regen wants them
 answered), an `Output` to write each reply to, and a time budget; it writes replies as they
@@ -11,15 +12,14 @@ resume, the held-out split and the feature files' folder are regen's, not a repl
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from dflash.config import Config
 from dflash.data.prompts import Messages
 
 if TYPE_CHECKING:
     from dflash.features.files import Entry
 
-__all__ = ["Output", "Replier", "Todo", "open_replier", "until_eos"]
+__all__ = ["Output", "Replier", "Todo", "until_eos"]
 
 Todo = list[tuple[int, list[int]]]  # prompts to answer: (index among the training prompts, its token ids)
 
@@ -68,23 +68,6 @@ class Replier(Protocol):
     def close(self) -> None:
         """What the replier holds open (a server's connections), released."""
         ...
-
-
-def open_replier(cfg: Config, target: Any, tokenizer: Any) -> Replier:
-    """Who answers, from the config: `regen.server` (checked to answer GET /v1/models),
-    `regen.engine = "vllm"` (checked to be installed) or the target's own loop. Called before
-    anything is written, so that a server that is down or a Python without vLLM fails first."""
-    if cfg.regen.server:
-        from dflash.engines.server import ServerReplier
-
-        return ServerReplier.connect(cfg)
-    if cfg.regen.engine == "vllm":
-        from dflash.engines.replies import VllmReplier
-
-        return VllmReplier(cfg, tokenizer)
-    from dflash.engines.local import LocalReplier
-
-    return LocalReplier(cfg, target, tokenizer)
 
 
 def until_eos(ids: list[int], eos: int) -> list[int]:

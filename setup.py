@@ -6,6 +6,7 @@ setup(
     description="Train DFlash speculative-decoding drafters through an asyncio pipeline",
     python_requires=">=3.11",
     packages=find_packages(include=["dflash", "dflash.*"]),
+    package_dir={"": "."},
     # torch: any build >= 2.6 (CPU or CUDA); the Makefile pins 2.13.0 only where no torch is installed.
     install_requires=[
         "torch>=2.6",

@@ -17,9 +17,14 @@ README = ROOT / "README.md"
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 EXPERIMENTS = ROOT / "docs" / "experiments.md"
-DOCS = [README, BENCHMARKS, ARCHITECTURE, EXPERIMENTS]
+HISTORY = ROOT / "docs" / "benchmarks-history.md"
+DOCS = [README, BENCHMARKS, ARCHITECTURE, EXPERIMENTS, HISTORY]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
 README_MAX_LINES = 300
+BENCHMARKS_MAX_LINES = 350
+# The columns every benchmark's table of current figures has (its first table).
+FIGURE_COLUMNS = {"figure", "machine", "date", "commit", "command"}
 # Words that belong to a diary, not a reference (whole words, any case).
 DENYLIST = [r"\bsessions?\b", r"\bsittings?\b", r"\byesterday\b", r"\blead for the next\b"]
 
@@ -108,8 +113,8 @@ def _table_keys(text: str) -> set[str]:
 
 
 def test_module_paths_named_in_docs_exist():
-    """Every module or folder path the README, BENCHMARKS, the architecture map and the
-    experiments name (`dflash/...`, `bench/...`, `model/loss.py`, `modeling_dflash.py`) exists, so
+    """Every module or folder path the README, BENCHMARKS, its history, the architecture map and
+    the experiments name (`dflash/...`, `bench/...`, `model/loss.py`, `modeling_dflash.py`) exists, so
     a reorganisation cannot leave the map pointing at files that are gone."""
     missing = {doc.name: _missing_paths(doc) for doc in DOCS}
     assert not any(missing.values()), missing
@@ -189,3 +194,116 @@ def test_every_benchmark_script_has_a_section():
     assert scripts
     missing = [p.name for p in scripts if not any(f"`bench/{p.name}`" in h for h in headings)]
     assert missing == []
+
+
+def _cells(row: str) -> list[str]:
+    """A markdown table row's cells (a `\\|` inside a cell does not split it)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _sections(text: str) -> dict[str, str]:
+    """Each `## ` section of a document by its anchor, without its heading line."""
+    parts = re.split(r"^## (.*)$", text, flags=re.M)
+    return {_slug(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _first_table(section: str) -> tuple[list[str], list[str]]:
+    """A section's first table: its header cells and its data rows (the separator left out)."""
+    lines = section.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return [], []
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = lines[start:end]
+    return _cells(table[0]), [row for row in table[1:] if not row.startswith("|---")]
+
+
+def _readme_figure_rows() -> list[list[str]]:
+    """The data rows of the README's "Current figures" table, as cells."""
+    section = _text(README).split("## Current figures", 1)[1].split("\n## ", 1)[0]
+    _, rows = _first_table(section)
+    return [_cells(row) for row in rows]
+
+
+def test_benchmarks_is_current_figures_within_its_length():
+    """BENCHMARKS.md holds the current figures, one table per benchmark, within 350 lines (the
+    superseded runs are in docs/benchmarks-history.md, which it links); each section's first
+    table names, for each row, its figure, machine, date, commit and reproduce command."""
+    text = _text(BENCHMARKS)
+    assert len(text.splitlines()) <= BENCHMARKS_MAX_LINES, f"BENCHMARKS.md has {len(text.splitlines())} lines"
+    assert "(docs/benchmarks-history.md)" in text
+    sections = _sections(text)
+    assert "make-demo" in sections and "make-test" in sections, sorted(sections)
+    for anchor, section in sections.items():
+        header, rows = _first_table(section)
+        assert rows, f"BENCHMARKS.md#{anchor} has no table"
+        assert FIGURE_COLUMNS <= {c.lower() for c in header}, (anchor, header)
+
+
+def test_benchmarks_history_is_newest_first():
+    """The history's days run newest first, each a `## YYYY-MM-DD` heading."""
+    days = re.findall(r"^## (\S+)", _text(HISTORY), flags=re.M)
+    assert days and all(re.fullmatch(r"20\d\d-\d\d-\d\d", d) for d in days), days
+    assert days == sorted(days, reverse=True) and len(set(days)) == len(days), days
+
+
+def test_readme_figures_are_the_first_rows_of_benchmarks():
+    """Each row of the README's "Current figures" links a BENCHMARKS section, and every figure
+    it quotes (its figure cell, split at "; ") and every commit it names is, verbatim, in the
+    first data row of that section's first table: the README quotes the newest figures."""
+    sections = _sections(_text(BENCHMARKS))
+    rows = _readme_figure_rows()
+    assert len(rows) >= 3
+    for cells in rows:
+        row = " | ".join(cells)
+        if "not yet measured" in row:
+            continue
+        link = re.search(r"\(BENCHMARKS\.md#([^)\s]+)\)", row)
+        assert link, f"no link to a BENCHMARKS section: {row}"
+        assert link.group(1) in sections, f"BENCHMARKS.md has no section #{link.group(1)}"
+        _, data = _first_table(sections[link.group(1)])
+        assert data, f"BENCHMARKS.md#{link.group(1)} has no table"
+        first = data[0]
+        claims = [c.strip() for c in cells[1].split("; ") if c.strip()]
+        assert claims
+        missing = [c for c in claims if c not in first]
+        when = next(c for c in cells if "BENCHMARKS.md#" in c)  # the date and commit cell
+        missing += [h for h in re.findall(r"\b[0-9a-f]{7}\b", when) if h not in first]
+        assert missing == [], f"not in BENCHMARKS.md#{link.group(1)}'s first row: {missing}"
+
+
+# A measured figure in a comment: a speed, a τ, a ratio, a share, or an approximate number.
+_MEASURED = [
+    r"tok/s",
+    r"(?:τ|\btau)\s*[=:]?\s*\d",
+    r"\b\d+(?:\.\d+)?[x×](?![\w-])",
+    r"\d\s*%",
+    r"~\s*\d",
+    r"\b\d+\s*min\s+\d+\s*s\b",
+]
+
+
+def _comment(line: str) -> str:
+    """The comment of a TOML line (after a `#` outside quotes), or ''."""
+    quoted = re.sub(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'', lambda m: "_" * len(m.group(0)), line)
+    at = quoted.find("#")
+    return line[at:] if at >= 0 else ""
+
+
+def test_config_comments_carry_no_measured_figures():
+    """configs/*.toml carry settings and one-line whys: a measured figure (tok/s, τ 1.8, 2.5x,
+    15 %, ~4 minutes) belongs in BENCHMARKS.md, with its date, commit, machine and command."""
+    assert CONFIGS
+    assert re.search("|".join(_MEASURED), "# ~2.5x the steps, τ 1.84 at 10K tok/s (15 %)")
+    found = [
+        f"{path.name}:{n}: {_comment(line).strip()}"
+        for path in CONFIGS
+        for n, line in enumerate(_text(path).splitlines(), 1)
+        if any(re.search(pat, _comment(line)) for pat in _MEASURED)
+    ]
+    assert found == []

@@ -113,13 +113,18 @@ def tiny_config(tmp_path: Path):
 
 
 def run_records(
-    cfg: Any, into: list[dict[str, Any]] | None = None, timeout_s: float | None = None, **kwargs: Any
+    cfg: Any,
+    into: list[dict[str, Any]] | None = None,
+    timeout_s: float | None = None,
+    subscribers: tuple[Any, ...] | list[Any] = (),
+    **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Run a Coordinator on `cfg` to its end; every record it emitted, in order.
 
     `into`: append the records to this list as they come, so that a test expecting the run
     to raise still sees what came before. `timeout_s`: a guard against a hang (TimeoutError),
-    not a speed limit. Other keyword arguments go to the Coordinator."""
+    not a speed limit. `subscribers`: more record subscribers, after the list's. Other keyword
+    arguments go to the Coordinator."""
     import asyncio
 
     from dflash import Coordinator
@@ -127,6 +132,8 @@ def run_records(
     records: list[dict[str, Any]] = [] if into is None else into
     coord = Coordinator(cfg, log=False, **kwargs)
     coord.subscribe(records.append)
+    for fn in subscribers:
+        coord.subscribe(fn)
     asyncio.run(asyncio.wait_for(coord.run(), timeout_s))
     return records
 

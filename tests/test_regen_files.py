@@ -703,9 +703,11 @@ def test_regen_feature_entries_recompute_what_retokenizing_changes(loaded: tuple
 
 def test_training_reads_regen_features_from_the_store(env: Env, loaded: tuple[Any, Any]) -> None:
     """A run on a regen output with feature files needs no target forward at all (target
-    labels included): every batch is read from the store; features made by another target
-    layout, distillation, or a sampled regen with target labels: not used, with a warning
-    that says why."""
+    labels included): every batch is read from the store, by the chain's reader thread (the
+    README's thread list); features made by another target layout, distillation, or a sampled
+    regen with target labels: not used, with a warning that says why."""
+    import threading
+
     from dflash.train.build import build_training
     from tests.conftest import run_records
 
@@ -713,7 +715,15 @@ def test_training_reads_regen_features_from_the_store(env: Env, loaded: tuple[An
     data = f'data.files=[{{path = "{env.run_dir("seeded") / "regen.jsonl"}"}}]'
     base = ("eval.at_end=false", "checkpoint.export_final=false", data, "train.epochs=2")
     cfg = env.cfg("seeded", *base, 'loss.labels="target"')
-    records = run_records(cfg, timeout_s=120)
+    threads: set[str] = set()
+
+    def seen(record: dict[str, Any]) -> None:
+        if record["event"] == "train_step":
+            threads.update(t.name.rsplit("_", 1)[0] for t in threading.enumerate() if t.name.startswith("dflash-"))
+
+    records = run_records(cfg, timeout_s=120, subscribers=[seen])
+    assert threads == {"dflash-data", "dflash-reader0", "dflash-target0", "dflash-drafter0", "dflash-optimizer"}
+    assert "with a feature\nstore, its reader" in (Path(__file__).parents[1] / "README.md").read_text()
     (setup,) = [r for r in records if r["event"] == "setup"]
     assert setup["data"]["feature_files_samples"] == setup["samples"] == 12
     (end,) = [r for r in records if r["event"] == "run_end"]

@@ -83,6 +83,54 @@ def _profile_overrides(profile_interval: float | None) -> list[str]:
     return []
 
 
+def _check_gguf_export(cfg: Any) -> None:
+    """checkpoint.export_gguf: refused when llama.cpp could not convert this target's drafter."""
+    from dflash.serving import llamacpp
+
+    if cfg.target.kind == "hf":  # its vocabulary needs llama.cpp's converter
+        llamacpp.require_llamacpp("checkpoint.export_gguf with an hf target")
+    assert cfg.target.path is not None
+    why = llamacpp.gguf_export_problem(cfg.target.kind, cfg.target.path, cfg.target.layer_ids)
+    if why is not None:
+        raise ConfigError(f"checkpoint.export_gguf: {why}")
+
+
+def _open_log(path: Path) -> IO[str]:
+    """--log-file (this rank's), opened to append."""
+    try:
+        return path.open("a", encoding="utf-8")
+    except OSError as err:
+        msg = f"--log-file {path}: {err.strerror}"
+        raise ConfigError(msg) from None
+
+
+def _tell_summary(summary: dict[str, Any], cfg: Any, config: Path, overrides: tuple[str, ...]) -> None:
+    """The run's outcome for people: its steps, loss, τ and tokens/s, its folder, and (with an
+    export) the drafter's speculative_config in vLLM and, for a head-only target, its eval there."""
+    from dflash import logs
+
+    tau = (
+        f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
+        f" ({ {True: 'lossless', False: 'NOT lossless', None: 'sampled'}[summary['eval_lossless']] })"
+        if summary["eval_tau"] is not None
+        else "; end-of-run eval stopped"
+        if summary.get("eval_stopped")
+        else ""
+    )
+    logs.human(
+        f"dflash: {summary['reason']} after {summary['steps']} steps in {summary['wall_s']:.1f}s; "
+        f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
+        f"{summary['tokens_per_s']:.0f} tok/s{tau}; run folder {summary['run_dir']}"
+    )
+    if summary.get("vllm_speculative_config"):
+        logs.human(f"dflash: in vLLM: speculative_config = {json.dumps(summary['vllm_speculative_config'])}")
+        if cfg.target.load == "head":
+            final = Path(summary["vllm_speculative_config"]["model"])
+            sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+            where = f"{shlex.quote(str(config))}{sets} --drafter {shlex.quote(str(final))}"
+            logs.human(f"dflash: its eval, in vLLM: dflash eval {where} --engine vllm")
+
+
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
@@ -122,25 +170,13 @@ def run(
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
         if cfg.checkpoint.export_gguf:  # refused now rather than after training
-            from dflash.serving import llamacpp
-
-            if cfg.target.kind == "hf":  # its vocabulary needs llama.cpp's converter
-                llamacpp.require_llamacpp("checkpoint.export_gguf with an hf target")
-            assert cfg.target.path is not None
-            why = llamacpp.gguf_export_problem(cfg.target.kind, cfg.target.path, cfg.target.layer_ids)
-            if why is not None:
-                raise ConfigError(f"checkpoint.export_gguf: {why}")
+            _check_gguf_export(cfg)
         from dflash.runtime.ranks import launched
 
         ranked = launched()  # under torchrun: JSON on stdout from rank 0 only
         first = ranked is None or ranked[0] == 0
         if log_file is not None:
-            log_file = _rank_log_path(log_file, ranked)
-            try:
-                log_fh = log_file.open("a", encoding="utf-8")
-            except OSError as err:
-                msg = f"--log-file {log_file}: {err.strerror}"
-                raise ConfigError(msg) from None
+            log_fh = _open_log(_rank_log_path(log_file, ranked))
         logs.configure(sys.stdout if first else None, log_fh)
         from dflash.pipeline.runner import run as run_training
         from dflash.train.checkpoint import ResumeFrom
@@ -149,28 +185,8 @@ def run(
             msg = "--new-global-batch: only with --resume"
             raise ConfigError(msg)
         summary = run_training(cfg, resume=ResumeFrom(resume, new_global_batch) if resume else None)
-        if not first:
-            return
-        tau = (
-            f"; eval tau {summary['eval_tau']:.2f} on held-out prompts"
-            f" ({ {True: 'lossless', False: 'NOT lossless', None: 'sampled'}[summary['eval_lossless']] })"
-            if summary["eval_tau"] is not None
-            else "; end-of-run eval stopped"
-            if summary.get("eval_stopped")
-            else ""
-        )
-        logs.human(
-            f"dflash: {summary['reason']} after {summary['steps']} steps in {summary['wall_s']:.1f}s; "
-            f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
-            f"{summary['tokens_per_s']:.0f} tok/s{tau}; run folder {summary['run_dir']}"
-        )
-        if summary.get("vllm_speculative_config"):
-            logs.human(f"dflash: in vLLM: speculative_config = {json.dumps(summary['vllm_speculative_config'])}")
-            if cfg.target.load == "head":
-                final = Path(summary["vllm_speculative_config"]["model"])
-                sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
-                where = f"{shlex.quote(str(config))}{sets} --drafter {shlex.quote(str(final))}"
-                logs.human(f"dflash: its eval, in vLLM: dflash eval {where} --engine vllm")
+        if first:
+            _tell_summary(summary, cfg, config, overrides)
     finally:
         if log_fh is not None:
             log_fh.close()
@@ -537,7 +553,6 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
     import time
 
     import structlog
-    import torch
 
     from dflash.targets import spool_server as spooled
 
@@ -556,12 +571,7 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
             logs.human(f"dflash serve-target: {stats['requests']} batches, {stats['documents']} documents answered")
 
     try:
-        if engine == "vllm":
-            tp = tensor_parallel or cfg.target.engine_tensor_parallel
-            compute, meta, llm = spooled.vllm_compute(cfg, scratch, tp)
-        else:
-            dev = torch.device(device or cfg.pipeline.target_devices[0])
-            compute, meta = spooled.local_compute(cfg, dev)
+        compute, meta, llm = _spool_compute(cfg, engine, scratch, tensor_parallel, device)
         log.info("serve_start", engine=engine, spool=str(folder), layer_ids=meta.layer_ids, dtype=meta.dtype)
         logs.human(f'dflash serve-target ({engine}): serving {folder}; start the run with target.engine = "remote"')
         stats = spooled.serve(folder, compute, meta, engine, progress, asked)
@@ -576,6 +586,23 @@ def serve_target(config: Path, overrides: tuple[str, ...], engine: str, spool: P
     why = "stopped" if stats.get("stopped") == "signal" else "the run ended"
     logs.human(f"dflash serve-target: {why}; {stats['requests']} batches, {stats['documents']} documents, "
                f"{stats['tokens']} tokens answered in {stats['wall_s']}s")  # fmt: skip
+
+
+def _spool_compute(
+    cfg: Any, engine: str, scratch: Path, tensor_parallel: int | None, device: str | None
+) -> tuple[Any, Any, Any]:
+    """What answers each batch and its features' description: the target in vLLM (with its LLM,
+    to shut down after) or in PyTorch on `device` (no LLM)."""
+    import torch
+
+    from dflash.targets import spool_server as spooled
+
+    if engine == "vllm":
+        tp = tensor_parallel or cfg.target.engine_tensor_parallel
+        return spooled.vllm_compute(cfg, scratch, tp)
+    dev = torch.device(device or cfg.pipeline.target_devices[0])
+    compute, meta = spooled.local_compute(cfg, dev)
+    return compute, meta, None
 
 
 def _upgrade_features(cfg: Any) -> None:

@@ -131,6 +131,11 @@ class Device:
     bandwidth_gbs: float
     shared: bool  # one CPU: every stage on it
 
+    def record(self, dtype: torch.dtype, count: int, nodes: int) -> dict[str, Any]:
+        return {"name": self.name, "peak_tflops": self.peak_tflops, "peak_source": self.source,
+                "dtype": str(dtype).removeprefix("torch."), "memory_gib": round(self.memory_gib, 1),
+                "count": count, "nodes": nodes}  # fmt: skip
+
 
 def _device(gpu: str, dtype: torch.dtype, cache_dir: str) -> Device:
     if gpu == "cpu":
@@ -146,6 +151,257 @@ def _device(gpu: str, dtype: torch.dtype, cache_dir: str) -> Device:
     key = next(k for k, v in GPUS.items() if v is spec)
     return Device(spec.name, spec.tflops(str(dtype).removeprefix("torch.")), "table", spec.memory_gib,
                   BANDWIDTH_TBS[key] * 1000, False)  # fmt: skip
+
+
+STAGES = ("target.model_forward", "drafter.forward", "drafter.backward")  # the stages counted in FLOPs
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One batch: rows of the padded row length, the share of real tokens (and where it comes
+    from), the anchors a row and the loss's supervised slots and LM-head rows."""
+
+    rows: float
+    length: float
+    fill: float
+    fill_from: str
+    anchors: int
+    supervised: int
+    head_rows: int
+    calibrated_rows: float | None  # the calibration run's mean rows: its host work scales from them
+
+    @property
+    def real(self) -> float:
+        return self.rows * self.length * self.fill
+
+    def record(self, batches_per_step: int) -> dict[str, Any]:
+        return {"rows": self.rows, "row_length": self.length, "token_budget": self.rows * self.length,
+                "fill": round(self.fill, 4), "fill_from": self.fill_from, "real_tokens": round(self.real),
+                "anchors_per_row": self.anchors, "supervised_slots": self.supervised,
+                "loss_head_rows": self.head_rows, "batches_per_step": batches_per_step}  # fmt: skip
+
+
+def _length_fill(
+    cfg: Config, measured: dict[str, float] | None, row_length: int | None, fill: float | None
+) -> tuple[float, float, str]:
+    """The padded row length (the calibration run's mean, else --row-length, else
+    data.max_seq_len), the share of real tokens and where that share comes from."""
+    if measured is not None and row_length is None:
+        length = float(measured["row_length"])
+        if fill is None:
+            return length, measured["real_tokens"] / (measured["rows"] * length), "calibration run"
+        return length, fill, "--fill"
+    length = float(min(row_length or cfg.data.max_seq_len, cfg.data.max_seq_len))
+    if fill is None:
+        return length, _bucket_fill(cfg.data.num_buckets, cfg.data.pack), f"{cfg.data.num_buckets} length buckets"
+    return length, fill, "--fill"
+
+
+def _batch(
+    cfg: Config, spec: Any, calibration: Calibration | None, row_length: int | None, fill: float | None
+) -> _Batch:
+    """One batch: rows of the padded row length, as many as the batch size or token budget allow."""
+    measured = calibration.shape if calibration is not None and calibration.shape.get("rows") else None
+    length, fill, fill_from = _length_fill(cfg, measured, row_length, fill)
+    rows = float(cfg.data.batch_size if not cfg.data.token_budget else max(1, cfg.data.token_budget // length))
+    anchors = max(1, min(cfg.drafter.max_anchors, int(length * fill) - 1))
+    head_rows = spec.vocab_size
+    if cfg.loss.vocab == "data":  # the data's tokens are not known here: at most the vocabulary
+        head_rows = min(spec.vocab_size, cfg.loss.negatives + spec.vocab_size // 8)
+    return _Batch(rows, length, fill, fill_from, anchors, int(rows * anchors * spec.drafts), head_rows,
+                  measured["rows"] if measured is not None else None)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Work:
+    """A batch's FLOPs on each side and the two models' parameters."""
+
+    name: str
+    target_params: float  # with the embeddings and the LM head
+    drafter_params: float  # with the projection of the target's features
+    layers_run: int
+    teacher: bool  # the target's LM head runs for the labels or the distillation
+    target: float
+    drafter: Any  # `flops.drafter_step`: forward and backward
+
+    def record(self, family: str) -> dict[str, Any]:
+        return {
+            "target": {"name": self.name, "params_b": round(self.target_params / 1e9, 6),
+                       "layers_run": self.layers_run, "teacher_logits": self.teacher,
+                       "gflop_per_batch": round(self.target / 1e9, 3)},
+            "drafter": {"family": family, "params_b": round(self.drafter_params / 1e9, 6),
+                        "gflop_per_batch": {"forward": round(self.drafter.forward / 1e9, 3),
+                                            "backward": round(self.drafter.backward / 1e9, 3)}},
+        }  # fmt: skip
+
+
+def _work(cfg: Config, shape: flops.DecoderShape, name: str, spec: Any, batch: _Batch, on_cpu: bool) -> _Work:
+    """FLOPs of the target stage and of a drafter step on `batch` (dense attention on a CPU)."""
+    teacher = cfg.loss.labels == "target" or cfg.loss.distill > 0
+    layer_ids = list(spec.target_layer_ids)
+    f_target = flops.target_forward(shape, batch.rows, batch.length, max(layer_ids) + 1, teacher)
+    visible = None if on_cpu else batch.length * batch.fill / 2 + spec.block_size  # flex: what the mask lets through
+    f_drafter = flops.drafter_step(spec, batch.rows, batch.length, batch.anchors, batch.supervised, batch.head_rows,
+                                   chunk=cfg.loss.chunk, dense=on_cpu, visible=visible)  # fmt: skip
+    d_params = flops.DecoderShape.of_spec(spec).params() + len(layer_ids) * spec.hidden_size**2
+    t_params = shape.params() + shape.vocab * shape.hidden * 2
+    return _Work(name, t_params, d_params, max(layer_ids) + 1, teacher, f_target, f_drafter)
+
+
+def _fitted_mfu(f_target: float, target_s: float, peak: float) -> float:
+    """The MFU that a measured target forward of `target_s` seconds a batch implies."""
+    mfu = f_target / (target_s * peak)
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--target-s {target_s:g}: the MFU it implies ({mfu:.3g}) is not between 0 and 1")
+    return mfu
+
+
+def _stage_mfu(calibration: Calibration | None, mfu: float | None, on_cpu: bool) -> dict[str, float]:
+    """Each counted stage's MFU: the calibration run's, else `mfu`, else the default."""
+    default = mfu or DEFAULT_MFU["cpu" if on_cpu else "gpu"]
+    return {s: calibration.mfu[s] if calibration is not None and s in calibration.mfu else default for s in STAGES}
+
+
+def _mfu_from(calibration: Calibration | None, target_s: float | None, mfu: float | None) -> str:
+    """Where the stages' MFU comes from."""
+    if calibration is not None:
+        return "calibration log"
+    return f"fitted to a {target_s:g} s target forward" if target_s else "--mfu" if mfu else "default"
+
+
+@dataclass(frozen=True)
+class _Seconds:
+    """Seconds a batch of each counted stage and of the features' copy, the optimizer's
+    seconds a step and each side's host work a batch."""
+
+    target: float
+    forward: float
+    backward: float
+    optimizer: float
+    copy: float
+    host: dict[str, float]
+
+    def record(self) -> dict[str, float]:
+        return {"target.model_forward": round(self.target, 6), "drafter.forward": round(self.forward, 6),
+                "drafter.backward": round(self.backward, 6), "optimizer a step": round(self.optimizer, 6),
+                "copy": round(self.copy, 6),
+                **{f"{k}_host_work": round(v, 6) for k, v in self.host.items() if v}}  # fmt: skip
+
+
+def _seconds(
+    cfg: Config,
+    dev: Device,
+    batch: _Batch,
+    work: _Work,
+    mfu: dict[str, float],
+    calibration: Calibration | None,
+    feature_bytes: float,
+) -> _Seconds:
+    """Each stage's seconds at its MFU of the device's peak (on a CPU, its workers' share of it)."""
+    peak = dev.peak_tflops * 1e12
+    host = {"target": 0.0, "drafter": 0.0}
+    if calibration is not None:  # host work grows with the rows (anchors, masks, labels)
+        scale = batch.rows / batch.calibrated_rows if batch.calibrated_rows is not None else 1.0
+        host = {k: v * scale for k, v in calibration.host_s.items()}
+    if dev.shared:  # the CPU's workers share its cores: a calibration run's MFU already holds its own sharing
+        n_workers = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
+        share = (calibration.workers if calibration is not None else 1) / n_workers
+        peak *= share
+        host = {k: v / share for k, v in host.items()}  # Python work slows alike
+    t_opt = 28.0 * work.drafter_params / (dev.bandwidth_gbs * 1e9)  # a replica's AdamW pass through memory
+    if calibration is not None and calibration.step_s:  # measured: reduce, clip, update, metrics a step
+        t_opt = calibration.step_s / (calibration.replicas if dev.shared else 1)
+    return _Seconds(
+        work.target / (mfu["target.model_forward"] * peak),
+        work.drafter.forward / (mfu["drafter.forward"] * peak),
+        work.drafter.backward / (mfu["drafter.backward"] * peak),
+        t_opt,
+        0.0 if dev.shared else feature_bytes / (PCIE_GBS * 1e9),  # one CPU: no copies
+        host,
+    )
+
+
+def _memory(
+    cfg: Config, shape: flops.DecoderShape, spec: Any, batch: _Batch, work: _Work, on_cpu: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Memory, GiB, of a target chain's device and of a drafter replica's, part by part."""
+    rows, length, n_layers = batch.rows, batch.length, len(spec.target_layer_ids)
+    target_mem = {
+        "weights": work.target_params * 2 / GIB,
+        "activations": rows * length * (2 * shape.hidden + 2 * shape.intermediate) * 2 / GIB
+        + (rows * length**2 / GIB if cfg.data.pack else 0.0)
+        + (cfg.loss.chunk * shape.vocab * 4 / GIB if work.teacher else 0.0),
+        "features": 2 * rows * length * n_layers * shape.hidden * 2 / GIB,  # the batch's, and the next's
+    }
+    q_tokens = rows * batch.anchors * spec.block_size
+    kv_width = 2 * spec.num_kv_heads * spec.head_dim
+    per_layer_act = 2 * (
+        q_tokens * (6 * spec.hidden_size + 3 * spec.intermediate_size)
+        + (rows * length + q_tokens) * (kv_width + spec.hidden_size)
+    )
+    dense_attn = 2 * rows * spec.num_heads * q_tokens / rows * (length + q_tokens / rows) if on_cpu else 0.0
+    drafter_mem = {
+        "weights_grads_adamw": 16 * work.drafter_params / GIB,
+        "frozen_head": shape.vocab * shape.hidden * 2 * 2 / GIB,
+        "activations": (spec.num_layers * (per_layer_act + dense_attn) + rows * length * spec.hidden_size * 2) / GIB,
+        "loss_chunk": 3 * min(cfg.loss.chunk, batch.supervised) * batch.head_rows * 4 / GIB,
+        "features": 2 * rows * length * n_layers * shape.hidden * 2 / GIB,
+    }
+    return target_mem, drafter_mem
+
+
+def _splits(
+    cfg: Config, dev: Device, gpus: int, sec: _Seconds, real: float, nodes: int
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None]:
+    """Each split of the devices into target chains and drafter replicas (on a CPU: the
+    config's) with its pace, then the best and the config's own."""
+    batches_per_step = cfg.train.fresh_grad_accum
+    splits = []
+    pairs = [(len(cfg.pipeline.target_devices), len(cfg.pipeline.drafter_devices))] if dev.shared else [
+        (n_t, gpus - n_t) for n_t in range(1, gpus)]  # fmt: skip
+    for n_t, n_d in pairs:  # the slowest side sets the pace; the replicas wait for each step's update
+        t_side = (max(sec.target, sec.copy) + sec.host["target"]) / n_t
+        update = sec.optimizer * (n_d if dev.shared else 1)  # on one CPU the replicas' updates take turns
+        d_batch = max(sec.forward + sec.backward, sec.copy) + sec.host["drafter"]
+        d_side = (batches_per_step * d_batch + update) / (n_d * batches_per_step)
+        splits.append({"target": n_t, "drafter": n_d, "batches_per_s": 1 / max(t_side, d_side),
+                       "bottleneck": "target" if t_side >= d_side else "drafter"})  # fmt: skip
+    for s in splits:
+        s["tokens_per_s"] = round(s["batches_per_s"] * real * nodes, 1)
+        s["batches_per_s"] = round(s["batches_per_s"] * nodes, 4)
+    best = max(splits, key=lambda s: s["tokens_per_s"])
+    now = {"target": len(cfg.pipeline.target_devices), "drafter": len(cfg.pipeline.drafter_devices)}
+    current = next((s for s in splits if s["target"] == now["target"] and s["drafter"] == now["drafter"]), None)
+    return splits, best, current
+
+
+def _best_devices(
+    dev: Device, best: dict[str, Any], target_mem: dict[str, float], drafter_mem: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Each device of the best split with its role and memory (one CPU: every stage's)."""
+    if dev.shared:
+        return [{"device": "cpu", "role": "target+drafter",
+                 "memory_gib": round(sum(target_mem.values()) + sum(drafter_mem.values()), 3)}]  # fmt: skip
+    devices = []
+    for i in range(best["target"] + best["drafter"]):
+        role, mem = ("target", target_mem) if i < best["target"] else ("drafter", drafter_mem)
+        devices.append({"device": f"gpu{i}", "role": role, "memory_gib": round(sum(mem.values()), 3)})
+    return devices
+
+
+def _advice(dev: Device, target_params: float, fits_target: bool, fits_drafter: bool) -> str | None:
+    """What to change when a side does not fit its device."""
+    if not fits_target:
+        need = target_params * 2 / GIB / (0.8 * dev.memory_gib)
+        tp = 2 ** math.ceil(math.log2(max(need, 1.0)))
+        return (
+            f"the target's weights ({target_params * 2 / GIB:.0f} GiB) and activations do not fit one {dev.name} "
+            f"({dev.memory_gib:.0f} GiB): serve it with target.engine = 'vllm' (or 'remote' with "
+            f"`dflash serve-target`) and target.engine_tensor_parallel = {tp}, target.load = 'head'"
+        )
+    if not fits_drafter:
+        return "a drafter replica does not fit: lower data.token_budget, drafter.max_anchors or loss.chunk"
+    return None
 
 
 def plan(
@@ -170,141 +426,24 @@ def plan(
         gpus = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
     if gpus < 2 and not dev.shared:
         raise ConfigError("--gpus: at least 2 (one target chain and one drafter replica)")
-
-    # One batch: rows of the padded row length (the calibration run's mean, else --row-length,
-    # else data.max_seq_len), as many as the batch size or token budget allow.
-    shape_in = calibration.shape if calibration is not None and calibration.shape.get("rows") else None
-    if shape_in is not None and row_length is None:
-        length = float(shape_in["row_length"])
-        if fill is None:
-            fill, fill_from = shape_in["real_tokens"] / (shape_in["rows"] * length), "calibration run"
-        else:
-            fill_from = "--fill"
-    else:
-        length = float(min(row_length or cfg.data.max_seq_len, cfg.data.max_seq_len))
-        if fill is None:
-            fill, fill_from = (
-                _bucket_fill(cfg.data.num_buckets, cfg.data.pack),
-                f"{cfg.data.num_buckets} length buckets",
-            )
-        else:
-            fill_from = "--fill"
-    rows = float(cfg.data.batch_size if not cfg.data.token_budget else max(1, cfg.data.token_budget // length))
-    real = rows * length * fill
-    anchors = max(1, min(cfg.drafter.max_anchors, int(length * fill) - 1))
-    supervised = int(rows * anchors * spec.drafts)
-    head_rows = spec.vocab_size
-    if cfg.loss.vocab == "data":  # the data's tokens are not known here: at most the vocabulary
-        head_rows = min(spec.vocab_size, cfg.loss.negatives + spec.vocab_size // 8)
-    teacher = cfg.loss.labels == "target" or cfg.loss.distill > 0
-    layer_ids = list(spec.target_layer_ids)
-    f_target = flops.target_forward(shape, rows, length, max(layer_ids) + 1, teacher)
-    visible = None if on_cpu else length * fill / 2 + spec.block_size  # flex: what the mask lets through
-    f_drafter = flops.drafter_step(spec, rows, length, anchors, supervised, head_rows, chunk=cfg.loss.chunk,
-                                   dense=on_cpu, visible=visible)  # fmt: skip
-    d_params = flops.DecoderShape.of_spec(spec).params() + len(layer_ids) * spec.hidden_size**2
-    batches_per_step = cfg.train.fresh_grad_accum
-
-    def m(stage: str) -> float:
-        if calibration is not None and stage in calibration.mfu:
-            return calibration.mfu[stage]
-        return mfu or DEFAULT_MFU["cpu" if on_cpu else "gpu"]
-
-    peak = dev.peak_tflops * 1e12
-    if target_s is not None:
-        mfu = f_target / (target_s * peak)
-        if not 0 < mfu <= 1:
-            raise ConfigError(f"--target-s {target_s:g}: the MFU it implies ({mfu:.3g}) is not between 0 and 1")
-    host = {"target": 0.0, "drafter": 0.0}
-    if calibration is not None:  # host work grows with the rows (anchors, masks, labels)
-        scale = rows / shape_in["rows"] if shape_in is not None else 1.0
-        host = {k: v * scale for k, v in calibration.host_s.items()}
-    if dev.shared:  # the CPU's workers share its cores: a calibration run's MFU already holds its own sharing
-        n_workers = len(cfg.pipeline.target_devices) + len(cfg.pipeline.drafter_devices)
-        share = (calibration.workers if calibration is not None else 1) / n_workers
-        peak *= share
-        host = {k: v / share for k, v in host.items()}  # Python work slows alike
-    t_target = f_target / (m("target.model_forward") * peak)
-    t_fwd = f_drafter.forward / (m("drafter.forward") * peak)
-    t_bwd = f_drafter.backward / (m("drafter.backward") * peak)
-    t_opt = 28.0 * d_params / (dev.bandwidth_gbs * 1e9)  # a replica's AdamW pass through memory
-    if calibration is not None and calibration.step_s:  # measured: reduce, clip, update, metrics a step
-        t_opt = calibration.step_s / (calibration.replicas if dev.shared else 1)
-    feature_bytes = real * len(layer_ids) * spec.hidden_size * 2
-    t_copy = 0.0 if on_cpu else feature_bytes / (PCIE_GBS * 1e9)
-
-    # Memory per device, GiB.
-    t_params = shape.params() + shape.vocab * shape.hidden * 2
-    target_mem = {
-        "weights": t_params * 2 / GIB,
-        "activations": rows * length * (2 * shape.hidden + 2 * shape.intermediate) * 2 / GIB
-        + (rows * length**2 / GIB if cfg.data.pack else 0.0)
-        + (cfg.loss.chunk * shape.vocab * 4 / GIB if teacher else 0.0),
-        "features": 2 * rows * length * len(layer_ids) * shape.hidden * 2 / GIB,  # the batch's, and the next's
-    }
-    q_tokens = rows * anchors * spec.block_size
-    kv_width = 2 * spec.num_kv_heads * spec.head_dim
-    per_layer_act = 2 * (
-        q_tokens * (6 * spec.hidden_size + 3 * spec.intermediate_size)
-        + (rows * length + q_tokens) * (kv_width + spec.hidden_size)
-    )
-    dense_attn = 2 * rows * spec.num_heads * q_tokens / rows * (length + q_tokens / rows) if on_cpu else 0.0
-    drafter_mem = {
-        "weights_grads_adamw": 16 * d_params / GIB,
-        "frozen_head": shape.vocab * shape.hidden * 2 * 2 / GIB,
-        "activations": (spec.num_layers * (per_layer_act + dense_attn) + rows * length * spec.hidden_size * 2) / GIB,
-        "loss_chunk": 3 * min(cfg.loss.chunk, supervised) * head_rows * 4 / GIB,
-        "features": 2 * rows * length * len(layer_ids) * shape.hidden * 2 / GIB,
-    }
-    host_pinned = cfg.pipeline.hs_queue_depth * feature_bytes / GIB
-
-    # Splits.
-    splits = []
-    pairs = [(len(cfg.pipeline.target_devices), len(cfg.pipeline.drafter_devices))] if dev.shared else [
-        (n_t, gpus - n_t) for n_t in range(1, gpus)]  # fmt: skip
-    for n_t, n_d in pairs:  # the slowest side sets the pace; the replicas wait for each step's update
-        t_side = (max(t_target, t_copy) + host["target"]) / n_t
-        update = t_opt * (n_d if dev.shared else 1)  # on one CPU the replicas' updates take turns
-        d_side = (batches_per_step * (max(t_fwd + t_bwd, t_copy) + host["drafter"]) + update) / (n_d * batches_per_step)
-        splits.append({"target": n_t, "drafter": n_d, "batches_per_s": 1 / max(t_side, d_side),
-                       "bottleneck": "target" if t_side >= d_side else "drafter"})  # fmt: skip
-    for s in splits:
-        s["tokens_per_s"] = round(s["batches_per_s"] * real * nodes, 1)
-        s["batches_per_s"] = round(s["batches_per_s"] * nodes, 4)
-    best = max(splits, key=lambda s: s["tokens_per_s"])
-    now = {"target": len(cfg.pipeline.target_devices), "drafter": len(cfg.pipeline.drafter_devices)}
-    current = next((s for s in splits if s["target"] == now["target"] and s["drafter"] == now["drafter"]), None)
-
+    batch = _batch(cfg, spec, calibration, row_length, fill)
+    work = _work(cfg, shape, name, spec, batch, on_cpu)
+    fitted = mfu if target_s is None else _fitted_mfu(work.target, target_s, dev.peak_tflops * 1e12)
+    stage_mfu = _stage_mfu(calibration, fitted, on_cpu)
+    feature_bytes = batch.real * len(spec.target_layer_ids) * spec.hidden_size * 2
+    sec = _seconds(cfg, dev, batch, work, stage_mfu, calibration, feature_bytes)
+    target_mem, drafter_mem = _memory(cfg, shape, spec, batch, work, on_cpu)
+    splits, best, current = _splits(cfg, dev, gpus, sec, batch.real, nodes)
     usable = dev.memory_gib - (0 if dev.shared else 2.0)  # a CUDA context and the allocator's slack
-    fits_target = sum(target_mem.values()) <= usable
-    fits_drafter = sum(drafter_mem.values()) <= usable
-    devices = []
-    if dev.shared:
-        devices.append({"device": "cpu", "role": "target+drafter",
-                        "memory_gib": round(sum(target_mem.values()) + sum(drafter_mem.values()), 3)})  # fmt: skip
-    else:
-        for i in range(best["target"] + best["drafter"]):
-            role, mem = ("target", target_mem) if i < best["target"] else ("drafter", drafter_mem)
-            devices.append({"device": f"gpu{i}", "role": role, "memory_gib": round(sum(mem.values()), 3)})
+    fits_target, fits_drafter = (sum(mem.values()) <= usable for mem in (target_mem, drafter_mem))
+    batches_per_step = cfg.train.fresh_grad_accum
     out: dict[str, Any] = {
-        "target": {"name": name, "params_b": round(t_params / 1e9, 6), "layers_run": max(layer_ids) + 1,
-                   "teacher_logits": teacher, "gflop_per_batch": round(f_target / 1e9, 3)},
-        "drafter": {"family": spec.family, "params_b": round(d_params / 1e9, 6),
-                    "gflop_per_batch": {"forward": round(f_drafter.forward / 1e9, 3),
-                                        "backward": round(f_drafter.backward / 1e9, 3)}},
-        "batch": {"rows": rows, "row_length": length, "token_budget": rows * length, "fill": round(fill, 4),
-                  "fill_from": fill_from, "real_tokens": round(real), "anchors_per_row": anchors,
-                  "supervised_slots": supervised, "loss_head_rows": head_rows, "batches_per_step": batches_per_step},
-        "device": {"name": dev.name, "peak_tflops": dev.peak_tflops, "peak_source": dev.source,
-                   "dtype": str(dtype).removeprefix("torch."), "memory_gib": round(dev.memory_gib, 1),
-                   "count": gpus, "nodes": nodes},
-        "mfu": {s: round(m(s), 4) for s in ("target.model_forward", "drafter.forward", "drafter.backward")},
-        "mfu_from": "calibration log" if calibration is not None else (
-            f"fitted to a {target_s:g} s target forward" if target_s else "--mfu" if mfu else "default"),
-        "seconds_per_batch": {"target.model_forward": round(t_target, 6), "drafter.forward": round(t_fwd, 6),
-                              "drafter.backward": round(t_bwd, 6), "optimizer a step": round(t_opt, 6),
-                              "copy": round(t_copy, 6),
-                              **{f"{k}_host_work": round(v, 6) for k, v in host.items() if v}},
+        **work.record(spec.family),
+        "batch": batch.record(batches_per_step),
+        "device": dev.record(dtype, gpus, nodes),
+        "mfu": {s: round(v, 4) for s, v in stage_mfu.items()},
+        "mfu_from": _mfu_from(calibration, target_s, mfu),
+        "seconds_per_batch": sec.record(),
         "splits": splits,
         "best": best,
         "current": current,
@@ -313,22 +452,15 @@ def plan(
         "step_s": round(best["drafter"] * batches_per_step / best["batches_per_s"] * nodes, 6),
         "memory_gib": {"target": {k: round(v, 3) for k, v in target_mem.items()},
                        "drafter": {k: round(v, 3) for k, v in drafter_mem.items()},
-                       "host_pinned": round(host_pinned, 3)},
-        "devices": devices,
+                       "host_pinned": round(cfg.pipeline.hs_queue_depth * feature_bytes / GIB, 3)},
+        "devices": _best_devices(dev, best, target_mem, drafter_mem),
         "fits": fits_target and fits_drafter,
         "not_modelled": ["host work without --calibrate", "the GIL", "the all-reduce between nodes",
                          "kernel launch gaps", "data loading", "copies overlapping compute (shown, not added)"],
     }  # fmt: skip
-    if not fits_target:
-        need = t_params * 2 / GIB / (0.8 * dev.memory_gib)
-        tp = 2 ** math.ceil(math.log2(max(need, 1.0)))
-        out["advice"] = (
-            f"the target's weights ({t_params * 2 / GIB:.0f} GiB) and activations do not fit one {dev.name} "
-            f"({dev.memory_gib:.0f} GiB): serve it with target.engine = 'vllm' (or 'remote' with "
-            f"`dflash serve-target`) and target.engine_tensor_parallel = {tp}, target.load = 'head'"
-        )
-    elif not fits_drafter:
-        out["advice"] = "a drafter replica does not fit: lower data.token_budget, drafter.max_anchors or loss.chunk"
+    advice = _advice(dev, work.target_params, fits_target, fits_drafter)
+    if advice is not None:
+        out["advice"] = advice
     return out
 
 

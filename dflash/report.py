@@ -466,14 +466,15 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def format_report(a: dict[str, Any]) -> str:
+def _stage_rows(a: dict[str, Any]) -> list[str]:
+    """The run's windows, then a row per counted stage: its times and share (TFLOP/s and MFU
+    where the profile measured them)."""
     lines = [
         f"{a['windows']} steady windows ({a['warmup_windows_dropped']} warm-up/final dropped), {a['wall_s']:.1f} s",
         "",
         f"{'stage':32} {'count':>7} {'mean ms':>10} {'p95 ms':>10} {'max ms':>10} {'share':>7}",
     ]
-    roof = a.get("roofline")
-    if roof:
+    if a.get("roofline"):
         lines[-1] += f" {'TFLOP/s':>9} {'MFU':>6}"
     for name, s in a["stages"].items():
         if "count" not in s:
@@ -485,12 +486,16 @@ def format_report(a: dict[str, Any]) -> str:
         if "tflops" in s:
             row += f" {s['tflops']:>9.3f} " + (f"{100 * s['mfu']:>5.1f}%" if "mfu" in s else f"{'-':>6}")
         lines.append(row)
-    lines.append("")
+    return lines
+
+
+def _busy_lines(a: dict[str, Any]) -> list[str]:
+    """How busy each role and worker was, and the bottleneck (the drafter's GPU when the host
+    mostly waits for it in the named syncs)."""
     busy = ", ".join(f"{g} {100 * v:.0f}%" for g, v in a["busy"].items())
-    lines.append(f"busy by role (summed over its workers): {busy}")
+    lines = [f"busy by role (summed over its workers): {busy}"]
     if a["workers"]:
         lines.append("busy by worker: " + ", ".join(f"{w} {100 * v:.0f}%" for w, v in a["workers"].items()))
-    b = a["bottleneck"]
     if a.get("gpu_bound"):
         top = next(iter(a["workers"].items()), None)
         lines.append(
@@ -499,7 +504,14 @@ def format_report(a: dict[str, Any]) -> str:
             + (f"; the busiest host worker is {top[0]} ({100 * top[1]:.0f}%)" if top else "")
         )
     else:
-        lines.append(f"bottleneck: {b} ({100 * _bottleneck_busy(a):.0f}% busy)")
+        lines.append(f"bottleneck: {a['bottleneck']} ({100 * _bottleneck_busy(a):.0f}% busy)")
+    return lines
+
+
+def _wait_lines(a: dict[str, Any]) -> list[str]:
+    """Where the workers wait: drafters starved of features, the host waiting for the GPU in
+    its named syncs, targets back-pressured."""
+    lines = []
     starve = a["waits"].get(Stage.DRAFTER_QUEUE_WAIT, 0.0)
     back = a["waits"].get(Stage.TARGET_QUEUE_PUT, 0.0)
     if starve > 0.05 and back > 0.05:
@@ -519,33 +531,51 @@ def format_report(a: dict[str, Any]) -> str:
         )
     if back > 0.05:
         lines.append(f"targets are back-pressured: {100 * back:.0f}% of wall time waiting to hand over features")
+    return lines
+
+
+def _roofline_lines(a: dict[str, Any]) -> list[str]:
+    """The devices' peaks and the stage furthest below its device's peak (with the throughput
+    if every device ran at the best stage's MFU)."""
+    roof = a.get("roofline")
+    if not roof or not roof.get("furthest_below"):
+        return []
+    peaks = "; ".join(f"{d} {p['tflops']:g} TFLOP/s ({p['source']}, {p['dtype']}, {p['name']})"
+                      for d, p in roof["peaks"].items())  # fmt: skip
+    worst = roof["furthest_below"]
+    line = f"MFU: furthest below its device's peak: {worst} ({100 * a['stages'][worst]['mfu']:.1f}%)"
+    if "bound_tokens_per_s" in roof:
+        line += (
+            f"; {roof['bound_tokens_per_s']:.0f} tok/s if every device ran at {roof['mfu_of']}'s MFU "
+            f"({100 * roof['at_mfu']:.1f}%)"
+        )
+    return [f"peaks: {peaks}", line]
+
+
+def _what_if_line(w: dict[str, Any]) -> str:
+    """Each side's busy time a batch and the batches/s of the split now and of the best one."""
+    now, best = w["batches_per_s"].get(w["now"]), w["best"]
+    return (
+        f"per batch: target {1000 * w['target_s_per_batch']:.0f} ms busy, drafter "
+        f"{1000 * w['drafter_s_per_batch']:.0f} ms busy; split now {w['now']}"
+        + (f" ({now:.2f} batches/s)" if now else "")
+        + f", best {best} ({w['batches_per_s'][best]:.2f} batches/s)"
+        + (" — devices are all 'cpu' here, so splits share cores: indicative only" if w["shared_cpu"] else "")
+    )
+
+
+def format_report(a: dict[str, Any]) -> str:
+    """The analysis for people: the stage table, busy fractions and bottleneck, waits,
+    throughput and its bounds, then one row per rank where there are several."""
+    lines = [*_stage_rows(a), "", *_busy_lines(a), *_wait_lines(a)]
     if a["bound_tokens_per_s"]:
         lines.append(
             f"throughput: {a['tokens_per_s']:.0f} tok/s measured; {a['bound_tokens_per_s']:.0f} tok/s if the "
-            f"{b} worker never idled"
+            f"{a['bottleneck']} worker never idled"
         )
-    if roof and roof.get("furthest_below"):
-        peaks = "; ".join(f"{d} {p['tflops']:g} TFLOP/s ({p['source']}, {p['dtype']}, {p['name']})"
-                          for d, p in roof["peaks"].items())  # fmt: skip
-        worst = roof["furthest_below"]
-        lines.append(f"peaks: {peaks}")
-        line = f"MFU: furthest below its device's peak: {worst} ({100 * a['stages'][worst]['mfu']:.1f}%)"
-        if "bound_tokens_per_s" in roof:
-            line += (
-                f"; {roof['bound_tokens_per_s']:.0f} tok/s if every device ran at {roof['mfu_of']}'s MFU "
-                f"({100 * roof['at_mfu']:.1f}%)"
-            )
-        lines.append(line)
-    w = a.get("what_if")
-    if w:
-        now, best = w["batches_per_s"].get(w["now"]), w["best"]
-        lines.append(
-            f"per batch: target {1000 * w['target_s_per_batch']:.0f} ms busy, drafter "
-            f"{1000 * w['drafter_s_per_batch']:.0f} ms busy; split now {w['now']}"
-            + (f" ({now:.2f} batches/s)" if now else "")
-            + f", best {best} ({w['batches_per_s'][best]:.2f} batches/s)"
-            + (" — devices are all 'cpu' here, so splits share cores: indicative only" if w["shared_cpu"] else "")
-        )
+    lines += _roofline_lines(a)
+    if a.get("what_if"):
+        lines.append(_what_if_line(a["what_if"]))
     if a["cuda"] and a["host_share"] > 0.9 and not a.get("gpu_bound"):
         lines.append(
             f"host work sums to {100 * a['host_share']:.0f}% of wall time: one process holding the GIL "

@@ -44,6 +44,43 @@ def _load_target(cfg: Config, drafter: DFlashDrafter, device: torch.device) -> t
     return target, load_tokenizer(cfg.target, cfg.data.cache_dir)
 
 
+def _refuse_engine(cfg: Config, engine: str) -> None:
+    """Refuses, before any model is loaded, what `engine` cannot decode with this config."""
+    if cfg.target.load == "head" and engine == "dflash":
+        msg = "target.load = 'head': the target's decoder layers are not loaded here; decode in vLLM (--engine vllm)"
+        raise ConfigError(msg)
+    if engine != "dflash" and not cfg.eval.family_head:
+        msg = (
+            f"eval.family_head = false drafts from the backbone's logits alone, in dflash's own decoding; "
+            f"--engine {engine} drafts with the family's head: use --engine dflash"
+        )
+        raise ConfigError(msg)
+    if engine == "vllm":
+        check_vllm_eval(cfg)  # before any model is loaded
+    if engine == "llamacpp":
+        check_llamacpp_eval(cfg)
+
+
+def _load_models(
+    cfg: Config, drafter_path: Path, engine: str, has_sets: bool, t_dev: torch.device, d_dev: torch.device
+) -> tuple[TargetInfo, Any, DFlashDrafter, FrozenHead | None]:
+    """The drafter, checked against the config's target shape before the target loads, then
+    the target and its tokenizer, and the frozen head dflash's own decoding drafts with (None
+    for another engine). Without prompt sets, the run's prompts must be there first."""
+    drafter = load_drafter(drafter_path, d_dev)
+    if engine == "llamacpp":
+        check_llamacpp_drafter(drafter.spec, cfg.drafter.dspark.confidence_threshold)
+    check_drafter_fits(drafter, TargetShape.from_config(cfg.target), drafter_path, cfg)  # before the target loads
+    if not has_sets:
+        require_eval_prompts(cfg)
+    target, tokenizer = _load_target(cfg, drafter, t_dev)
+    check_drafter_fits(drafter, target, drafter_path, cfg)
+    head = None
+    if engine == "dflash":
+        head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
+    return target, tokenizer, drafter, head
+
+
 def run_eval(
     cfg: Config,
     drafter_path: Path,
@@ -58,34 +95,12 @@ def run_eval(
     record per set, with `prompt_set`. `limit`: at most this many prompts per set.
     `engine = "vllm"` / `"llamacpp"`: decoded in vLLM / llama-server instead (`eval/engine.py`;
     a chat set's first turns), vLLM's target over `tensor_parallel` devices."""
-    if cfg.target.load == "head" and engine == "dflash":
-        msg = "target.load = 'head': the target's decoder layers are not loaded here; decode in vLLM (--engine vllm)"
-        raise ConfigError(msg)
-    if engine != "dflash" and not cfg.eval.family_head:
-        msg = (
-            f"eval.family_head = false drafts from the backbone's logits alone, in dflash's own decoding; "
-            f"--engine {engine} drafts with the family's head: use --engine dflash"
-        )
-        raise ConfigError(msg)
-    if engine == "vllm":
-        check_vllm_eval(cfg)  # before any model is loaded
-    if engine == "llamacpp":
-        check_llamacpp_eval(cfg)
+    _refuse_engine(cfg, engine)
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
     heldout = cfg.heldout_prompts if reads_chat_prompts(cfg) else None
     sets = [load_prompt_set(name, heldout) for name in prompt_sets]  # before any model: a bad name fails at once
-    drafter = load_drafter(drafter_path, d_dev)
-    if engine == "llamacpp":
-        check_llamacpp_drafter(drafter.spec, cfg.drafter.dspark.confidence_threshold)
-    check_drafter_fits(drafter, TargetShape.from_config(cfg.target), drafter_path, cfg)  # before the target loads
-    if not sets:
-        require_eval_prompts(cfg)
-    target, tokenizer = _load_target(cfg, drafter, t_dev)
-    check_drafter_fits(drafter, target, drafter_path, cfg)
-    head = None
-    if engine == "dflash":
-        head = FrozenHead(target.embed_weight, target.lm_head_weight).to(d_dev, torch.float32)
+    target, tokenizer, drafter, head = _load_models(cfg, drafter_path, engine, bool(sets), t_dev, d_dev)
     settings = DecodeSettings.of(cfg, stop_ids(target, tokenizer))
     if not sets:
         prompts = eval_prompts(cfg, target, tokenizer, drafter.spec.mask_token_id)[:limit]

@@ -526,7 +526,29 @@ class FeatureStore:
     def _read(
         self, batch: Batch, dtype: torch.dtype, alloc: Callable[..., torch.Tensor] | None
     ) -> tuple[torch.Tensor, Teacher | None] | None:
+        """`read` (which times it): the documents located, read in place, converted to `dtype`."""
         spans = doc_spans(batch)
+        located = self._locate(batch, spans)
+        if located is None:
+            return None
+        R, T = batch.input_ids.shape
+        # The parts' bytes land straight in a bf16 buffer (one pread a document, no copy), laid
+        # out as the batch: every row its documents back to back, then padding, zeroed. In the
+        # target's dtype and memory (`alloc`: pinned on a GPU) with one conversion, or none.
+        direct = dtype == torch.bfloat16 and alloc is not None
+        shape = (R, T, self.width)
+        raw_feats = alloc(shape, dtype) if direct else torch.empty(shape, dtype=torch.bfloat16)
+        staging = raw_feats.view(torch.uint8).numpy()  # (R, T, 2·width) bytes
+        nxt = np.empty((R, T), dtype=np.int32) if self.teacher_topk else None
+        self._fill(spans, *located, staging, nxt)
+        out = raw_feats if direct or dtype == torch.bfloat16 else _converted(raw_feats, staging, dtype, alloc)
+        return out, _top1_teacher(nxt, alloc)
+
+    def _locate(
+        self, batch: Batch, spans: list[tuple[int, int, int, int]]
+    ) -> tuple[list[tuple[int, int]], list[bytes]] | None:
+        """(folder, index row) and token-id bytes of each of the batch's documents, or None (a
+        miss) when one is not stored; counts the hit or the miss."""
         ids32 = batch.input_ids.to(torch.int32).numpy()
         found, raws = [], []
         for r, s, e, _ in spans:
@@ -540,17 +562,20 @@ class FeatureStore:
             raws.append(raw)
         with self._lock:
             self.hits += 1
-        R, T = batch.input_ids.shape
+        return found, raws
 
-        # The parts' bytes land straight in a bf16 buffer (one pread a document, no copy), laid
-        # out as the batch: every row its documents back to back, then padding, zeroed. In the
-        # target's dtype and memory (`alloc`: pinned on a GPU) with one conversion, or none.
-        direct = dtype == torch.bfloat16 and alloc is not None
-        shape = (R, T, self.width)
-        raw_feats = alloc(shape, dtype) if direct else torch.empty(shape, dtype=torch.bfloat16)
-        staging = raw_feats.view(torch.uint8).numpy()  # (R, T, 2·width) bytes
-        nxt = np.empty((R, T), dtype=np.int32) if self.teacher_topk else None
-        filled = [0] * R
+    def _fill(
+        self,
+        spans: list[tuple[int, int, int, int]],
+        found: list[tuple[int, int]],
+        raws: list[bytes],
+        staging: np.ndarray,
+        nxt: np.ndarray | None,
+    ) -> None:
+        """Each document's features (and next tokens) into its place in `staging` (`nxt`), the
+        padding after each row's documents zeroed; refuses a part whose ids are not the
+        document's."""
+        filled = [0] * len(staging)
         for r, _, e, _ in spans:
             filled[r] = max(filled[r], e)
         for r, end in enumerate(filled):
@@ -569,24 +594,34 @@ class FeatureStore:
             self._read_into(f, part, "features", a * 2 * self.width, staging[r, s:e])
             if nxt is not None:
                 self._read_into(f, part, "next", a * 4, nxt[r, s:e])
-        if direct or dtype == torch.bfloat16:
-            out = raw_feats
-        elif dtype == torch.float32:  # bf16 -> f32 is the bits shifted up: numpy, one thread (torch's
-            # copy would wake its intra-op pool, which the training stages keep busy)
-            out = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
-            bits = out.view(torch.int32).numpy().view(np.uint32)
-            np.left_shift(staging.view(np.uint16), 16, out=bits, dtype=np.uint32)
-        else:
-            out = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
-            out.copy_(raw_feats)
-        teacher = None
-        if nxt is not None:  # top-1: the labels; its logit is never read
-            vals = torch.zeros((R, T, 1)) if alloc is None else alloc((R, T, 1), torch.float32).zero_()
-            ids = torch.from_numpy(nxt).to(torch.int64)[..., None]
-            teacher = (vals, ids if alloc is None else alloc((R, T, 1), torch.int64).copy_(ids))
-        return out, teacher
 
     def stats(self) -> dict[str, float]:
         """Batches served and not; `cpu_s`: the reads' own CPU time (their spans in the profile
         also count waiting for a core or the GIL)."""
         return {"hits": self.hits, "misses": self.misses, "cpu_s": round(self.cpu_s, 3)}
+
+
+def _converted(
+    raw_feats: torch.Tensor, staging: np.ndarray, dtype: torch.dtype, alloc: Callable[..., torch.Tensor] | None
+) -> torch.Tensor:
+    """The bf16 features `raw_feats` (their bytes: `staging`) in `dtype`, in a buffer from `alloc`
+    when given."""
+    shape = tuple(raw_feats.shape)
+    out = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
+    if dtype == torch.float32:  # bf16 -> f32 is the bits shifted up: numpy, one thread (torch's
+        # copy would wake its intra-op pool, which the training stages keep busy)
+        bits = out.view(torch.int32).numpy().view(np.uint32)
+        np.left_shift(staging.view(np.uint16), 16, out=bits, dtype=np.uint32)
+    else:
+        out.copy_(raw_feats)
+    return out
+
+
+def _top1_teacher(nxt: np.ndarray | None, alloc: Callable[..., torch.Tensor] | None) -> Teacher | None:
+    """The stored next tokens (R, T) as a top-1 teacher: the labels; its logit is never read."""
+    if nxt is None:
+        return None
+    R, T = nxt.shape
+    vals = torch.zeros((R, T, 1)) if alloc is None else alloc((R, T, 1), torch.float32).zero_()
+    ids = torch.from_numpy(nxt).to(torch.int64)[..., None]
+    return vals, ids if alloc is None else alloc((R, T, 1), torch.int64).copy_(ids)

@@ -326,36 +326,22 @@ def _chunk_loss(
     return ce, torch.zeros_like(ce) if extra is None else extra, correct.float(), label_prob
 
 
-def block_loss(
-    hidden: torch.Tensor,  # (R, N·B, H) drafter output
-    lm_head: torch.Tensor,  # (V, H) frozen
-    targets: BlockTargets,
+def _chunk_losses(
+    h: torch.Tensor,
+    lm_head: torch.Tensor,
+    labels: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor] | tuple[None, None],
+    prev: torch.Tensor | None,
     spec: LossSpec,
-    logit_bias: torch.Tensor | None = None,
-    terms: FamilyTerms | None = None,
-    cols: torch.Tensor | None = None,
-) -> LossParts:
-    """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
-    `spec.distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
-    With D-PACE position weights, each slot's host weight (1 for D-PACE: Σ w counts the slots)
-    is multiplied by its D-PACE weight (`dpace_weights`), computed from this forward.
-    `logit_bias` (V,): added to every row's logits (sampled softmax's correction); `terms`:
-    the drafter family's additions (`FamilyTerms`), `cols` the token ids of the head's rows
-    (sampled softmax; None: all of them, in order)."""
-    block_size, chunk, distill, temperature = spec.block_size, spec.chunk, spec.distill, spec.distill_temperature
-    dev = hidden.device
-    H = hidden.shape[-1]
-    # The drafter step uploads the targets while preparing (these are then no-ops); from
-    # other callers (tests, CPU) they are host tensors on the host.
-    sel = targets.sel.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    h = hidden.reshape(-1, H).index_select(0, sel)  # (M, H) contiguous: fast LM head
-    labels = targets.labels.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)  # no-sync: uploaded in prepare
-    slot = targets.slot.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    tv, ti = targets.teacher if targets.teacher is not None and (distill > 0 or terms is not None) else (None, None)
-    prev = None
-    if terms is not None and targets.prev is not None:
-        prev = targets.prev.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
+    logit_bias: torch.Tensor | None,
+    terms: FamilyTerms | None,
+    cols: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """`_chunk_loss` over the supervised rows `spec.chunk` at a time: each chunk's losses, the
+    family's extra losses, whether what is drafted is the label (detached) and the label's
+    probability."""
+    chunk, distill, temperature = spec.chunk, spec.distill, spec.distill_temperature
+    tv, ti = teacher
     several = h.shape[0] > chunk
     losses, extras, oks, probs = [], [], [], []
     for s in range(0, h.shape[0], chunk):
@@ -372,20 +358,74 @@ def block_loss(
         extras.append(more)
         oks.append(ok.detach())
         probs.append(prob)
+    return losses, extras, oks, probs
+
+
+def _weighted_sum(
+    total: torch.Tensor,
+    losses: list[torch.Tensor],
+    extras: list[torch.Tensor] | None,
+    probs: list[torch.Tensor],
+    weights: torch.Tensor,
+    sel: torch.Tensor,
+    slot: torch.Tensor,
+    num_blocks: int,
+    spec: LossSpec,
+) -> torch.Tensor:
+    """`total` + Σ w·loss over the rows (+ Σ w·the family's extra loss: `extras`, None without
+    family terms). With D-PACE the loss's weights are times `dpace_weights` of this forward;
+    the family's terms keep the γ decay."""
+    per_row = torch.cat(losses)
+    extra_weights = weights
+    if spec.dpace:
+        weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, spec.block_size, spec.dpace_alpha)
+        # the family's terms keep the γ decay (D-PACE weighs a token cross-entropy), as speculators
+        k = (slot + spec.shift - 1).float()  # gamma_weights at each row's slot, on the device
+        extra_weights = extra_weights * torch.where(k >= 0, torch.exp(-k.clamp(min=0) / spec.gamma), 0.0)
+    total = total + (per_row * weights).sum()
+    if extras is not None:
+        total = total + (torch.cat(extras) * extra_weights).sum()
+    return total
+
+
+def block_loss(
+    hidden: torch.Tensor,  # (R, N·B, H) drafter output
+    lm_head: torch.Tensor,  # (V, H) frozen
+    targets: BlockTargets,
+    spec: LossSpec,
+    logit_bias: torch.Tensor | None = None,
+    terms: FamilyTerms | None = None,
+    cols: torch.Tensor | None = None,
+) -> LossParts:
+    """Σ w·loss over the supervised slots: cross-entropy to the labels, mixed with weight
+    `spec.distill` with the cross-entropy to the target's top-k distribution (`targets.teacher`).
+    With D-PACE position weights, each slot's host weight (1 for D-PACE: Σ w counts the slots)
+    is multiplied by its D-PACE weight (`dpace_weights`), computed from this forward.
+    `logit_bias` (V,): added to every row's logits (sampled softmax's correction); `terms`:
+    the drafter family's additions (`FamilyTerms`), `cols` the token ids of the head's rows
+    (sampled softmax; None: all of them, in order)."""
+    block_size = spec.block_size
+    dev = hidden.device
+    H = hidden.shape[-1]
+    # The drafter step uploads the targets while preparing (these are then no-ops); from
+    # other callers (tests, CPU) they are host tensors on the host.
+    sel = targets.sel.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
+    h = hidden.reshape(-1, H).index_select(0, sel)  # (M, H) contiguous: fast LM head
+    labels = targets.labels.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
+    weights = targets.weights.to(dev, dtype=torch.float32, non_blocking=True)  # no-sync: uploaded in prepare
+    slot = targets.slot.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
+    soft = targets.teacher is not None and (spec.distill > 0 or terms is not None)  # the family's terms read it too
+    teacher = targets.teacher if soft else (None, None)
+    prev = None
+    if terms is not None and targets.prev is not None:
+        prev = targets.prev.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
+    losses, extras, oks, probs = _chunk_losses(h, lm_head, labels, teacher, prev, spec, logit_bias, terms, cols)
     correct = torch.zeros(block_size, device=dev)
     # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
     total = hidden.sum().float() * 0.0
     if losses:
-        per_row = torch.cat(losses)
-        extra_weights = weights
-        if spec.dpace:
-            num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
-            weights = weights * dpace_weights(torch.cat(probs), sel, num_blocks, block_size, spec.dpace_alpha)
-            # the family's terms keep the γ decay (D-PACE weighs a token cross-entropy), as speculators
-            k = (slot + spec.shift - 1).float()  # gamma_weights at each row's slot, on the device
-            extra_weights = extra_weights * torch.where(k >= 0, torch.exp(-k.clamp(min=0) / spec.gamma), 0.0)
-        total = total + (per_row * weights).sum()
-        if terms is not None:
-            total = total + (torch.cat(extras) * extra_weights).sum()
+        num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
+        family = extras if terms is not None else None
+        total = _weighted_sum(total, losses, family, probs, weights, sel, slot, num_blocks, spec)
         correct.index_add_(0, slot, torch.cat(oks))
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)

@@ -48,15 +48,21 @@ class Topology:
     store: FeatureStore | None = None
 
 
-def build(
-    cfg: Config,
-    training: Training,
-    profiler: Profiler,
-    emit: Any,
-    stop: asyncio.Event,
-    hooks: Sequence[StepHook],
-    make_device: DeviceFactory = Device,
-) -> Topology:
+@dataclass
+class _Workers:
+    """A run's devices, one a worker, in the order they are closed (`all`)."""
+
+    all: list[Device]
+    data: Device
+    targets: list[Device]  # one a target chain
+    drafters: list[Device]  # one a drafter replica
+    readers: list[Device]  # one a target chain with a feature store, else none
+    optimizer: Device
+
+
+def _workers(training: Training, profiler: Profiler, make_device: DeviceFactory) -> _Workers:
+    """The devices of the data, each target chain and drafter replica, the feature readers and
+    the optimizer (on the first replica's device)."""
     devices: list[Device] = []
 
     def device(spec: str, name: str) -> Device:
@@ -69,16 +75,14 @@ def build(
     drafters = [device(str(rep.device), f"drafter{r}") for r, rep in enumerate(training.replicas)]
     readers = [device("cpu", f"reader{i}") for i in range(len(targets))] if training.store is not None else []
     opt = device(str(training.replicas[0].device), "optimizer")
-    book = StepBook(
-        opt, profiler, emit, start_step=training.start_step, start_batch=training.plan.start_index,
-        done_ahead=training.plan.done_ahead, log_every=cfg.train.log_every,
-        max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
-    )  # fmt: skip
-    if cfg.pipeline.mode == "serial":
-        loop = serial.train(training, data, targets[0], drafters, opt, book, stop, profiler, readers[:1])
-        return Topology([("serial", loop)], devices, opt, book, training.cache, training.store)
+    return _Workers(devices, data, targets, drafters, readers, opt)
 
-    p = cfg.pipeline
+
+def _channels(
+    p: PipelineConfig, training: Training, profiler: Profiler
+) -> tuple[Channel[Batch], Channel[HostFeatures], Channel[StepGrads], list[Channel[StepReply]]]:
+    """The channels between the stages: batches, hidden states, gradients and each replica's
+    replies (the first two watched by the profiler)."""
     n_t, n_d = len(training.targets), len(training.replicas)
     batches: Channel[Batch] = Channel("batches", p.batch_queue_depth, consumers=n_t)
     # Several target chains finish batches out of order: the drafters take them as they arrive
@@ -93,13 +97,40 @@ def build(
     replies: list[Channel[StepReply]] = [Channel(f"replies{r}", 1) for r in range(n_d)]
     profiler.add_channel(batches)
     profiler.add_channel(hs)
+    return batches, hs, grads, replies
 
+
+def build(
+    cfg: Config,
+    training: Training,
+    profiler: Profiler,
+    emit: Any,
+    stop: asyncio.Event,
+    hooks: Sequence[StepHook],
+    make_device: DeviceFactory = Device,
+) -> Topology:
+    """The run's stage tasks over its devices and channels (`pipeline.mode = "serial"`: the
+    serial loop, one task)."""
+    w = _workers(training, profiler, make_device)
+    opt, drafters = w.optimizer, w.drafters
+    book = StepBook(
+        opt, profiler, emit, start_step=training.start_step, start_batch=training.plan.start_index,
+        done_ahead=training.plan.done_ahead, log_every=cfg.train.log_every,
+        max_bad_steps=cfg.train.max_bad_steps, hooks=hooks,
+    )  # fmt: skip
+    if cfg.pipeline.mode == "serial":
+        loop = serial.train(training, w.data, w.targets[0], drafters, opt, book, stop, profiler, w.readers[:1])
+        return Topology([("serial", loop)], w.all, opt, book, training.cache, training.store)
+
+    p = cfg.pipeline
+    batches, hs, grads, replies = _channels(p, training, profiler)
     tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
-        (Stage.PREFETCH, prefetch.run(training.plan, data, batches, stop, training.pin, training.world))
+        (Stage.PREFETCH, prefetch.run(training.plan, w.data, batches, stop, training.pin, training.world))
     ]
-    for i, dev in enumerate(targets):
-        reader = readers[i] if readers else None
+    for i, dev in enumerate(w.targets):
+        reader = w.readers[i] if w.readers else None
         tasks += _target_chain(i, training, p, (dev, reader), drafters, (batches, hs), profiler)
+    n_d = len(training.replicas)
     ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and drafters[0].accelerated)
     work = drafter_step.ReplicaWork(training.micro, training.steps.grad_accum, training.start_step, lookahead=ahead)
     for r, (rep, dev) in enumerate(zip(training.replicas, drafters, strict=True)):
@@ -113,7 +144,7 @@ def build(
             optimizer.run(training.apply, opt, grads, replies, book, stop, training.steps, training.world),
         )
     )
-    return Topology(tasks, devices, opt, book, training.cache, training.store)
+    return Topology(tasks, w.all, opt, book, training.cache, training.store)
 
 
 def _target_chain(

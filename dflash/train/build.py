@@ -327,6 +327,45 @@ def _feature_store(
     return store if stats["feature_files_samples"] else None
 
 
+def _check_shardable(world: World | None, loaded: Loaded | None) -> None:
+    """Several processes (`world`) shard the batches by index and take them in order: a
+    checkpoint whose batches were consumed out of order resumes in one process only."""
+    if world is not None and loaded is not None and (loaded.cursor or {}).get("done"):
+        msg = (
+            f"checkpoint step {loaded.step}: its batches were consumed out of order (cursor {loaded.cursor['index']} "
+            f"and {len(loaded.cursor['done'])} after it); resume it in one process (several processes shard the "
+            "batches by index and take them in order)"
+        )
+        raise CheckpointError(msg)
+
+
+def _check_before_models(cfg: Config) -> tuple[LossSpec, bool]:
+    """What fails before any model loads (a missing data file, the held-out prompts the end of
+    the run needs, what a head-only target cannot do); the loss's settings and whether the run
+    evaluates."""
+    _check_data_files(cfg)
+    wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
+    if wants_eval:  # what the end of the run needs, before any model loads
+        require_eval_prompts(cfg, also=", or set eval.at_end = false")
+    loss = LossSpec.from_config(cfg)
+    _check_head_only(cfg, loss, wants_eval)
+    return loss, wants_eval
+
+
+def _replicas(
+    cfg: Config,
+    spec: DrafterSpec,
+    head: FrozenHead,
+    t0: TargetInfo,
+    devices: list[torch.device],
+    lr: Callable[[float], float],
+) -> list[DrafterReplica]:
+    """One drafter replica a device (`build_replicas`), from the target's layers with
+    drafter.init_from_target; `lr`: the LR schedule."""
+    init_from = t0.model if cfg.drafter.init_from_target else None
+    return build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from)
+
+
 def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, world: World | None = None) -> Training:
     """Build a run's `Training` from its config (in a worker thread). With a `world` (several
     processes), this rank's share: the same initial weights on every rank (same seed), the
@@ -335,20 +374,9 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     t_devs, d_devs = _devices(cfg, world)
     ranks = world.size if world is not None else 1
     resume, loaded = _resume(cfg, resume)  # before loading any model: a bad checkpoint fails in a second
-    if world is not None and loaded is not None and (loaded.cursor or {}).get("done"):
-        msg = (
-            f"checkpoint step {loaded.step}: its batches were consumed out of order (cursor {loaded.cursor['index']} "
-            f"and {len(loaded.cursor['done'])} after it); resume it in one process (several processes shard the "
-            "batches by index and take them in order)"
-        )
-        raise CheckpointError(msg)
+    _check_shardable(world, loaded)
     batch, resumed = _global_batch(cfg, loaded, resume, ranks)
-    _check_data_files(cfg)  # likewise a missing data file
-    wants_eval = cfg.eval.at_end or cfg.eval.every_steps > 0
-    if wants_eval:  # what the end of the run needs, before any model loads
-        require_eval_prompts(cfg, also=", or set eval.at_end = false")
-    loss = LossSpec.from_config(cfg)
-    _check_head_only(cfg, loss, wants_eval)
+    loss, wants_eval = _check_before_models(cfg)
     found: list[str] = list(world.warnings) if world is not None else []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = _targets(cfg, t_devs, loss)
@@ -366,9 +394,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     spec = drafter_spec(cfg, t0, mask_id)
     budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
     steps = StepPlan(batch.grad_accum, cfg.train.max_steps, budget)
-    init_from = t0.model if cfg.drafter.init_from_target else None
-    lr = lr_schedule(cfg.schedule, total, budget)
-    replicas = build_replicas(spec, head, d_devs, cfg.optimizer, lr, cfg.run.seed, init_from)
+    replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget))
     if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
         stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
     if loaded is not None:

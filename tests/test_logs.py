@@ -100,3 +100,33 @@ def test_progress_line_writes_nothing_off_a_terminal() -> None:
     line(_step(1))
     line.close()
     assert pipe.getvalue() == ""
+
+
+def test_bars_start_no_monitor_thread_and_other_bars_monitors_are_stopped() -> None:
+    """Our bars, on a terminal or off it, start no tqdm monitor thread (tqdm starts one even for
+    a disabled bar and never stops it); `stop_monitors` stops one another library's bar started
+    meanwhile, once its bars are closed, and keeps those that were there before."""
+    import threading
+
+    from tqdm import tqdm
+
+    if tqdm.monitor is not None and tqdm.monitor.report():
+        tqdm.monitor.exit()
+    before = frozenset(threading.enumerate())
+    for stream in (_FakeTTY(), io.StringIO()):
+        line = logs.ProgressLine(10, stream=stream)
+        line(_step(1))
+        line.close()
+        with logs.progress("files", 3, stream=stream) as bar:
+            bar.update(3)
+    assert [t for t in threading.enumerate() if t not in before] == []
+    theirs = tqdm(total=2, file=io.StringIO())  # someone else's bar: tqdm's monitor starts
+    monitor = tqdm.monitor
+    assert monitor is not None and monitor.is_alive()
+    logs.stop_monitors(before)
+    assert monitor.is_alive()  # its bar is still open
+    theirs.close()
+    logs.stop_monitors(before | {monitor})
+    assert monitor.is_alive()  # one the caller had before is kept
+    logs.stop_monitors(before)
+    assert not monitor.is_alive()

@@ -12,6 +12,13 @@ training, intake stops, the in-flight optimizer step finishes, queued work is dr
 the last step (`"finishing"`), the export is kept and the end-of-run eval ends at its next
 decoding step. `run_end` says which (`stopped_during`, `eval_stopped`). Nothing here runs on
 the event loop longer than a record's bookkeeping: models, data, writes and joins run in threads.
+
+Every record is stamped once (its `level` by its event, `logs.level_of`, and its time) and
+rendered once: stdout and the run folder's `records.jsonl` get the same line. When `run`
+returns or raises, the run has left nothing behind in the embedding program: its worker
+threads joined (a failed run's too, after its `run_failed` record), a checkpoint write in
+flight finished, its files closed (the run folder's log, the feature store's parts), and the
+monitor threads of progress bars it started stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 import structlog
 import torch
 
+from dflash import logs
 from dflash.config import Config, dump_toml
 from dflash.errors import ConfigError
 from dflash.eval.decode import EvalStopped
@@ -73,6 +81,7 @@ class Coordinator:
         self.run_dir = config.run_dir
         self._log = structlog.get_logger("dflash") if log else None
         self._subscribers: list[Callable[[Record], None]] = []
+        self._run_log: RunLog | None = None  # the run folder's records.jsonl, while the run runs
         self._stop_requested = threading.Event()
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,16 +106,26 @@ class Coordinator:
 
     # -- records ------------------------------------------------------------------------
     def subscribe(self, fn: Callable[[Record], None]) -> None:
-        """`fn(record)` is called (on the loop thread) for every record the run emits."""
+        """`fn(record)` is called (on the loop thread) for every record the run emits: `event`
+        and its fields (its level: `logs.level_of(record)`; `run_end`'s is the summary `run` returns)."""
         self._subscribers.append(fn)
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, level: str | None = None, **fields: Any) -> None:
+        """One record: stamped once (`level`: the event's own, `logs.level_of`, unless given),
+        rendered once, the same line on stdout and in the run folder, then to the subscribers."""
         if self.world is not None:  # several processes: every record says whose it is
             fields = {"rank": self.world.rank, **fields}
-        if self._log is not None:
-            self._log.info(event, **fields)
+        given = {"event": event, **fields} if level is None else {"event": event, **fields, "level": level}
+        record = logs.stamp(given)
+        line = logs.render(record)
+        if self._log is not None and not logs.write_line(line, record["level"]):
+            # structlog configured by the embedding program: the record goes its way, stamped
+            log = getattr(self._log, record["level"], self._log.info)
+            log(event, **{k: v for k, v in record.items() if k != "event"})
+        if self._run_log is not None:
+            self._run_log.write_line(line)
         for fn in self._subscribers:
-            fn({"event": event, **fields})
+            fn(dict(given))
 
     # -- control ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -122,26 +141,29 @@ class Coordinator:
     # -- the run ------------------------------------------------------------------------
     async def run(self) -> Record:
         self._loop = asyncio.get_running_loop()
+        threads = frozenset(threading.enumerate())  # what the embedding program had: kept
         faults.configure()
         stop = self._stop_event = asyncio.Event()
         if self._stop_requested.is_set():
             stop.set()
         t_start = time.perf_counter()
-        self.world = await asyncio.to_thread(distributed.join, self.config)
-        clean = False
         try:
-            run_log = await asyncio.to_thread(self._open_run_dir)
-            self.subscribe(run_log.write)
+            self.world = await asyncio.to_thread(distributed.join, self.config)
+            clean = False
             try:
-                summary = await self._run(stop, t_start)
-                clean = True
-                return summary
+                run_log = self._run_log = await asyncio.to_thread(self._open_run_dir)
+                try:
+                    summary = await self._run(stop, t_start)
+                    clean = True
+                    return summary
+                finally:
+                    self._run_log = None
+                    run_log.close()
             finally:
-                self._subscribers.remove(run_log.write)
-                run_log.close()
+                if self.world is not None:
+                    await asyncio.to_thread(self.world.close, clean)
         finally:
-            if self.world is not None:
-                await asyncio.to_thread(self.world.close, clean)
+            logs.stop_monitors(threads)  # bars of other libraries (downloads, datasets) done by now
 
     def _open_run_dir(self) -> RunLog:
         """The run folder, its resolved config and its copy of the records (a run folder is
@@ -207,8 +229,14 @@ class Coordinator:
                 close = getattr(tgt, "close", None)
                 if callable(close):
                     await asyncio.to_thread(close)
+            if topo.store is not None:  # its open parts (it opens them again if read again)
+                topo.store.close()
         if error is not None:
-            await self._fail(error, checkpointer, topo)
+            try:
+                await self._fail(error, checkpointer, topo)
+            finally:  # the workers not waited for at the failure: joined once the records are out
+                for d in topo.devices:
+                    await asyncio.to_thread(d.close, True)
         train_s = time.perf_counter() - t_train
         self.steps = topo.book.progress.step
         self.phase = "finishing"
@@ -282,6 +310,11 @@ class Coordinator:
 
     async def _fail(self, error: BaseException, checkpointer: Checkpointer, topo: topology.Topology) -> None:
         ckpt = self.config.checkpoint
+        if isinstance(error, Exception):
+            try:  # a checkpoint write still in flight ends first (its thread, its files)
+                await checkpointer.finish()
+            except Exception as err:  # never hide the original error behind this one
+                self.emit("warning", message=f"checkpoint not written: {' '.join(str(err).split())}")
         if isinstance(error, Exception) and (ckpt.at_end or ckpt.every_steps or ckpt.every_minutes):
             # The last consistent state (weights, optimizer, cursor of the last finished step).
             try:

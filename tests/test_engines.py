@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.engines import vllm as engine
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 from dflash.model.export import drafter_config_json, export_drafter
 from dflash.serving import vllm
@@ -57,7 +58,7 @@ def test_engine_vllm_without_vllm_says_how_to_get_it(tmp_path, monkeypatch):
     from dflash.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"--engine vllm: vLLM is not installed in this Python; make engines"):
-        vllm.require_vllm()
+        engine.require_vllm()
     tiny = str(ROOT / "configs" / "tiny.toml")
     proc = dflash("eval", tiny, "--drafter", str(tmp_path / "nothing"), "--engine", "vllm")
     if importlib.util.find_spec("vllm") is None:  # this Python's own answer (the main venv has no vLLM)
@@ -77,21 +78,21 @@ def test_engine_vllm_refuses_sampling_before_loading_anything(tmp_path):
 def test_mixed_drafters_get_vllms_v2_runner_on_a_gpu_only(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     mixed = dataclasses.replace(SPEC, layer_types=["full_attention", "sliding_attention"])
-    with vllm.runner_env(mixed, "cuda"):
+    with engine.runner_env(mixed, "cuda"):
         assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # as it was, after
     for spec, device in ((SPEC, "cuda"), (mixed, "cpu"), (None, "cuda")):
-        with vllm.runner_env(spec, device):
+        with engine.runner_env(spec, device):
             assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     from dflash.errors import ConfigError
 
     with (
         pytest.raises(ConfigError, match=r"needs vLLM's V2 runner \(VLLM_USE_V2_MODEL_RUNNER=1\)"),
-        vllm.runner_env(mixed, "cuda"),
+        engine.runner_env(mixed, "cuda"),
     ):
         pass
-    assert vllm.gpu_share("cpu") is None
+    assert engine.gpu_share("cpu") is None
 
 
 def test_each_prompt_sets_counters_are_its_own():
@@ -157,18 +158,18 @@ def test_a_cpu_engine_runs_its_core_in_process_unless_the_user_says_otherwise(mo
         monkeypatch.delenv(key, raising=False)
         if preset is not None:
             monkeypatch.setenv(key, preset)
-        monkeypatch.setattr(vllm, "engine_device", lambda d=device: d)
+        monkeypatch.setattr(engine, "engine_device", lambda d=device: d)
         uncached.clear()
-        with vllm.engine_core_in_process():
+        with engine.engine_core_in_process():
             assert os.environ.get(key) == inside, (device, preset)
         assert os.environ.get(key) == after and uncached == ([True] if inside == "0" else []), (device, preset)
     # open_engine makes its engine inside it
     monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(vllm, "engine_device", lambda: "cpu")
-    monkeypatch.setattr(vllm, "kv_cache_bytes", lambda *a, **k: None)
+    monkeypatch.setattr(engine, "engine_device", lambda: "cpu")
+    monkeypatch.setattr(engine, "kv_cache_bytes", lambda *a, **k: None)
     seen = []
     sys.modules["vllm"].LLM = lambda **kwargs: seen.append(os.environ.get(key)) or "engine"
-    assert vllm.open_engine(Path("target"), None, None, "float32", 64) == "engine"
+    assert engine.open_engine(Path("target"), None, None, "float32", 64) == "engine"
     assert seen == ["0"] and key not in os.environ
 
 
@@ -279,7 +280,7 @@ def test_a_head_only_target_is_checked_by_vllm_alone(tmp_path, monkeypatch):
         return [vllm.EngineRun([[5, 6, 7], [8]], drafts=4, accepted=6, accepted_per_pos=[4, 2, 0], seconds=1.0)]
 
     monkeypatch.setattr(vllm, "decode", decode)
-    monkeypatch.setattr(vllm, "engine_device", lambda: "cpu")
+    monkeypatch.setattr(engine, "engine_device", lambda: "cpu")
     drafter = DFlashDrafter(SPEC)
     prompts = {"heldout": [torch.tensor([1, 2]), torch.tensor([3])]}
     (record,) = evaluate_in_vllm(cfg, target, drafter, tmp_path, prompts, DecodeSettings.of(cfg, {0}), None, 2)
@@ -316,10 +317,10 @@ def test_vllms_kv_cache_is_sized_for_what_dflash_runs(tmp_path, monkeypatch):
     drafter = dataclasses.replace(SPEC, num_layers=2)
     tokens = 6 * (3 + 1) * 16  # ceil((40 + 4) / 16) + 1 blocks a sequence
     expected = int(2 * per_token * tokens * 1.25) + (64 << 20)
-    assert vllm.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter) == expected
-    assert vllm.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter, total_tokens=100) < expected
-    assert vllm.kv_cache_bytes(tmp_path / "missing", "float32", 6, 40) is None  # vLLM sizes it then
+    assert engine.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter) == expected
+    assert engine.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter, total_tokens=100) < expected
+    assert engine.kv_cache_bytes(tmp_path / "missing", "float32", 6, 40) is None  # vLLM sizes it then
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    assert vllm.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter) is None
-    err = vllm.engine_failed(RuntimeError("Engine core initialization failed.\nSee root cause above."), expected)
+    assert engine.kv_cache_bytes(tmp_path, "float32", 6, 40, drafter) is None
+    err = engine.engine_failed(RuntimeError("Engine core initialization failed.\nSee root cause above."), expected)
     assert "\n" not in str(err) and "VLLM_CPU_KVCACHE_SPACE=GiB" in str(err) and "0.06 GiB" in str(err)

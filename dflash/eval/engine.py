@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dflash.config import Config
+from dflash.engines import vllm as engine_vllm
 from dflash.errors import ConfigError
 from dflash.eval.decode import greedy_generate
 from dflash.eval.tally import DecodeSettings, evaluate
@@ -49,7 +50,7 @@ def check_vllm_eval(cfg: Config) -> None:
     """What `--engine vllm` refuses before any model is loaded: a Python without vLLM, and a
     sampled eval (the outputs are checked against plain greedy decoding)."""
     _greedy_only(cfg.eval.temperature)
-    vllm.require_vllm()
+    engine_vllm.require_vllm()
 
 
 def _greedy_only(temperature: float, engine: str = "vllm") -> None:
@@ -89,7 +90,7 @@ def evaluate_in_vllm(
     without its decoder layers (`target.load = "head"`) has no decoding of ours to compare:
     `dflash_tau` and `identical_to_dflash_greedy` are null, `lossless` is vLLM's against itself."""
     _greedy_only(settings.temperature)
-    why = vllm.problem(drafter.spec, target.head_dim, on_cpu=vllm.engine_device() == "cpu")
+    why = vllm.problem(drafter.spec, target.head_dim, on_cpu=engine_vllm.engine_device() == "cpu")
     if why is not None:
         raise ConfigError(f"--engine vllm: {why}")
     ids = [[p.tolist() for p in prompts] for prompts in sets.values()]

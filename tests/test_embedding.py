@@ -179,3 +179,34 @@ def test_a_failing_run_leaves_nothing(tiny_config, monkeypatch):
     summary, error = _embedded(cfg, lambda c: c.subscribe(records.append))
     assert summary is None and isinstance(error, StageError) and "injected fault" in str(error)
     assert records[-1]["event"] == "run_failed" and records[-1]["stage"] == "drafter.forward[0]"
+
+
+def test_targets_made_before_a_failed_set_up_are_closed(tiny_config, monkeypatch):
+    """A target with an engine of its own (a live vLLM engine, a remote server told to stop) is
+    closed when set-up fails after it was made, as the coordinator closes it after training."""
+    from dflash.train import build
+
+    closed: list[int] = []
+    made = build._targets
+
+    class Closing:
+        def __init__(self, inner: Any, i: int) -> None:
+            self._inner, self._i = inner, i
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        def close(self) -> None:
+            closed.append(self._i)
+
+    def targets(*args: Any) -> list[Any]:
+        return [Closing(t, i) for i, t in enumerate(made(*args))]
+
+    def broken(*args: Any) -> None:
+        raise dflash.DataError("the data is bad")
+
+    monkeypatch.setattr(build, "_targets", targets)
+    monkeypatch.setattr(build, "_samples", broken)
+    with pytest.raises(dflash.DataError, match="the data is bad"):
+        asyncio.run(Coordinator(tiny_config(**FAST), log=False).run())
+    assert closed == [0]

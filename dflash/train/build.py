@@ -380,51 +380,51 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     found: list[str] = list(world.warnings) if world is not None else []
     tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
     targets = _targets(cfg, t_devs, loss)
-    t0 = targets[0]
-    head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
-    mask_id = _mask_id(cfg, t0, head, found.append)
-    samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
-    store = _feature_store(cfg, t0, samples, stats, found)
-    cache = FeatureCache.from_config(cfg.data.feature_cache_mb)
-    _check_all_stored(cfg, samples, stats, found)
-    plan = BatchPlan.from_config(
-        samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
-    )
-    total = cfg.train.max_steps or _total_steps(plan, batch, loaded.step if loaded else 0)
-    spec = drafter_spec(cfg, t0, mask_id)
-    budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
-    steps = StepPlan(batch.grad_accum, cfg.train.max_steps, budget)
-    replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget))
-    if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
-        stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
-    if loaded is not None:
-        restore(loaded, replicas, cfg)
-    micro = _micro_step(cfg, loss, d_devs[0], total)
-    writer = world is None or world.is_writer
-    evaluate = _evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None
-    fence([*(t.device for t in targets), *(r.device for r in replicas)])  # the last set-up work is queued above
-    return Training(
-        targets=targets,
-        replicas=replicas,
-        plan=plan,
-        spec=spec,
-        micro=micro,
-        apply=functools.partial(apply_step, replicas, grad_clip=cfg.optimizer.grad_clip, world=world, budget=budget),
-        steps=steps,
-        cache=cache,
-        store=store,
-        total_steps=total,
-        padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
-        batch_shape=plan.batch_shape(0),
-        start_step=loaded.step if loaded else 0,
-        tokenizer=tokenizer,
-        data_stats=stats,
-        warnings=found,
-        evaluate=evaluate,
-        world=world,
-        batch=batch,
-        resumed=resumed,
-    )
+    with _closed_on_failure(targets):  # an engine started for them does not outlive a failed set-up
+        t0 = targets[0]
+        head = FrozenHead(t0.embed_weight, t0.lm_head_weight)
+        mask_id = _mask_id(cfg, t0, head, found.append)
+        samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
+        store = _feature_store(cfg, t0, samples, stats, found)
+        _check_all_stored(cfg, samples, stats, found)
+        plan = BatchPlan.from_config(
+            samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
+        )
+        total = cfg.train.max_steps or _total_steps(plan, batch, loaded.step if loaded else 0)
+        spec = drafter_spec(cfg, t0, mask_id)
+        budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
+        replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget))
+        if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
+            stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
+        if loaded is not None:
+            restore(loaded, replicas, cfg)
+        micro = _micro_step(cfg, loss, d_devs[0], total)
+        update = functools.partial(apply_step, replicas, grad_clip=cfg.optimizer.grad_clip, world=world, budget=budget)
+        writer = world is None or world.is_writer
+        evaluate = _evaluator(cfg, t0, replicas[0], tokenizer) if wants_eval and writer else None
+        fence([*(t.device for t in targets), *(r.device for r in replicas)])  # the last set-up work is queued above
+        return Training(
+            targets=targets,
+            replicas=replicas,
+            plan=plan,
+            spec=spec,
+            micro=micro,
+            apply=update,
+            steps=StepPlan(batch.grad_accum, cfg.train.max_steps, budget),
+            cache=FeatureCache.from_config(cfg.data.feature_cache_mb),
+            store=store,
+            total_steps=total,
+            padding_fraction=plan.padding_fraction(0),  # laying out epoch 0 is work: here, not on the loop
+            batch_shape=plan.batch_shape(0),
+            start_step=loaded.step if loaded else 0,
+            tokenizer=tokenizer,
+            data_stats=stats,
+            warnings=found,
+            evaluate=evaluate,
+            world=world,
+            batch=batch,
+            resumed=resumed,
+        )
 
 
 def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
@@ -469,6 +469,21 @@ def _check_data_files(cfg: Config) -> None:
         return
     for i, f in enumerate(cfg.data.files):  # a missing file fails now, before any model loads
         dataset_path(f.path, f"data.files[{i}]")
+
+
+@contextlib.contextmanager
+def _closed_on_failure(targets: list[TargetInfo]) -> Iterator[None]:
+    """The targets closed (a live vLLM engine shut down, a remote server told to stop) when
+    set-up fails or is stopped after they were made; on success the coordinator closes them."""
+    try:
+        yield
+    except BaseException:
+        for tgt in targets:
+            close = getattr(tgt, "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    close()
+        raise
 
 
 def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[TargetInfo]:

@@ -211,11 +211,12 @@ class ForkedPopen:
     signal a run or read its output as it comes: stdout and stderr pipes (or /dev/null, or the
     test's own), stdin a pipe for `communicate`'s input, else /dev/null; pid, poll, wait,
     communicate, send_signal, terminate, kill and returncode as Popen's (a signal's end: minus
-    its number)."""
+    its number). `child`: the child's body instead of `cli_child.run_cli` (called with its
+    arguments; a module-level function or a partial of one, as the server imports it)."""
 
     def __init__(
         self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path | str, stdout: Any, stderr: Any,
-        stdin: Any = None,
+        stdin: Any = None, child: Callable[..., None] | None = None,
     ):  # fmt: skip
         from tests import cli_child
 
@@ -241,7 +242,8 @@ class ForkedPopen:
                 raise ValueError(f"ForkedPopen: {name}={how!r} (PIPE, DEVNULL or None)")
         env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
         self._proc = _server().Process(
-            target=cli_child.run_cli, args=(args, env, str(cwd), ends["stdin"], ends["stdout"], ends["stderr"]),
+            target=child or cli_child.run_cli,
+            args=(args, env, str(cwd), ends["stdin"], ends["stdout"], ends["stderr"]),
             daemon=False,
         )
         try:

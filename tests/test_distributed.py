@@ -386,30 +386,48 @@ def _world(timeout_s: float, store: _Store | None, aborted: list[str]):
     return world
 
 
+class _Clock:
+    """`time` for `distributed`: a clock that only its sleeps move, which it records."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
 def test_wait_past_the_deadline_names_the_lost_rank_in_one_line(monkeypatch):
     """A queued all-reduce that never ends (its peer is gone: rank 1's heartbeat stopped):
     after distributed.timeout_s, one line naming what was waited for and the lost rank; the
     polls sleep between them, and the NCCL work is aborted so that no later sync hangs."""
-    import time
+    import itertools
 
     from dflash.runtime import distributed
-    from dflash.runtime.distributed import DistributedError
+    from dflash.runtime.distributed import HEARTBEAT_S, POLL_S, DistributedError
 
-    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.01)
+    clock = _Clock()
+    monkeypatch.setattr(distributed, "time", clock)
     aborted: list[str] = []
     store = _Store({"dflash/hb/1": "7", "dflash/at/0": "12", "dflash/at/1": "12"})
     world, ready = _world(0.3, store, aborted), _Event(None)
-    t0 = time.monotonic()
     with pytest.raises(DistributedError) as caught:
         world.wait(ready, "the gradient all-reduce of step 12")
-    took = time.monotonic() - t0
     msg = str(caught.value)
     assert "\n" not in msg
     assert re.fullmatch(
         r"rank 0: the gradient all-reduce of step 12: not done after 0 s: lost rank 1 \(it stopped: no heartbeat\)", msg
     ), msg
-    assert 0.3 <= took < 5, took
-    assert 3 < ready.queries < 300, ready.queries  # polled, not spun
+    *polls, diagnosis = clock.sleeps
+    assert diagnosis == 4 * HEARTBEAT_S  # the heartbeats, read twice that far apart
+    # Polled, not spun: a sleep after each query, doubling up to its longest; the deadline
+    # passed during the last one.
+    assert polls[0] == POLL_S[0] and all(b == min(2 * a, POLL_S[1]) for a, b in itertools.pairwise(polls)), polls
+    assert sum(polls[:-1]) < 0.3 <= sum(polls), polls
+    assert ready.queries == len(polls) + 1
     assert aborted == ["abort"]
 
 

@@ -208,8 +208,8 @@ def test_no_function_over_sixty_lines(tmp_path):
     assert long_functions() == []
     planted = tmp_path / "dflash"
     planted.mkdir()
-    body = "".join(f"    x{i} = {i}\n" for i in range(60))
-    (planted / "long.py").write_text(f"class A:\n    def f(self):\n    {body.replace(chr(10) + '    ', chr(10) + '        ')}")
+    body = "".join(f"        x{i} = {i}\n" for i in range(60))
+    (planted / "long.py").write_text(f"class A:\n    def f(self):\n{body}")
     assert long_functions(planted) == ["dflash/long.py:2: f is 61 lines"]
 
 

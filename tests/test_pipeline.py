@@ -7,7 +7,6 @@ import collections
 import itertools
 import json
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -71,9 +70,9 @@ def test_two_replicas_stay_bit_identical(tiny_config):
 
 def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
     """Target chains finish batches out of order (here batch 3k's forward waits until batch
-    3k+1's, in another chain, is done); with pipeline.in_order the drafter still takes them in
-    prefetch's order, so every step's batches are the ones before it: three chains give one
-    chain's losses step for step."""
+    3k+1's, in another chain, is done, and batch 0's until batch 1 has reached the drafter's
+    channel); with pipeline.in_order the drafter still takes them in prefetch's order, so every
+    step's batches are the ones before it: three chains give one chain's losses step for step."""
     from dflash.runtime.channel import Channel
     from dflash.stages import target_forward
 
@@ -81,22 +80,33 @@ def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
     batches = len(one)  # one replica, no accumulation: a step per batch
     assert batches == 8
 
-    forward, get = target_forward.forward, Channel.get
+    forward, put, get = target_forward.forward, Channel.put, Channel.get
     ended = [threading.Event() for _ in range(batches)]
+    second = threading.Event()  # batch 1 reached the hidden-state channel
     finished: list[int] = []  # Batch.seq, in the order the target forwards ended
+    arrived: list[int] = []  # Batch.seq, in the order batches reached the hidden-state channel
     taken: list[int] = []  # Batch.seq, in the order the drafter took them
     lock = threading.Lock()  # the chains' worker threads append concurrently
 
     def reordered(target, batch, teacher_topk=0):
-        if batch.seq % 3 == 0 and batch.seq + 1 < batches:
+        # Batch 0 waits for batch 1's arrival, the others for a forward only: a chain's pack
+        # and copy run on its device's thread, behind a forward that waits.
+        if batch.seq == 0:
+            assert second.wait(60), "batch 1 never came"  # a hang guard only
+        elif batch.seq % 3 == 0 and batch.seq + 1 < batches:
             assert ended[batch.seq + 1].wait(60), f"batch {batch.seq + 1} never ended"  # a hang guard only
-            if batch.seq == 0:  # a head start for batch 1's later stages, whose threads a loaded
-                time.sleep(1.0)  # machine may run late: batch 1 then reaches the drafter first
         out = forward(target, batch, teacher_topk)
         with lock:
             finished.append(batch.seq)
         ended[batch.seq].set()
         return out
+
+    async def arriving(self, item):  # on the event loop, as is `recorded`
+        if self.name == "hidden_states":
+            arrived.append(item.batch.seq)
+            if item.batch.seq == 1:
+                second.set()
+        return await put(self, item)
 
     async def recorded(self, *args, **kwargs):
         item, waited = await get(self, *args, **kwargs)
@@ -105,10 +115,12 @@ def test_several_target_chains_train_as_one(tiny_config, monkeypatch):
         return item, waited
 
     monkeypatch.setattr(target_forward, "forward", reordered)
+    monkeypatch.setattr(Channel, "put", arriving)
     monkeypatch.setattr(Channel, "get", recorded)
     three = _chain_losses(tiny_config, 3, "pipeline.in_order=true")
-    assert sorted(finished) == list(range(batches))
+    assert sorted(finished) == sorted(arrived) == list(range(batches))
     assert all(finished.index(k + 1) < finished.index(k) for k in range(0, batches - 1, 3)), finished
+    assert arrived.index(1) < arrived.index(0), arrived  # the channel had an early batch to hold
     assert taken == list(range(batches))
     assert three == one
 
@@ -314,42 +326,49 @@ def test_what_the_end_needs_is_checked_before_the_first_step(tiny_config, tmp_pa
 
 
 def test_chains_in_arrival_order_resume_every_batch_once(tiny_config, monkeypatch, tmp_path):
-    """By default the drafter takes batches as the chains finish them (here batch 3k's forward
-    waits for batch 3k+1's): out of prefetch's order. A run stopped after a step that left a
-    gap checkpoints the batches done after the gap; resumed from there, every batch of the
-    plan is trained on exactly once over the two runs."""
+    """By default the drafter takes batches as the chains finish them (here, in each run, the
+    forward of the run's first batch waits until its second has reached the hidden-state
+    channel): out of prefetch's order. A run stopped after a step that left a gap checkpoints
+    the batches done after the gap; resumed from there, every batch of the plan is trained on
+    exactly once over the two runs."""
+    from dflash.runtime.channel import Channel
     from dflash.stages import target_forward
     from dflash.train.step import Accumulator
 
-    forward, add = target_forward.forward, Accumulator.add
-    ended: dict[int, threading.Event] = {}
-    lock = threading.Lock()
+    forward, put, add = target_forward.forward, Channel.put, Accumulator.add
+    second = threading.Event()  # the run's batch seq 1 reached the hidden-state channel
+    arrived: list[int] = []  # Batch.seq, in the order the run's batches reached that channel
     consumed: list[int] = []  # Batch.index, in the order steps consumed them
 
     def reordered(target, batch, teacher_topk=0):
-        with lock:
-            ended.setdefault(batch.seq, threading.Event())
-            ended.setdefault(batch.seq + 1, threading.Event())
-        if batch.seq % 3 == 0 and batch.seq + 1 < 8:
-            assert ended[batch.seq + 1].wait(60), f"batch {batch.seq + 1} never ended"  # a hang guard only
-            if batch.seq == 0:  # a head start for batch 1's later stages, whose threads a loaded
-                time.sleep(1.0)  # machine may run late: batch 1 then reaches the drafter first
-        out = forward(target, batch, teacher_topk)
-        ended[batch.seq].set()
-        return out
+        if batch.seq == 0:
+            assert second.wait(60), "batch 1 never came"  # a hang guard only
+        return forward(target, batch, teacher_topk)
+
+    async def arriving(self, item):  # on the event loop: no lock needed
+        if self.name == "hidden_states":
+            arrived.append(item.batch.seq)
+            if item.batch.seq == 1:
+                second.set()
+        return await put(self, item)
 
     def counted(self, parts, batch):
         consumed.append(batch.index)
         return add(self, parts, batch)
 
+    def batch_1_came_first() -> bool:
+        return 1 in arrived and 0 not in arrived[: arrived.index(1)]
+
     monkeypatch.setattr(target_forward, "forward", reordered)
+    monkeypatch.setattr(Channel, "put", arriving)
     monkeypatch.setattr(Accumulator, "add", counted)
     base = {"pipeline.target_devices": '["cpu", "cpu", "cpu"]', "data.num_samples": 64, "train.epochs": 1,
             "eval.at_end": "false", "checkpoint.every_steps": 1, "checkpoint.keep_last": 20}  # fmt: skip
     first = run_records(tiny_config(**base, **{"train.max_steps": 4}), timeout_s=120)
-    assert first[-1]["steps"] == 4 and consumed != list(range(4)), consumed  # batch 0 waits for batch 1
+    assert batch_1_came_first(), arrived
+    assert first[-1]["steps"] == 4 and consumed[0] != 0, consumed  # batch 0 waited for batch 1
     gap = [s for s in range(1, 5) if sorted(consumed[:s]) != list(range(s))]  # steps that left a gap
-    assert gap, consumed
+    assert gap and gap[0] == 1, consumed
     run_dir = tiny_config(**base).run_dir
     ckpt = run_dir / "checkpoints" / f"step_{gap[-1]:06d}"
     state = json.loads((ckpt / "state.json").read_text())
@@ -357,7 +376,10 @@ def test_chains_in_arrival_order_resume_every_batch_once(tiny_config, monkeypatc
     assert state["cursor"]["index"] == min(set(range(8)) - set(before))
     assert state["cursor"]["done"] == sorted(i for i in before if i > state["cursor"]["index"])
     consumed.clear()
+    arrived.clear()
+    second.clear()
     other = tiny_config(**base, **{"run.output_dir": f'"{tmp_path / "b"}"'})
     resumed = run_records(other, resume=ckpt, timeout_s=120)
+    assert batch_1_came_first(), arrived
     assert resumed[-1]["event"] == "run_end"
     assert sorted(before + consumed) == list(range(8)), (before, consumed)

@@ -131,20 +131,22 @@ def test_requests_ask_the_local_loops_argmax_or_a_seed_per_prompt(env, tmp_path)
     assert hf_sampling(tmp_path) == (("top_k", 20), ("top_p", 0.9), ("min_p", 0.05))
 
 
-def test_under_a_deadline_the_first_slots_start_then_only_replies_that_end_by_it():
-    import time
+def test_under_a_deadline_the_first_slots_start_then_only_replies_that_end_by_it(monkeypatch):
+    from types import SimpleNamespace
 
+    from dflash.regen import vllm
     from dflash.regen.vllm import ReplyEngine
 
+    now = 100.0
+    monkeypatch.setattr(vllm, "time", SimpleNamespace(perf_counter=lambda: now))  # a clock that stands still
     engine = object.__new__(ReplyEngine)  # its state alone: no vLLM
     engine.settings, engine.slots, engine.running, engine.added, engine.step_s = ReplySettings(9, 0), 4, set(), 0, 0.0
-    now = time.perf_counter()
     assert engine.room(now - 1) == 4  # the first slots' worth always starts
     engine.running, engine.added, engine.step_s = {"0", "1"}, 4, 0.5  # 2 slots free; a reply takes 10 steps, 5 s
-    assert engine.room(now + 60) == 2 and engine.room(float("inf")) == 2
-    assert engine.room(now + 2) == 0  # it would end past the deadline: none starts
+    assert engine.room(now + 5) == 2 and engine.room(float("inf")) == 2  # one started now ends by the deadline
+    assert engine.room(now + 4.9) == 0  # it would end past the deadline: none starts
     engine.running = set()
-    assert engine.room(now + 2) == 0  # and the regen ends once those running are answered
+    assert engine.room(now + 4.9) == 0  # and the regen ends once those running are answered
 
 
 def test_a_prompt_and_reply_past_the_targets_positions_is_one_line(env):
@@ -169,9 +171,9 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
         pytest.fail(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
     import torch
 
-    from dflash.regen import command as regen
     from dflash.model.loading import load_tokenizer
     from dflash.model.target import load_target
+    from dflash.regen import command as regen
 
     local = env.cfg("hf")
     tokenizer = load_tokenizer(local.target, local.data.cache_dir)

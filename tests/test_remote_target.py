@@ -6,15 +6,18 @@ the run in one line naming the stage and the folder, with the checkpoints writte
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
-from tests.conftest import DFLASH, dflash, json_lines, popen_cli
+from tests.conftest import CLI_TIMEOUT_S, DFLASH, ROOT, ForkedPopen, dflash, json_lines, popen_cli
 from tests.test_engine_features import LIVE, _setup
 
 REMOTE = ["--set", 'target.engine="remote"', "--set", 'target.load="head"']
@@ -60,29 +63,67 @@ def test_a_remote_target_trains_as_the_in_process_one(tmp_path):
     assert {"target.engine_wait", "target.engine_read"} <= stages and "target.model_forward" not in stages
 
 
+class _RacingClock:
+    """spool_client's `time` in a run whose server gets killed: real time until the file
+    `ahead` exists, then each reading an hour after the one before. Once the server is dead,
+    the run's next check of the heartbeat sees at most one beat it had not seen, and the one
+    after misses the beat: no timeout is waited out, so target.engine_timeout_s can be one
+    that a loaded machine never reaches while the server lives."""
+
+    sleep = staticmethod(time.sleep)
+
+    def __init__(self, ahead: Path) -> None:
+        self.ahead, self.hours = ahead, 0
+
+    def monotonic(self) -> float:
+        if self.ahead.exists():
+            self.hours += 1
+        return time.monotonic() + 3600.0 * self.hours
+
+
+def _run_with_a_racing_clock(ahead: str, *cli: Any) -> None:
+    """The forked run's body (`ForkedPopen`'s `child`): the CLI, on `_RacingClock(ahead)`."""
+    from dflash.targets import spool_client
+    from tests import cli_child
+
+    spool_client.time = _RacingClock(Path(ahead))  # type: ignore[assignment]
+    cli_child.run_cli(*cli)
+
+
+TIMEOUT_S = 60  # target.engine_timeout_s below: only a hung server would miss beats that long
+
+
 def _stopped_mid_run(tmp_path: Path, stop: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     """A long run against a server; once its second checkpoint is written, the server is killed
-    (`stop` = "kill") or the folder removed ("vanish")."""
-    config, spool = _setup(tmp_path), tmp_path / "spool"
+    (`stop` = "kill", then the run's heartbeat clock races ahead) or the folder removed
+    ("vanish")."""
+    config, spool, ahead = _setup(tmp_path), tmp_path / "spool", tmp_path / "clock-ahead"
     server = _serve(config, spool)
-    sets = [*REMOTE, "--set", f'target.engine_spool="{spool}"', "--set", "target.engine_timeout_s=3",
+    sets = [*REMOTE, "--set", f'target.engine_spool="{spool}"', "--set", f"target.engine_timeout_s={TIMEOUT_S}",
             "--set", "train.epochs=1000", "--set", "checkpoint.every_steps=2", "--set", 'target.dtype="float32"',
             "--set", "data.feature_cache_mb=0", "--set", "data.feature_files=false"]  # fmt: skip
-    run = popen_cli([str(DFLASH), "run", str(config), *sets], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cmd, pipe = [str(DFLASH), "run", str(config), *sets], subprocess.PIPE
+    if stop == "kill":  # forked, as popen_cli would, with the run's clock set first
+        child = functools.partial(_run_with_a_racing_clock, str(ahead))
+        run = ForkedPopen(cmd, cmd[1:], dict(os.environ), ROOT, pipe, pipe, child=child)
+    else:
+        run = popen_cli(cmd, stdout=pipe, stderr=pipe)
     checkpoints = tmp_path / "runs" / "feats" / "checkpoints"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 120  # a hang guard: the checkpoints come in seconds
         while len(list(checkpoints.glob("step_*"))) < 2:
             assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.stderr else ""
             time.sleep(0.05)
         if stop == "kill":
             server.send_signal(signal.SIGKILL)
+            server.wait(timeout=60)  # it beats no more
+            ahead.touch()
         else:  # the run and the server write into it meanwhile: remove until it stays gone
             end = time.monotonic() + 30
             while spool.exists() and time.monotonic() < end:
                 shutil.rmtree(spool, ignore_errors=True)
             assert not spool.exists()
-        out, err = run.communicate(timeout=60)
+        out, err = run.communicate(timeout=CLI_TIMEOUT_S)  # a hang guard: the run ends at its next check
     finally:
         run.kill()
         server.kill()
@@ -102,7 +143,7 @@ def _one_line_and_checkpoints_whole(proc: subprocess.CompletedProcess[str], chec
 def test_a_remote_engine_that_dies_ends_the_run_in_one_line(tmp_path):
     proc, checkpoints = _stopped_mid_run(tmp_path, "kill")
     _one_line_and_checkpoints_whole(proc, checkpoints, "target.engine_wait: the engine serving")
-    assert "no heartbeat for 3 s" in proc.stderr
+    assert f"stopped: no heartbeat for {TIMEOUT_S} s" in proc.stderr
 
 
 def test_a_spool_folder_that_vanishes_ends_the_run_in_one_line(tmp_path):
@@ -144,7 +185,8 @@ def test_a_vllm_engine_that_dies_mid_call_ends_the_wait_in_one_line(monkeypatch)
     client = SimpleNamespace(resources=SimpleNamespace(engine_dead=False), outputs_queue=outputs)
 
     def generate(_llm, _prompts):  # vLLM's SyncMPClient.get_output: blocks until something arrives
-        got = outputs.get(timeout=30)
+        client.resources.engine_dead = True  # the engine core's process exits while generate waits
+        got = outputs.get(timeout=30)  # a hang guard only: the watcher answers within its poll
         raise got if isinstance(got, Exception) else AssertionError(got)
 
     monkeypatch.setattr(live, "generate_hidden", generate)
@@ -154,33 +196,48 @@ def test_a_vllm_engine_that_dies_mid_call_ends_the_wait_in_one_line(monkeypatch)
     target._watch, target._dead = threading.Event(), threading.Event()
     threading.Thread(target=target._watch_engine, daemon=True).start()
     monkeypatch.setattr(live, "prompts_of", lambda _b: ([7], [[1, 2, 3]]))
-    threading.Timer(0.3, lambda: setattr(client.resources, "engine_dead", True)).start()
     with pytest.raises(DataError, match=r"target\.engine_wait: the vLLM engine failed: its engine core process exited"):
         target.engine_call(SimpleNamespace())
     target._watch.set()
 
 
-def test_a_folder_being_removed_counts_as_removed(tmp_path):
+class _Clock:
+    """`time` for spool_client: a clock that only its sleeps move; `at_sleep` runs at each."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, 0
+        self.at_sleep = lambda: None
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        self.at_sleep()
+
+
+def test_a_folder_being_removed_counts_as_removed(tmp_path, monkeypatch):
     """A removal deletes the folder's files before the folder: a request can vanish a moment
     before its folder does. The wait then says the folder is gone once it is (within a grace),
     and that the request vanished only where the folder stays."""
-    import threading
-
+    from dflash.targets import spool_client
     from dflash.targets.spool_client import SpoolTarget
 
+    clock = _Clock()
+    monkeypatch.setattr(spool_client, "time", clock)
     client = object.__new__(SpoolTarget)  # only its folder matters here
     client.spool = tmp_path / "spool"
     client.spool.mkdir()
     assert not client._removed(grace_s=0.05)  # a folder that stays: the request itself was lost
-    remover = threading.Timer(0.1, shutil.rmtree, (client.spool,))
-    remover.start()
-    try:
-        assert client._removed(grace_s=5.0)
-    finally:
-        remover.join()
+    assert clock.now > 0.05 and clock.sleeps > 1  # polled through the grace
+    clock.now, clock.sleeps = 0.0, 0
+    clock.at_sleep = lambda: shutil.rmtree(client.spool, ignore_errors=True)  # gone while the wait polls
+    assert client._removed(grace_s=5.0)
+    assert clock.sleeps == 1
 
 
-def test_an_answer_that_vanishes_with_its_folder_names_the_folder(tmp_path):
+def test_an_answer_that_vanishes_with_its_folder_names_the_folder(tmp_path, monkeypatch):
     """The run's read of an answer can come between the removal of the answer's file and that
     of its folder: the error then names the folder, as the wait does; an answer lost from a
     folder that stays is named itself."""
@@ -188,8 +245,10 @@ def test_an_answer_that_vanishes_with_its_folder_names_the_folder(tmp_path):
     import torch
 
     from dflash.errors import DataError
+    from dflash.targets import spool_client
     from dflash.targets.spool_client import SpoolTarget
 
+    monkeypatch.setattr(spool_client, "time", _Clock())  # the grace for the folder to go: no wait
     client = object.__new__(SpoolTarget)  # only its folder matters here
     client.spool = tmp_path / "spool"
     client.spool.mkdir()

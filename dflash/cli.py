@@ -414,7 +414,7 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
             warnings.simplefilter("always")
             prompts = load_prompts(cfg)  # before the model: a bad prompt file fails in a second
         for w in caught:
-            structlog.get_logger("dflash").info("warning", message=str(w.message))
+            structlog.get_logger("dflash").warning("warning", message=str(w.message))
         tokenizer = load_tokenizer(cfg.target, cfg.data.cache_dir)
         target = None if dev is None else load_target(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir)
         torch.manual_seed(cfg.regen.seed)

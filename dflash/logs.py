@@ -5,8 +5,9 @@ may configure structlog its own way, or subscribe to records with `Coordinator.s
 Every record, wherever it lands, is rendered by one processor chain (`render`): the same
 fields (`event`, `level`, `timestamp`, and `rank` where the run has ranks) on stdout, in the
 log file and in the run folder. A record's `level` is its severity, decided here by its event
-(`LEVELS`, `level_of`): `warning` for a skipped step and for every `warning` record (a dropped
-sample, a fallback), `error` for `run_failed`, `info` for the rest. A run's record is stamped
+(`LEVELS`, `level_of`): `warning` for a skipped step, for every `warning` record (a dropped
+sample, a fallback) and for an `eval` that was not lossless, `error` for `run_failed`, `info`
+for the rest. A run's record is stamped
 once (`stamp`: level and time) and rendered once: the line on stdout and the line in the run
 folder's `records.jsonl` (`RunLog`) are the same bytes. Every run also has `ProgressLine` (a bar
 on stderr when it is a terminal) among its record subscribers.
@@ -52,26 +53,35 @@ _SEVERITY = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50
 _METHOD_LEVEL = {"warn": "warning", "exception": "error", "fatal": "critical", "msg": "info", "log": "info"}
 
 
-def level_of(record: Mapping[str, Any]) -> str:
-    """The record's level: its own `level` where it has one (`Coordinator.emit(level=...)`),
-    else by its event (`LEVELS`; a skipped `train_step` is a warning)."""
-    given = record.get("level")
-    if given:
-        return str(given)
+def _by_event(record: Mapping[str, Any]) -> str | None:
+    """The level an event calls for (`LEVELS`; a skipped `train_step` and an `eval` whose
+    outputs were not the target's own are warnings); None for an event that calls for none."""
     event = record.get("event")
     if event == "train_step" and (record.get("skipped") or ("loss" in record and record["loss"] is None)):
         return "warning"
-    return LEVELS.get(str(event), "info")
+    if event == "eval" and record.get("lossless") is False:
+        return "warning"
+    return LEVELS.get(str(event))
+
+
+def level_of(record: Mapping[str, Any]) -> str:
+    """The record's level: its own `level` where it has one (`Coordinator.emit(level=...)`),
+    else by its event (`_by_event`), else `info`."""
+    given = record.get("level")
+    if given:
+        return str(given)
+    return _by_event(record) or "info"
 
 
 def _add_level(_: Any, method: str, event_dict: EventDict) -> EventDict:
-    """`level`: the record's own, else the severer of the event's (`level_of`) and the logging
-    method's (`.info("warning", ...)` is a warning; `.error("x")` an error)."""
+    """`level`: the record's own, else the severer of the event's (`_by_event`, where it calls
+    for one) and the logging method's (`.info("warning", ...)` is a warning; `.debug("x")` stays
+    debug; `.error("x")` an error)."""
     if not event_dict.get("level"):
         by_method = _METHOD_LEVEL.get(method, method)
-        by_event = level_of(event_dict)
+        by_event = _by_event(event_dict) or by_method
         severer = max(by_method, by_event, key=lambda lv: _SEVERITY.get(lv, 20))
-        event_dict["level"] = severer if severer in _SEVERITY else by_event
+        event_dict["level"] = severer if severer in _SEVERITY else level_of(event_dict)
     return event_dict
 
 

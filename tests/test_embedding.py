@@ -26,7 +26,6 @@ from dflash.runtime.profiler import Stage
 
 FAST = {"train.max_steps": 4, "eval.at_end": "false"}
 GRACE_S = 1.0  # a thread on its way out, joined for at most this long: a guard, not a wait
-BUSY_S = 2.5  # a worker still busy when the run fails: longer than the grace
 LOOP_POOL = "embedder-pool"  # the program's loop's own executor (asyncio.to_thread): the loop's threads, kept
 
 
@@ -157,15 +156,17 @@ def test_a_stop_mid_training_leaves_nothing(tiny_config):
 
 def test_a_failing_run_leaves_nothing(tiny_config, monkeypatch):
     """The drafter's stage fails while the target's worker is busy (a forward of a batch
-    ahead, BUSY_S long): the run raises StageError after its emergency checkpoint and
-    `run_failed`, and only once that worker is done and joined."""
-    drafting, busy = threading.Event(), threading.Event()
+    ahead, which ends only once `run_failed` is out): the run raises StageError after its
+    emergency checkpoint and `run_failed`, and only once that worker is done and joined."""
+    drafting, busy, failed, finished = threading.Event(), threading.Event(), threading.Event(), threading.Event()
     planted = faults.check
 
     def check(stage: str) -> None:  # in the stages' worker threads
         if stage == Stage.TARGET_FORWARD and drafting.is_set() and not busy.is_set():
             busy.set()
-            threading.Event().wait(BUSY_S)  # the forward's work, going on after the failure
+            if not failed.wait(60):  # the forward's work, going on after the failure (60 s: a hang guard)
+                raise AssertionError("the run never wrote run_failed")
+            finished.set()
         if stage == Stage.DRAFTER_FORWARD:
             drafting.set()
             if not busy.wait(60):
@@ -176,9 +177,15 @@ def test_a_failing_run_leaves_nothing(tiny_config, monkeypatch):
     monkeypatch.setattr(faults, "check", check)
     records: list[dict] = []
     cfg = tiny_config(**{"train.epochs": 50, "checkpoint.every_steps": 1, "eval.at_end": "false"})
-    summary, error = _embedded(cfg, lambda c: c.subscribe(records.append))
+
+    def watch(coord: Coordinator) -> None:
+        coord.subscribe(records.append)
+        coord.subscribe(lambda r: failed.set() if r["event"] == "run_failed" else None)
+
+    summary, error = _embedded(cfg, watch)
     assert summary is None and isinstance(error, StageError) and "injected fault" in str(error)
     assert records[-1]["event"] == "run_failed" and records[-1]["stage"] == "drafter.forward[0]"
+    assert finished.is_set()  # the busy worker ended after run_failed, and before run() returned
 
 
 def test_targets_made_before_a_failed_set_up_are_closed(tiny_config, monkeypatch):

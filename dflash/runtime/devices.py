@@ -431,3 +431,12 @@ class Device:
 
     def close(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)
+
+    def join(self, timeout_s: float) -> list[str]:
+        """After `close(False)`: the worker thread waited for (its call in hand ends it) for at
+        most `timeout_s`; the names of the threads still running then (a call that hangs)."""
+        deadline = time.monotonic() + timeout_s
+        threads = list(getattr(self._executor, "_threads", ()))
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]

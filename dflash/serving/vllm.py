@@ -35,14 +35,12 @@ __all__ = ["CPU_HEAD_DIMS", "EngineRun", "decode", "problem", "serve_command", "
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-
 def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) -> str:
     """The vLLM server command for the target with this drafter."""
     import json
 
     conf = json.dumps(speculative_config(drafter, spec), separators=(",", ":"))
     return f"vllm serve {target} --speculative-config '{conf}'"
-
 
 
 def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None:
@@ -68,7 +66,6 @@ def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None
     return None
 
 
-
 def _counters(metrics: Iterable[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in metrics:
@@ -76,7 +73,6 @@ def _counters(metrics: Iterable[Any]) -> dict[str, Any]:
         if name.startswith("vllm:spec_decode"):
             out[name] = getattr(m, "values", None) or getattr(m, "value", 0)
     return out
-
 
 
 def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +86,6 @@ def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = value - (was if isinstance(was, int | float) else 0)
     return out
-
 
 
 def _generate(llm: Any, params: Any, prompts: Sequence[list[int]], counted: bool) -> EngineRun:
@@ -113,7 +108,6 @@ def _generate(llm: Any, params: Any, prompts: Sequence[list[int]], counted: bool
         per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos")
         run.accepted_per_pos = [int(v) for v in per_pos] if isinstance(per_pos, list) else None
     return run
-
 
 
 def decode(

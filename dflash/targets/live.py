@@ -127,7 +127,8 @@ class EngineTarget:
         self._lock = threading.Lock()  # one call at a time: vLLM's offline engine is not re-entrant
         self._llm = start_engine(folder, meta, self.spool, settings, cfg.data.max_seq_len + 8)
         self._watch, self._dead = threading.Event(), threading.Event()
-        threading.Thread(target=self._watch_engine, name="dflash-engine-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch_engine, name="dflash-engine-watch", daemon=True)
+        self._watcher.start()
 
     def _watch_engine(self) -> None:
         watch_engine(self._llm, self._dead, self._watch)
@@ -186,6 +187,7 @@ class EngineTarget:
     def close(self) -> None:
         """The engine's process ended now (not at interpreter exit); a temporary spool removed."""
         self._watch.set()
+        self._watcher.join()  # at most its 0.5 s poll
         llm, self._llm = self._llm, None
         if llm is not None:
             shut_down(llm)

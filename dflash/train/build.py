@@ -488,25 +488,35 @@ def _closed_on_failure(targets: list[TargetInfo]) -> Iterator[None]:
 
 def _targets(cfg: Config, devices: list[torch.device], loss: LossSpec) -> list[TargetInfo]:
     """One target per chain (`target.load = "head"`: its embeddings and LM head only). With
-    target labels or distillation, their forwards also give their top-k next-token logits."""
+    target labels or distillation, their forwards also give their top-k next-token logits.
+    An engine started for one chain is closed again when a later one, or a check, fails."""
     load = load_target_head if cfg.target.load == "head" else load_target
-    targets = [load(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
-    if cfg.target.engine == "vllm":  # the decoder layers in a live vLLM engine, started now
+    loaded = [load(cfg.target, dev, cfg.drafter.num_layers, cfg.data.cache_dir) for dev in devices]
+    targets: list[TargetInfo] = []
+    with _closed_on_failure(targets):
+        for t in loaded:
+            targets.append(_with_engine(cfg, t))
+            targets[-1].teacher_topk = loss.teacher_topk
+        if loss.distill > 0 and targets[0].logit_transform:
+            how = ", ".join(targets[0].logit_transform)
+            msg = f"loss.distill: the target transforms its logits ({how}): not supported yet"
+            raise ConfigError(msg)
+        _phase_done()
+    return targets
+
+
+def _with_engine(cfg: Config, target: TargetInfo) -> TargetInfo:
+    """The target as the chain runs it: its decoder layers in a live vLLM engine started now
+    (`target.engine = "vllm"`), in a `dflash serve-target` elsewhere ("remote"), or its own."""
+    if cfg.target.engine == "vllm":
         from dflash.targets.live import EngineTarget
 
-        targets = [EngineTarget(t, cfg) for t in targets]
-    elif cfg.target.engine == "remote":  # the decoder layers in a `dflash serve-target` elsewhere
+        return EngineTarget(target, cfg)
+    if cfg.target.engine == "remote":
         from dflash.targets.spool_client import SpoolTarget
 
-        targets = [SpoolTarget(t, cfg) for t in targets]
-    for tgt in targets:
-        tgt.teacher_topk = loss.teacher_topk
-    if loss.distill > 0 and targets[0].logit_transform:
-        how = ", ".join(targets[0].logit_transform)
-        msg = f"loss.distill: the target transforms its logits ({how}): not supported yet"
-        raise ConfigError(msg)
-    _phase_done()
-    return targets
+        return SpoolTarget(target, cfg)
+    return target
 
 
 def _check_head_only(cfg: Config, loss: LossSpec, wants_eval: bool) -> None:

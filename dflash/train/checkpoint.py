@@ -326,9 +326,10 @@ class Checkpointer:
         await self.write(snap)
 
     def emergency(self, progress: Any) -> Path | None:
-        """After a crash, once every worker has stopped: write the state after the last
-        finished step (applied or skipped), unless an update was in progress (weights and
-        optimizer state may disagree then: nothing is written) or it is written already."""
+        """After a crash, once the optimizer's worker has stopped (no update in flight): write
+        the state after the last finished step (applied or skipped), unless an update was in
+        progress (weights and optimizer state may disagree then: nothing is written) or it is
+        written already."""
         if not self.writer or progress.updating or progress.step <= max(self.last_step, self.start_step):
             return None
         if self.replica.device.type == "cuda":  # sync point: the last update's kernels must be done

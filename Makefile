@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (Python 3.11, no GPU needed):
 #   make demo   - set up, then train a drafter on the embedded default
-#   make test   - set up .venv, then run the test suite (2 processes) while .venv-engines (vLLM) and llama.cpp are made, once each
+#   make test   - set up .venv, then run the test suite (2 processes) while .venv-engines (vLLM) and llama.cpp are made, once
 # Set-up creates .venv. Where that venv can import no torch, it installs torch==2.13.0
 # (a CPU build on these machines). To use a CUDA torch you already have, create the venv
 # over your site-packages first:  make VENV_FLAGS=--system-site-packages test
@@ -183,38 +183,33 @@ $(LLAMACPP_SHARED)/.server-built:
 		true; done
 
 # The tests start once .venv is ready. What only some of them need is made meanwhile, in the
-# background, at a lower priority than the tests (nice), as two independent chains, each logged
-# to its own file: `engines` (.test-setup.engines.log) makes .venv-engines (vLLM: mostly downloads
-# and unpacking), then installs dflash and speculators into it once .venv is there; `llamacpp`
-# (.test-setup.llamacpp.log) builds llama.cpp (the machine's first time, the longest part: both
-# cores for 4-6 min; later, only the clone's link), then installs sentencepiece into .venv for its
-# converter. The tests that need a chain (marked `engines` or `llamacpp`) run last, the vLLM ones
-# first (collection order: --no-loadscope-reorder), each waiting for its own chain only, so the
-# vLLM tests run while llama.cpp still builds; each chain's exit status goes to
-# .test-setup.<chain>.status, and a chain that failed fails `make test` with its log's end; an
-# interrupted `make test` stops both. The tests run in TEST_WORKERS processes, each taking whole
-# test files (pytest-xdist --dist loadfile: a file's fixtures are made once; a fixture of
+# background, logged to .test-setup.log: llama.cpp's build (the machine's first time, the longest
+# part: both cores for 4-6 min; later, only the clone's link) and .venv-engines (mostly downloads
+# and unpacking), then dflash and speculators into .venv-engines and sentencepiece into .venv once
+# both venvs are there, at a lower priority than the tests (nice). The tests that need it (marked
+# `engines`) run last (in collection order: --no-loadscope-reorder) and wait for it; its exit
+# status goes to .test-setup.status, and a set-up that failed fails `make test` with its log's end;
+# an interrupted `make test` stops it too. The tests run in TEST_WORKERS processes, each taking
+# whole test files (pytest-xdist --dist loadfile: a file's fixtures are made once; a fixture of
 # conftest.py is made in each process that uses it), and the 15 slowest are named at the end.
 # TEST_ARGS go to pytest (make test TEST_ARGS="-k gguf").
 TEST_WORKERS ?= 2
 TEST_ARGS ?=
 TEST_SETUP := .test-setup
 test:
-	@rm -f $(TEST_SETUP).*; : > $(TEST_SETUP).engines.log; : > $(TEST_SETUP).llamacpp.log; \
+	@rm -f $(TEST_SETUP).first $(TEST_SETUP).status; : > $(TEST_SETUP).log; \
 	trap 'trap - INT TERM; kill 0 2>/dev/null' INT TERM; \
-	step() { nice -n 10 $(MAKE) --no-print-directory $$3 >> $(TEST_SETUP).$$1.log 2>&1; echo $$? > $(TEST_SETUP).$$1.$$2.tmp \
-		&& mv $(TEST_SETUP).$$1.$$2.tmp $(TEST_SETUP).$$1.$$2; }; \
-	after() { while [ ! -f $(TEST_SETUP).$$1.first ]; do sleep 1; done; \
-		if [ "$$(cat $(TEST_SETUP).$$1.first)" = 0 ]; then step $$1 status $$2; else cp $(TEST_SETUP).$$1.first $(TEST_SETUP).$$1.status; fi; }; \
-	step engines first $(VLLM_STAMP) & step llamacpp first $(LLAMACPP_BUILT) & \
+	{ nice -n 10 $(MAKE) --no-print-directory -j2 $(LLAMACPP_BUILT) $(VLLM_STAMP) >> $(TEST_SETUP).log 2>&1; \
+	  echo $$? > $(TEST_SETUP).first.tmp && mv $(TEST_SETUP).first.tmp $(TEST_SETUP).first; } & \
 	$(MAKE) --no-print-directory $(STAMP) || { echo "make test: .venv's set-up failed (above); waiting for the background set-up to stop" >&2; wait; exit 1; }; \
-	after engines $(ENGINES_STAMP) & after llamacpp $(LLAMACPP_STAMP) & \
-	echo "set-up: .venv-engines and llama.cpp go on beside the tests (logs: $(TEST_SETUP).engines.log, $(TEST_SETUP).llamacpp.log); the tests that need them run last"; \
-	DFLASH_TESTS_SETUP=$(CURDIR)/$(TEST_SETUP) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	{ while [ ! -f $(TEST_SETUP).first ]; do sleep 1; done; s=$$(cat $(TEST_SETUP).first); \
+	  if [ "$$s" = 0 ]; then nice -n 10 $(MAKE) --no-print-directory $(ENGINES_STAMP) $(LLAMACPP_STAMP) >> $(TEST_SETUP).log 2>&1; s=$$?; fi; \
+	  echo $$s > $(TEST_SETUP).status.tmp && mv $(TEST_SETUP).status.tmp $(TEST_SETUP).status; } & \
+	echo "set-up: llama.cpp and .venv-engines go on beside the tests (log: $(TEST_SETUP).log); the tests that need them run last"; \
+	DFLASH_TESTS_SETUP=$(CURDIR)/$(TEST_SETUP).status $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=15 $(TEST_ARGS); rc=$$?; \
-	wait; for c in engines llamacpp; do s=$$(cat $(TEST_SETUP).$$c.status 2>/dev/null || echo none); \
-		if [ "$$s" != 0 ]; then tail -n 30 $(TEST_SETUP).$$c.log >&2; \
-		echo "make test: the set-up of $$c failed (exit status $$s; log: $(TEST_SETUP).$$c.log)" >&2; rc=1; fi; done; \
+	wait; s=$$(cat $(TEST_SETUP).status 2>/dev/null || echo none); \
+	if [ "$$s" != 0 ]; then tail -n 30 $(TEST_SETUP).log >&2; echo "make test: the set-up of llama.cpp and .venv-engines failed (exit status $$s; log: $(TEST_SETUP).log)" >&2; exit 1; fi; \
 	exit $$rc
 
 lint: $(STAMP)

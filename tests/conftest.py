@@ -39,59 +39,46 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # `make test` starts the tests once .venv is ready and makes what only some of them need
-# meanwhile, in the background, as two chains: `engines` (.venv-engines with vLLM and
-# speculators) and `llamacpp` (llama.cpp's build and its converter's needs). Each chain writes
-# its exit status to `<DFLASH_TESTS_SETUP>.<chain>.status` once it is done. The tests marked with
-# a chain run last, the `engines` ones first (below), and each waits for its own chain only,
-# outside its time limit.
-SETUP_PREFIX = os.environ.get("DFLASH_TESTS_SETUP")
-SETUP_CHAINS = ("engines", "llamacpp")  # in the order their tests run
+# (llama.cpp's build, .venv-engines with vLLM and speculators) meanwhile, in the background; this
+# file then holds that set-up's exit status once it is done. The tests marked `engines` run last
+# (below) and wait for it first, outside their time limit.
+SETUP_STATUS = os.environ.get("DFLASH_TESTS_SETUP")
 SETUP_WAIT_S = 3600  # far above a first build on a slow machine: only a hung set-up
 
 
-def _chain(item: pytest.Item) -> str | None:
-    """The background set-up a test needs (its marker), None for none."""
-    return next((c for c in SETUP_CHAINS if item.get_closest_marker(c) is not None), None)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that need the background set-up last, by chain (a stable sort: whole files, as
-    the markers mark files), so that by the time a worker reaches them their chain is mostly done."""
-    items.sort(key=lambda item: 0 if _chain(item) is None else 1 + SETUP_CHAINS.index(_chain(item)))
+    """The tests that need the background set-up last (a stable sort: whole files, as `engines`
+    marks files), so that by the time a worker reaches them it is mostly done."""
+    items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
 
 
 _setup_deadline: float | None = None  # one wait for the whole test run, not one per test
 
 
-def _status(chain: str) -> Path:
-    return Path(f"{SETUP_PREFIX}.{chain}.status")
-
-
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Before pytest-timeout starts the test's clock: the wait for the test's background chain
+    """Before pytest-timeout starts the test's clock: the wait for the background set-up
     (the Makefile writes its status whole, by a rename)."""
     global _setup_deadline
-    chain = _chain(item)
-    if SETUP_PREFIX and chain is not None:
+    if SETUP_STATUS and item.get_closest_marker("engines") is not None:
         if _setup_deadline is None:
             _setup_deadline = time.monotonic() + SETUP_WAIT_S
-        while not _status(chain).exists() and time.monotonic() < _setup_deadline:
+        while not Path(SETUP_STATUS).exists() and time.monotonic() < _setup_deadline:
             time.sleep(1.0)
     yield
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test whose background chain failed fails in one line, before any of its fixtures is made."""
-    chain = _chain(item)
-    if not SETUP_PREFIX or chain is None:
+    """A test marked `engines` fails in one line where the background set-up failed, before
+    any of its fixtures is made."""
+    if not SETUP_STATUS or item.get_closest_marker("engines") is None:
         return
-    status = _status(chain)
+    status = Path(SETUP_STATUS)
     code = status.read_text().strip() if status.exists() else f"none after {SETUP_WAIT_S} s"
     if code != "0":
-        log = Path(f"{SETUP_PREFIX}.{chain}.log")
-        pytest.fail(f"make test's set-up of {chain} failed (exit status {code}): see {log}")
+        log = status.with_suffix(".log")
+        pytest.fail(f"make test's set-up of llama.cpp and .venv-engines failed (exit status {code}): see {log}")
 
 
 @pytest.fixture(autouse=True)

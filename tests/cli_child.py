@@ -5,7 +5,8 @@ hundred calls a suite). The child is what `bin/dflash` would be: its own pid, ex
 environment, working directory, stdin, stdout and stderr (files, or pipes: `Fd`), `PYTHONPATH` with the
 checkout first, `dflash.cli.entry` as the program. What it cannot be is a process that
 imports a module for the first time with its own environment: a test of that runs `bin/dflash`
-itself (`conftest.dflash(..., fresh=True)`)."""
+itself (`conftest.dflash(..., fresh=True)`). `run_code` is `python -c CODE ARGS` forked the
+same way, `run_script` `python SCRIPT ARGS`."""
 
 from __future__ import annotations
 
@@ -50,6 +51,37 @@ def run_cli(
     """The child's body: `dflash ARGV`, its standard streams from and to these files (a path)
     or pipes (a descriptor, `Fd` in the parent); exits with the CLI's status as an interpreter
     would: its non-daemon threads joined, then its atexit handlers run."""
+    _as_process(env, cwd, stdin, stdout, stderr)
+    sys.argv = ["dflash", *argv]
+    _exit_as_interpreter(dflash.cli.entry)
+
+
+def run_code(
+    argv: list[str], env: dict[str, str], cwd: str, stdin: str | int, stdout: str | int, stderr: str | int
+) -> None:
+    """`python -c CODE ARGS` as `run_cli` runs `dflash`: ARGV is [CODE, *ARGS]; the code runs
+    as `__main__` with sys.argv ["-c", *ARGS], and the child exits as an interpreter would."""
+    _as_process(env, cwd, stdin, stdout, stderr)
+    code, *args = argv
+    sys.argv = ["-c", *args]
+    _exit_as_interpreter(lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}))
+
+
+def run_script(
+    argv: list[str], env: dict[str, str], cwd: str, stdin: str | int, stdout: str | int, stderr: str | int
+) -> None:
+    """`python SCRIPT ARGS` as `run_cli` runs `dflash`: ARGV is [SCRIPT, *ARGS]; the script runs
+    as `__main__` with sys.argv [SCRIPT, *ARGS] and its folder first on sys.path."""
+    import runpy
+
+    _as_process(env, cwd, stdin, stdout, stderr)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    _exit_as_interpreter(lambda: runpy.run_path(argv[0], run_name="__main__"))
+
+
+def _as_process(env: dict[str, str], cwd: str, stdin: str | int, stdout: str | int, stderr: str | int) -> None:
+    """The environment, working directory and standard streams of the process the child stands for."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -58,10 +90,15 @@ def run_cli(
         os.dup2(f, fd)
         os.close(f)
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # multiprocessing put /dev/null there  # noqa: SIM115
-    sys.argv = ["dflash", *argv]
+
+
+def _exit_as_interpreter(main: Any) -> None:
+    """Run `main`, then exit with its status as an interpreter would: a SystemExit's code (a
+    string printed to stderr, status 1), a traceback and status 1 for any other exception;
+    non-daemon threads joined, then the atexit handlers run."""
     code = 0
     try:
-        dflash.cli.entry()
+        main()
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)

@@ -182,6 +182,13 @@ def _server() -> Any:
     return _cli_server
 
 
+def forked_context() -> Any:
+    """The multiprocessing context whose server has imported torch, transformers and dflash
+    (started once): its `Process` forks a test's own child body (a module-level function) from
+    that server, with no imports of its own to make."""
+    return _server()
+
+
 def _forked_cli(
     args: list[str], env: dict[str, str], input: str | None, timeout: float
 ) -> subprocess.CompletedProcess[str]:
@@ -208,11 +215,12 @@ def _forked_cli(
 class ForkedPopen:
     """`subprocess.Popen(cmd, text=True, ...)` of `bin/dflash ARGS` (or `python -m dflash
     ARGS`), the process forked from the server as `dflash()` forks it, for the tests that
-    signal a run or read its output as it comes: stdout and stderr pipes (or /dev/null, or the
-    test's own), stdin a pipe for `communicate`'s input, else /dev/null; pid, poll, wait,
-    communicate, send_signal, terminate, kill and returncode as Popen's (a signal's end: minus
-    its number). `child`: the child's body instead of `cli_child.run_cli` (called with its
-    arguments; a module-level function or a partial of one, as the server imports it)."""
+    signal a run or read its output as it comes: stdout and stderr pipes (or /dev/null, the
+    test's own, or an open file of the caller's), stdin a pipe for `communicate`'s input,
+    else /dev/null; pid, poll, wait, communicate, send_signal, terminate, kill and returncode
+    as Popen's (a signal's end: minus its number). `child`: the child's body instead of
+    `cli_child.run_cli` (called with its arguments; a module-level function or a partial of
+    one, as the server imports it)."""
 
     def __init__(
         self, cmd: list[str], args: list[str], env: dict[str, str], cwd: Path | str, stdout: Any, stderr: Any,
@@ -238,8 +246,11 @@ class ForkedPopen:
             elif how is None:
                 setattr(self, name, None)
                 ends[name] = cli_child.Fd(1 if name == "stdout" else 2)
+            elif hasattr(how, "fileno"):  # a file of the caller's, written by the child directly
+                setattr(self, name, None)
+                ends[name] = cli_child.Fd(how.fileno())
             else:
-                raise ValueError(f"ForkedPopen: {name}={how!r} (PIPE, DEVNULL or None)")
+                raise ValueError(f"ForkedPopen: {name}={how!r} (PIPE, DEVNULL, None or a file)")
         env = {**env, "PYTHONPATH": _root_first(env.get("PYTHONPATH"))}  # as bin/dflash
         self._proc = _server().Process(
             target=child or cli_child.run_cli,
@@ -312,14 +323,20 @@ class ForkedPopen:
 
 
 def popen_cli(cmd: list[str], fresh: bool = False, **kwargs: Any) -> Any:
-    """`subprocess.Popen(cmd, text=True, cwd=ROOT, **kwargs)`, or, for `bin/dflash ARGS` and
-    `python -m dflash ARGS` with pipes, /dev/null or the test's streams (unless `fresh` or
-    DFLASH_TESTS_FRESH_CLI=1), a `ForkedPopen` of it: no new interpreter importing torch."""
+    """`subprocess.Popen(cmd, text=True, cwd=ROOT, **kwargs)`, or, for `bin/dflash ARGS`,
+    `python -m dflash ARGS` and `python -c CODE ARGS` with pipes, /dev/null or the test's
+    streams (unless `fresh` or DFLASH_TESTS_FRESH_CLI=1), a `ForkedPopen` of it: no new
+    interpreter importing torch."""
     kwargs = {"cwd": ROOT, **kwargs}
+    child = None
     if cmd[:1] == [str(DFLASH)]:
         args = cmd[1:]
     elif cmd[:3] == [sys.executable, "-m", "dflash"]:
         args = cmd[3:]
+    elif cmd[:2] == [sys.executable, "-c"] and len(cmd) > 2:
+        from tests import cli_child
+
+        args, child = cmd[2:], cli_child.run_code
     else:
         args = None
     forkable = set(kwargs) <= {"cwd", "env", "stdout", "stderr"} and all(
@@ -329,7 +346,7 @@ def popen_cli(cmd: list[str], fresh: bool = False, **kwargs: Any) -> Any:
         return subprocess.Popen(cmd, text=True, **kwargs)
     env = kwargs.get("env")
     proc = ForkedPopen(cmd, args, dict(os.environ if env is None else env), kwargs["cwd"],
-                       kwargs.get("stdout"), kwargs.get("stderr"))  # fmt: skip
+                       kwargs.get("stdout"), kwargs.get("stderr"), child=child)  # fmt: skip
     if not _forked:  # before multiprocessing's own exit handler, which would wait for them
         import atexit
 

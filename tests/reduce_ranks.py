@@ -1,7 +1,7 @@
 """Drafter replicas with known gradients and contributions for the reduce tests
 (tests/test_devices.py), and the body of one rank of a real two-process gloo group over them
-(started with torch.multiprocessing's spawn: a module-level function that a fresh process
-can import)."""
+(a module-level function: the test forks each rank from the tests' server, which imports
+this module to find it)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,15 @@ def rank_main(rank: int, size: int, init: str, out: str) -> None:
     finally:
         device.close()
         world.close(clean=True)
+
+
+def rank_main_reporting(rank: int, size: int, init: str, out: str) -> None:
+    """`rank_main`, its traceback written to `out`/rank{rank}.err on a failure (exit 1), for the
+    parent to show: a forked rank's stderr is its server's."""
+    import traceback
+
+    try:
+        rank_main(rank, size, init, out)
+    except BaseException:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1) from None

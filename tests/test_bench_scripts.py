@@ -200,16 +200,36 @@ def test_orchestration_bench_measures_a_point(tmp_path: Path, monkeypatch: pytes
 
 
 @pytest.mark.slow
-def test_allreduce_bench_quick(tmp_path: Path) -> None:
+def test_allreduce_bench_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """bench/allreduce.py --quick: two gloo processes time World.all_reduce over the tiny and
     demo drafters' trainable parameter shapes (counted on the meta device); the sums come
-    out right, and a gradient over --max-bytes is measured over a prefix and extrapolated."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "allreduce.py"), "--quick", "--max-bytes", "16000000"],
-        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    out right, and a gradient over --max-bytes is measured over a prefix and extrapolated.
+    The script's main() runs here, its command line in sys.argv; its two worker processes
+    (`python bench/allreduce.py --worker ...`, started by its own `spawn`) are forked from
+    the tests' server (conftest.ForkedPopen), not new interpreters."""
+    from tests import cli_child
+    from tests.conftest import ForkedPopen
+
+    script = ROOT / "bench" / "allreduce.py"
+    spec = importlib.util.spec_from_file_location("allreduce", script)
+    assert spec is not None and spec.loader is not None
+    allreduce = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(allreduce)
+    workers: list[list[str]] = []
+
+    def forked(cmd: list[str], stdout: Any, stderr: Any, env: dict[str, str], cwd: Path) -> ForkedPopen:
+        assert cmd[:3] == [sys.executable, str(script), "--worker"], cmd
+        workers.append(cmd)
+        return ForkedPopen(cmd, cmd[1:], env, cwd, stdout, stderr, child=cli_child.run_script)
+
+    popen = SimpleNamespace(Popen=forked, TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr(allreduce, "subprocess", popen)
+    monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--max-bytes", "16000000"])
+    monkeypatch.chdir(tmp_path)
+    allreduce.main()
+    out = capsys.readouterr().out
+    assert len(workers) == 2
+    last = json.loads(out.strip().splitlines()[-1])
     assert last["bench"] == "allreduce" and last["procs"] == 2 and last["runs"] == []
     tiny, demo = last["allreduce"]
     assert (tiny["case"], tiny["params"], demo["case"], demo["params"]) == ("tiny", 41_248, "demo", 3_873_152)
@@ -219,19 +239,37 @@ def test_allreduce_bench_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ablation_script_trains_variants_and_writes_a_table(tmp_path: Path) -> None:
+def test_ablation_script_trains_variants_and_writes_a_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """bench/ablation.py on the tiny config: two variants, a few steps each, one markdown row
     per variant and the JSON line. Each variant's run is its own (the wsd schedule ends at
     another loss than the cosine one) and its end-of-run eval measured a drafter that
-    learned something (τ above 1; an untrained one's is ≈ 1.00), losslessly."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "ablation.py"), "--config", str(ROOT / "configs" / "tiny.toml"),
-         "--variants", "baseline,wsd", "--steps", "4", "--mtbench", "0",
-         "--set", f"run.output_dir='{tmp_path}'", "--set", "data.num_samples=32", "--set", "eval.max_new_tokens=8"],
-        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
+    learned something (τ above 1; an untrained one's is ≈ 1.00), losslessly. The script's
+    main() runs here, its command line in sys.argv; each variant's `bin/dflash run` is a
+    real process, forked from the tests' server (`conftest.dflash`), not a new interpreter."""
+    from tests.conftest import dflash
+
+    spec = importlib.util.spec_from_file_location("ablation", ROOT / "bench" / "ablation.py")
+    assert spec is not None and spec.loader is not None
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    calls: list[tuple[str, ...]] = []
+
+    def forked(*args: str) -> subprocess.CompletedProcess[str]:
+        calls.append(args)
+        return dflash(*args)
+
+    monkeypatch.setattr(ablation, "_dflash", forked)
+    monkeypatch.setattr(sys, "argv", [
+        "ablation.py", "--config", str(ROOT / "configs" / "tiny.toml"), "--variants", "baseline,wsd",
+        "--steps", "4", "--mtbench", "0",
+        "--set", f"run.output_dir='{tmp_path}'", "--set", "data.num_samples=32", "--set", "eval.max_new_tokens=8",
+    ])  # fmt: skip
+    ablation.main()
+    out = capsys.readouterr().out
+    assert [c[0] for c in calls] == ["run", "run"]  # one run per variant, no eval (--mtbench 0)
+    lines = out.strip().splitlines()
     result = json.loads(lines[-1])
     rows = result["rows"]
     assert [r["variant"] for r in rows] == ["baseline", "wsd"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from dflash import CheckpointError, Coordinator, load_drafter
 from dflash.model.export import export_drafter
 from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
-from tests.conftest import CLI_TIMEOUT_S, ROOT, run_records
+from tests.conftest import CLI_TIMEOUT_S, ROOT, dflash, popen_cli, run_records
 
 # prepare_ahead (off by default on CPU) on: resume stays exact when a batch is taken early.
 COMMON = {
@@ -199,13 +198,15 @@ def test_kill_9_at_any_file_operation_of_checkpointing_leaves_a_readable_latest(
     """kill -9 just before each file-system call of three checkpoint writes (the folder, each
     file, the fsyncs, the rename, the third write's pruning of the first), one process per
     kill point: the latest complete checkpoint is the one before the write under way, or that
-    write's own once it is renamed into place, and it loads with the weights of its step."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _WRITER, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=CLI_TIMEOUT_S,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    count = json.loads(proc.stdout)
+    write's own once it is renamed into place, and it loads with the weights of its step.
+    (The writer is `python -c`, forked from the tests' server: conftest.popen_cli.)"""
+    proc = popen_cli([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    count = json.loads(out)
     ends = count["ends"]  # how many calls had been made at the end of each write
     assert len(ends) == 3 and 0 < ends[0] < ends[1] < ends[2] and count["saves"] == 2 * 3, count
     for k in range(1, ends[-1] + 1):
@@ -329,15 +330,15 @@ def test_crash_after_a_skipped_step_writes_an_emergency_checkpoint_that_resumes(
 
 @pytest.mark.slow
 def test_stage_fault_in_the_cli_exits_1_with_one_line_naming_the_stage(tmp_path):
-    """A real subprocess: an exception injected into a stage exits 1, with one stderr line
-    naming the stage and no traceback, and stdout ending in run_failed. (Every stage's fault
-    is covered in-process by test_pipeline.py; this pins what the CLI makes of one.)"""
+    """A real subprocess (`bin/dflash` forked from the tests' server: conftest.dflash): an
+    exception injected into a stage exits 1, with one stderr line naming the stage and no
+    traceback, and stdout ending in run_failed. (Every stage's fault is covered in-process by
+    test_pipeline.py; this pins what the CLI makes of one.)"""
     args = [
-        str(ROOT / "bin" / "dflash"), "run", str(ROOT / "configs" / "tiny.toml"),
+        "run", str(ROOT / "configs" / "tiny.toml"),
         "--set", f'run.output_dir="{tmp_path}"', "--set", "data.num_samples=32",
     ]  # fmt: skip
-    env = {**os.environ, "DFLASH_INJECT_FAULT": "target.pack_hidden@3"}
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S)
+    proc = dflash(*args, env={"DFLASH_INJECT_FAULT": "target.pack_hidden@3"})
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("dflash: error: stage target.pack_hidden[0] failed: InjectedFault"), proc.stderr

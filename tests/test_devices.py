@@ -174,23 +174,26 @@ def test_a_rank_without_data_still_all_reduces_a_whole_gradient(tmp_path):
     rank 1 has no data this step (leftover gradients in its replicas). `reduce_step` with the
     `World` gives both ranks the same step: rank 0's gradient sum (in several buckets), the
     global Σ w with the per-slot counts from the step's one host read, Σ loss and tallies."""
-    import torch.multiprocessing as mp
-
     from tests import reduce_ranks
-    from tests.conftest import CLI_TIMEOUT_S
+    from tests.conftest import CLI_TIMEOUT_S, forked_context
 
-    ctx = mp.start_processes(
-        reduce_ranks.rank_main, args=(2, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, join=False,
-        start_method="spawn",
-    )  # fmt: skip
+    init = f"file://{tmp_path / 'store'}"
+    procs = [forked_context().Process(target=reduce_ranks.rank_main_reporting, args=(r, 2, init, str(tmp_path)))
+             for r in (0, 1)]  # fmt: skip
     deadline = time.monotonic() + CLI_TIMEOUT_S
     try:
-        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # raises if a rank failed
-            assert time.monotonic() < deadline, "the ranks did not finish"  # a hang guard only
+        for proc in procs:
+            proc.start()
+        for proc in procs:  # the timeout is a hang guard only
+            proc.join(max(0.0, deadline - time.monotonic()))
     finally:
-        for proc in ctx.processes:
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
+                proc.join()
+    for r, proc in enumerate(procs):
+        err = tmp_path / f"rank{r}.err"
+        assert proc.exitcode == 0, f"rank {r}: exit {proc.exitcode}\n" + (err.read_text() if err.exists() else "")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     params = reduce_ranks.replicas(1)[0].params
     for got in ranks:

@@ -119,7 +119,7 @@ def _stop_on(event: str, when: Callable[[dict], bool] = lambda _: True) -> Calla
 
 def test_a_run_to_its_end_leaves_nothing(tiny_config):
     """To its end, export and end-of-run eval included; then `dflash.run`, the same (its own loop)."""
-    summary, error = _embedded(tiny_config(**{"train.max_steps": 4}))
+    summary, error = _embedded(tiny_config(**{"train.max_steps": 4, "eval.num_prompts": 1, "eval.max_new_tokens": 8}))
     assert error is None and summary is not None and summary["reason"] == "max_steps"
     cfg = tiny_config(**FAST, **{"run.name": '"again"'})
     before = Before()

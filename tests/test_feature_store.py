@@ -28,6 +28,7 @@ from dflash.features.files import (
     upgrade_folder,
     write_part,
 )
+from tests.conftest import popen_cli
 
 META = FeatureMeta("tiny", "float32", [1, 2], 6, True)
 
@@ -124,7 +125,7 @@ def test_a_kill_while_a_part_is_written_leaves_the_store_readable(tmp_path: Path
         while True:
             write_part(folder, 1, [Entry(torch.arange(8_000_000), big, torch.arange(8_000_000))], META)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    proc = popen_cli([sys.executable, "-c", child], stdout=subprocess.PIPE)  # forked from the tests' server
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 30

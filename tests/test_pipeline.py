@@ -19,6 +19,9 @@ from dflash.runtime.profiler import Stage
 from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
 from tests.conftest import run_records
 
+# The end-of-run eval, short, where a test asserts nothing of its figures: it still runs.
+SHORT_EVAL = {"eval.num_prompts": 1, "eval.max_new_tokens": 8}
+
 
 def _run(cfg) -> Coordinator:
     """Run to the end; the coordinator (for its replicas)."""
@@ -29,7 +32,7 @@ def _run(cfg) -> Coordinator:
 
 def test_loss_goes_down_and_records_are_complete(tiny_config):
     """A short tiny run lowers the loss, and emits run_start, train_step, profile, run_end."""
-    cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "optimizer.lr": 2e-2})
+    cfg = tiny_config(**{"data.num_samples": 128, "train.epochs": 2, "optimizer.lr": 2e-2, **SHORT_EVAL})
     records = run_records(cfg)
     events = [r["event"] for r in records]
     assert events[0] == "run_start" and events[-1] == "run_end"
@@ -57,6 +60,7 @@ def test_two_replicas_stay_bit_identical(tiny_config):
             "pipeline.drafter_devices": '["cpu", "cpu"]',
             "pipeline.target_devices": '["cpu", "cpu"]',
             "data.num_samples": 40,
+            **SHORT_EVAL,
         }
     )
     coord = _run(cfg)
@@ -136,7 +140,7 @@ def _chain_losses(tiny_config, chains: int, *extra: str) -> list[float]:
 
 def test_max_steps_stops_cleanly(tiny_config):
     """train.max_steps ends the run after that many steps, with reason max_steps."""
-    records = run_records(tiny_config(**{"train.max_steps": 3, "data.num_samples": 64}))
+    records = run_records(tiny_config(**{"train.max_steps": 3, "data.num_samples": 64, **SHORT_EVAL}))
     assert records[-1]["steps"] == 3
     assert records[-1]["event"] == "run_end" and records[-1]["reason"] == "max_steps"
 
@@ -262,7 +266,7 @@ def test_stop_ends_an_embedded_run_cleanly_and_its_loop_runs_no_tensor_work(tiny
 def test_no_stray_stdout_from_library(tiny_config, capfd):
     """With log=False the coordinator writes nothing to stdout (embedding programs own it);
     its records still land in the run folder's records.jsonl."""
-    cfg = tiny_config(**{"train.max_steps": 1})
+    cfg = tiny_config(**{"train.max_steps": 1, **SHORT_EVAL})
     _run(cfg)
     out, _ = capfd.readouterr()
     assert out == ""

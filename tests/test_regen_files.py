@@ -3,9 +3,10 @@ tiny local Hugging Face folder (random Qwen3 + word-level ChatML tokenizer): the
 output and held-out files, resume (torn tails included), determinism, training and eval on
 the regen output, and one-line errors for the usual mistakes.
 
-The CLI runs as real subprocesses of `bin/dflash` (HOME pointed into the tmp folder, so
-nothing can touch ~/.cache), started early and in parallel by `Cli`; regen's resume and
-determinism run in-process against the same model folder.
+The CLI runs as real subprocesses of `bin/dflash` (forked from the tests' server: see `Cli`;
+HOME pointed into the tmp folder, so that dflash's caches under ~ stay in it), started early
+and in parallel by `Cli`; regen's resume and determinism run in-process against the same
+model folder.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from dflash.config import Config, load_config
 from dflash.errors import ConfigError, DataError
 from dflash.regen import regenerate
-from tests.conftest import json_lines, run_records
+from tests.conftest import ForkedPopen, json_lines, run_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "bin" / "dflash"
@@ -193,24 +194,23 @@ def loaded(env: Env) -> tuple[Any, Any]:
 
 class Cli:
     """`bin/dflash` subprocesses, each started as soon as its inputs exist and collected when a
-    test needs it. Every start costs ~5 s of imports; on 2 cores overlapping them (and the
-    in-process tests) is what keeps this file near 40 s. cwd is the tmp folder, HOME is in it;
-    stdout/stderr go to files, so a run never stalls on a full pipe while nobody reads it."""
+    test needs it: forked from the tests' server, which has imported torch, transformers and
+    dflash already (`conftest.ForkedPopen`), so a start costs no imports, and they overlap the
+    in-process tests. cwd is the tmp folder, HOME is in it (dflash reads it when it expands
+    `~`); stdout/stderr go to files, so a run never stalls on a full pipe while nobody reads it."""
 
     def __init__(self, env: Env) -> None:
         self.env = env
         self.logs = env.root / "cli_logs"
         self.logs.mkdir(exist_ok=True)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, ForkedPopen] = {}
 
-    def start(self, name: str, *args: str, threads: int = 1) -> None:
+    def start(self, name: str, *args: str) -> None:
         drop = {"DFLASH_PROFILE_INTERVAL", "DFLASH_INJECT_FAULT", "DFLASH_DEBUG"}
         env_vars = {k: v for k, v in os.environ.items() if k not in drop}
-        env_vars.update(HOME=str(self.env.home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads))
+        env_vars.update(HOME=str(self.env.home), HF_HUB_OFFLINE="1")
         with (self.logs / f"{name}.out").open("wb") as out, (self.logs / f"{name}.err").open("wb") as err:
-            self.procs[name] = subprocess.Popen(
-                [str(DFLASH), *args], stdout=out, stderr=err, cwd=self.env.root, env=env_vars
-            )
+            self.procs[name] = ForkedPopen([str(DFLASH), *args], list(args), env_vars, self.env.root, out, err)
 
     def result(self, name: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         proc = self.procs[name]
@@ -282,8 +282,9 @@ def cli(env: Env):
 def regen_run(env: Env, cli: Cli) -> subprocess.CompletedProcess[str]:
     """`dflash regen` of the whole prompt set (the misuse runs that need nothing start with it);
     once it is done, the training run on its output starts in the background."""
-    # Same thread count as this process: test_greedy_regen_is_deterministic compares outputs.
-    cli.start("regen", "regen", str(env.config), "--set", 'run.name="main"', threads=torch.get_num_threads())
+    # The server's torch has this process's thread count (OMP_NUM_THREADS, conftest):
+    # test_greedy_regen_is_deterministic compares outputs.
+    cli.start("regen", "regen", str(env.config), "--set", 'run.name="main"')
     for name in ("tiny", "no_prompts", "no_data"):
         cli.start(name, *misuse_cases(env)[name][0])
     proc = cli.result("regen")

@@ -33,6 +33,7 @@ from dflash.data.prompts import load_prompts
 from dflash.errors import ConfigError, DFlashError
 from dflash.regen import regenerate, server
 from dflash.regen.server import ChatServer
+from tests.conftest import ForkedPopen
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,11 +276,15 @@ def test_an_unreachable_server_is_one_line_and_writes_nothing(env):
     url = f"http://127.0.0.1:{_closed_port()}"
     env_vars = {k: v for k, v in os.environ.items() if k not in {"DFLASH_DEBUG", "DFLASH_INJECT_FAULT"}}
     env_vars.update(HOME=str(env.root), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    args = [str(ROOT / "bin" / "dflash"), "regen", str(env.config), "--set", 'run.name="down"',
-            "--set", f'regen.server="{url}"']  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, env=env_vars, cwd=env.root, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    args = ["regen", str(env.config), "--set", 'run.name="down"', "--set", f'regen.server="{url}"']
+    pipe = subprocess.PIPE  # `bin/dflash`, forked from the tests' server (conftest.ForkedPopen)
+    proc = ForkedPopen([str(ROOT / "bin" / "dflash"), *args], args, env_vars, env.root, pipe, pipe)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, stderr
     assert lines[0].startswith(f"dflash: error: regen.server {url}: GET /v1/models: unreachable (")
     assert not env.cfg("down").run_dir.exists()
 

@@ -155,22 +155,25 @@ def test_a_stop_mid_training_leaves_nothing(tiny_config):
 
 
 def test_a_failing_run_leaves_nothing(tiny_config, monkeypatch):
-    """The drafter's stage fails while the target's worker is busy (a forward of a batch
-    ahead, which ends only once `run_failed` is out): the run raises StageError after its
-    emergency checkpoint and `run_failed`, and only once that worker is done and joined."""
+    """The drafter's stage fails while the target's worker is busy (its next piece of work once
+    the drafter holds a batch — a forward, pack or copy of a batch ahead, which the batch taken
+    from the queues makes room for — ends only once `run_failed` is out): the run raises
+    StageError after its emergency checkpoint and `run_failed`, and only once that worker is done
+    and joined."""
     drafting, busy, failed, finished = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    target_side = {Stage.TARGET_FORWARD, Stage.TARGET_PACK, Stage.TARGET_D2H}  # the target's worker
     planted = faults.check
 
     def check(stage: str) -> None:  # in the stages' worker threads
-        if stage == Stage.TARGET_FORWARD and drafting.is_set() and not busy.is_set():
+        if stage in target_side and drafting.is_set() and not busy.is_set():
             busy.set()
-            if not failed.wait(60):  # the forward's work, going on after the failure (60 s: a hang guard)
+            if not failed.wait(60):  # the work, going on after the failure (60 s: a hang guard)
                 raise AssertionError("the run never wrote run_failed")
             finished.set()
         if stage == Stage.DRAFTER_FORWARD:
             drafting.set()
             if not busy.wait(60):
-                raise AssertionError("the target made no forward while the drafter waited")
+                raise AssertionError("the target's worker did nothing while the drafter waited")
             raise faults.InjectedFault("injected fault in drafter.forward")
         planted(stage)
 

@@ -421,15 +421,16 @@ def regen(config: Path, overrides: tuple[str, ...]) -> None:
         stats = regenerate(cfg, target, tokenizer, prompts=prompts)
         structlog.get_logger("dflash").info("regen", **stats)
         logs.human(
-            f"dflash regen: {stats['generated']} replies written "
+            f"dflash regen: {stats['generated']} replies (turns) written "
             f"({_per_set(stats['generated_per_set'])}{stats['resumed_from']} already there), "
             f"{stats['tokens_per_s']} tok/s, {stats['wall_s']}s -> {stats['output']}"
             + (f" (+ features, {stats['features_mb']} MB)" if stats["features"] else "")
             + (f"; vLLM's start, {stats['engine_start_s']}s, not in tok/s" if stats.get("engine_start_s") else "")
-            + (f"; {stats['too_long']} prompts over regen.max_prompt_tokens skipped" if stats["too_long"] else "")
+            + (f"; {stats['too_long']} turns over regen.max_prompt_tokens / max_context_tokens skipped"
+               if stats["too_long"] else "")
             + (f"; {stats['refused']} prompts refused by the server skipped (warning records)"
                if stats.get("refused") else "")
-            + (f"; regen.max_minutes reached with {stats['unanswered']} prompts unanswered (a later regen "
+            + (f"; regen.max_minutes reached with {stats['unanswered']} turns unanswered (a later regen "
                "answers them)" if stats["unanswered"] else "")
         )  # fmt: skip
     except KeyboardInterrupt:

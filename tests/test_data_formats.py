@@ -234,6 +234,7 @@ def test_jsonl_messages_loads_every_record(word_tok: Any, tmp_path: Path) -> Non
         "skipped_invalid": 0,
         "truncated": 0,
         "dropped_overlong": 0,
+        "continued": 0,
         "samples": 4,
         "tokens": sum(s.input_ids.numel() for s in samples),
         "supervised_tokens": sum(int(s.loss_mask.sum()) for s in samples),

@@ -328,7 +328,7 @@ def test_regen_cli_writes_replies_and_disjoint_heldout(env: Env, regen_run: subp
     records = read_jsonl(out)
     assert out.read_bytes().endswith(b"\n")
     assert len(records) == NUM_TRAIN
-    assert all(set(r) == {"id", "messages"} for r in records)
+    assert all(set(r) == {"id", "turn", "messages"} and r["turn"] == 1 for r in records)
     assert sorted(r["id"] for r in records) == list(range(NUM_TRAIN))
     for r in records:
         *prompt, reply = r["messages"]
@@ -400,7 +400,7 @@ def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, 
     _, tokenizer = loaded
     cfg = env.cfg("cap", "regen.max_prompts=12")
     train = load_prompts(cfg).train
-    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True) for p in train]
+    ids = [tokenizer.apply_chat_template(p[0], add_generation_prompt=True, tokenize=True, return_dict=True) for p in train]
     lengths = [len(x["input_ids"]) for x in ids]
     cap = sorted(lengths)[len(lengths) // 2]
     keep = {i for i, n in enumerate(lengths) if n <= cap}
@@ -410,14 +410,13 @@ def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, 
     assert {r["id"] for r in read_jsonl(env.cfg("cap").regen_output)} == keep
 
 
-def test_regen_answers_several_prompt_sets_one_after_the_other(
-    env: Env, loaded: tuple[Any, Any], tmp_path: Path
-) -> None:
+def test_regen_answers_several_prompt_sets_interleaved(env: Env, loaded: tuple[Any, Any], tmp_path: Path) -> None:
     """`regen.prompts` as a list: the held-out prompts and the first set's training order are
     those of the first set alone; a second set (here a ShareGPT-style JSON array cut short)
-    follows, its repeats of earlier prompts and of itself dropped; max_prompts counts over
-    both; the stats count replies per set. A record without a reply is a prompt; one cut
-    short is an error unless data.skip_invalid (then counted in a warning)."""
+    is drawn interleaved with it (equal weights: turn about), its repeats of earlier prompts and
+    of itself dropped; max_prompts counts over both; the stats count replies per set. A record
+    without a reply is a prompt; one cut short is an error unless data.skip_invalid (then
+    counted in a warning)."""
     from dflash.data.prompts import load_prompts
 
     second = [
@@ -437,27 +436,26 @@ def test_regen_answers_several_prompt_sets_one_after_the_other(
         load_prompts(env.cfg("sets", both))
     with pytest.warns(UserWarning, match="skipped 1 invalid record"):
         two = load_prompts(env.cfg("sets", both, "data.skip_invalid=true"))
-    assert two.held == one.held and two.train[:NUM_TRAIN] == one.train
-    extra = sorted(p[0]["content"] for p in two.train[NUM_TRAIN:])
+    first = [t for t, src in zip(two.train, two.source, strict=True) if src == str(env.prompts)]
+    assert two.held == one.held and first == one.train
+    assert two.source[:8] == [str(env.prompts), str(arr)] * 4  # turn about, while the second set lasts
+    extra = sorted(t[0][0]["content"] for t, src in zip(two.train, two.source, strict=True) if src == str(arr))
     assert extra == ["hello there", "what is the blue sky", "what is the green sky", "what is the red sky"]
     assert [n for _, n in two.sets] == [NUM_TRAIN, 4]
 
     with pytest.warns(UserWarning, match="skipped 1 invalid record"):
-        stats = regen_in_process(
-            env, loaded, "sets", both, "data.skip_invalid=true", f"regen.max_prompts={NUM_TRAIN + 2}"
-        )
-    assert list(stats["generated_per_set"].values()) == [NUM_TRAIN, 2]
-    assert stats["prompts"] == NUM_TRAIN + 2
-    ids = [r["id"] for r in read_jsonl(env.cfg("sets").regen_output)]
-    assert sorted(ids[:NUM_TRAIN]) == list(range(NUM_TRAIN))  # the first set answered first, whole
+        stats = regen_in_process(env, loaded, "sets", both, "data.skip_invalid=true", "regen.max_prompts=6")
+    assert list(stats["generated_per_set"].values()) == [3, 3]
+    assert [s["prompts"] for s in stats["per_set"].values()] == [3, 3]
+    assert stats["prompts"] == 6
 
     # A first set with repeats: none of a held-out prompt's copies is trained on, every prompt once.
     twice = tmp_path / "twice.jsonl"
     twice.write_text("".join(json.dumps(c) + "\n" for c in _conversations() * 2), encoding="utf-8")
     dup = load_prompts(env.cfg("sets", f"regen.prompts={json.dumps(str(twice))}"))
-    keys = [_key(p) for p in dup.train]
-    assert len(set(keys)) == len(keys) == NUM_CONVERSATIONS - len({_key(p) for p in dup.held})
-    assert not set(keys) & {_key(p) for p in dup.held}
+    keys = [_key(p[0]) for p in dup.train]
+    assert len(set(keys)) == len(keys) == NUM_CONVERSATIONS - len({_key(p[0]) for p in dup.held})
+    assert not set(keys) & {_key(p[0]) for p in dup.held}
     with pytest.raises(ConfigError, match="named twice"):
         env.cfg("sets", f"regen.prompts=[{json.dumps(str(arr))}, {json.dumps(str(arr))}]")
 

@@ -203,16 +203,16 @@ def test_server_writes_the_replies_with_the_local_split_and_resumes(env, fake):
     assert stats["server"] == f"{MODEL} at {url}" and stats["target_dtype"] is None
     # the local loop's split: the held-out file, and every training prompt answered once
     held = [json.loads(line) for line in cfg.regen_heldout.read_text(encoding="utf-8").splitlines()]
-    assert held == [{"id": i, "messages": p} for i, p in enumerate(prompts.held)]
+    assert held == [{"id": i, "messages": p[0]} for i, p in enumerate(prompts.held)]
     assert sorted(r["id"] for r in records) == list(range(NUM_TRAIN))
     for r in records:
-        assert r["messages"][:-1] == prompts.train[r["id"]]
+        assert r["messages"][:-1] == prompts.train[r["id"]][0]
         assert r["messages"][-1] == {"role": "assistant", "content": f"sure {_last_user(r['messages'][:-1])}"}
     # what was asked: the first listed model, the prompt so far, regen's settings
     for body in state.bodies:
-        assert body["model"] == MODEL and body["messages"] in prompts.train
+        assert body["model"] == MODEL and [body["messages"]] in prompts.train
         assert (body["max_tokens"], body["temperature"], body["repetition_penalty"]) == (12, 0.0, 1.0)
-        assert body["seed"] == prompts.train.index(body["messages"])  # regen.seed (0) + the prompt's index
+        assert body["seed"] == prompts.train.index([body["messages"]])  # regen.seed (0) + the prompt's number
         assert "chat_template_kwargs" not in body
     assert stats["refused"] == stats["unanswered"] == 0
     assert stats["new_tokens"] == sum(
@@ -234,7 +234,7 @@ def test_server_options_reach_the_server(env, fake):
     assert stats["generated"] == 8 == len(state.bodies)  # max_prompts counts training prompts
     train = load_prompts(cfg).train
     for body in state.bodies:  # each prompt's seed: regen.seed + its index, whatever the requests in flight
-        assert (body["temperature"], body["seed"]) == (0.7, 5 + train.index(body["messages"]))
+        assert (body["temperature"], body["seed"]) == (0.7, 5 + train.index([body["messages"]]))
         assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert all(r["chat_template_kwargs"] == {"enable_thinking": False} for r in _records(cfg))
 
@@ -308,7 +308,7 @@ def test_a_prompt_the_server_refuses_is_skipped_with_a_warning(env, fake):
     state.refuse = "moon"
     cfg = env.cfg("refuse", f'regen.server="{url}"')
     train = load_prompts(cfg).train
-    moons = sorted(i for i, p in enumerate(train) if "moon" in _last_user(p))
+    moons = sorted(i for i, p in enumerate(train) if "moon" in _last_user(p[0]))
     assert 0 < len(moons) < NUM_TRAIN - 8
     with capture_logs() as logs:
         stats = regenerate(cfg, None, env.tokenizer, progress=False)
@@ -317,7 +317,7 @@ def test_a_prompt_the_server_refuses_is_skipped_with_a_warning(env, fake):
     assert sorted(w["prompt_id"] for w in warnings) == moons
     for w in warnings:
         i = w["prompt_id"]
-        assert f"prompt {i} ('{_last_user(train[i])}') skipped" in w["message"] and url in w["message"]
+        assert f"prompt {i} ('{_last_user(train[i][0])}') skipped" in w["message"] and url in w["message"]
         assert "refused, HTTP 400: This model's maximum context length is 16 tokens" in w["message"]
     assert sorted(r["id"] for r in _records(cfg)) == sorted(set(range(NUM_TRAIN)) - set(moons))
     state.refuse, asked = None, len(state.bodies)

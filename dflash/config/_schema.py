@@ -557,15 +557,41 @@ class ProfileConfig(_Section):
     )
 
 
+class PromptSource(_Section):
+    """A prompt set of regen.prompts with its share of the conversations answered."""
+
+    source: str = Field(min_length=1, description="a prompt set, as a plain entry of regen.prompts names it")
+    weight: float = Field(1.0, gt=0, description="its share, relative to the other sets' weights")
+
+
+def _source_name(entry: str | PromptSource) -> str:
+    return entry if isinstance(entry, str) else entry.source
+
+
+def _source_weight(entry: str | PromptSource) -> float:
+    return 1.0 if isinstance(entry, str) else entry.weight
+
+
 class RegenConfig(_Section):
     """`dflash regen`: the target writes the assistant turns (self-distillation)."""
 
-    prompts: str | list[str] = Field(
+    prompts: str | list[str | PromptSource] = Field(
         "chatterbot", description="'chatterbot' (the chatterbot-corpus package), or a chat file: JSONL, or any file "
-        "data.files reads (a JSON array such as ShareGPT's, parquet, pkg:PACKAGE/FILE), each conversation cut before "
-        "its first assistant turn; or a list of these: the held-out prompts come from the first, training answers "
-        "the first's prompts, then the next's (each in its own shuffled order; every prompt once, none held out), "
-        "as far as max_prompts and max_minutes go",
+        "data.files reads (a JSON array such as ShareGPT's, parquet, pkg:PACKAGE/FILE); or a list of these, each a "
+        "name or {source, weight} (a name alone: weight 1): the held-out prompts come from the first, training "
+        "draws the sets' conversations interleaved by weight (each set in its own shuffled order; every "
+        "conversation once, none held out), so that wherever max_prompts or max_minutes stops, each set has its "
+        "share",
+    )  # fmt: skip
+    turns: Literal["first", "all"] = Field(
+        "all", description="'all': every assistant turn of a conversation, in rounds by turn depth, each turn asked "
+        "with the target's own earlier replies in its context (system, user and tool messages as the source has "
+        "them); 'first': the first turn only",
+    )  # fmt: skip
+    max_context_tokens: int = Field(
+        0, ge=0, description="skip a later turn (2, 3, ...) whose prompt — the conversation so far with the chat "
+        "template — is longer than this many tokens, and the conversation's turns after it (they need its reply); "
+        "counted per set as turns_too_long (0 = none). The first turn's cap is max_prompt_tokens",
     )  # fmt: skip
     output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
     max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")
@@ -588,8 +614,8 @@ class RegenConfig(_Section):
 
     @field_validator("prompts")
     @classmethod
-    def _prompt_sources(cls, v: str | list[str]) -> str | list[str]:
-        names = [v] if isinstance(v, str) else v
+    def _prompt_sources(cls, v: str | list[str | PromptSource]) -> str | list[str | PromptSource]:
+        names = [v] if isinstance(v, str) else [n if isinstance(n, str) else n.source for n in v]
         if not names or any(not n.strip() for n in names):
             msg = "name at least one prompt set, none empty"
             raise ValueError(msg)
@@ -600,7 +626,11 @@ class RegenConfig(_Section):
 
     @property
     def prompt_sources(self) -> list[str]:
-        return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
+        return [self.prompts] if isinstance(self.prompts, str) else [_source_name(n) for n in self.prompts]
+
+    @property
+    def prompt_weights(self) -> list[float]:
+        return [1.0] if isinstance(self.prompts, str) else [_source_weight(n) for n in self.prompts]
 
     save_features: bool = Field(
         False, description="keep the target features computed while generating (a folder beside the output: "

@@ -8,12 +8,18 @@ template's scaffolding, so only what the assistant says is supervised.
 message i, the tokens between ``render(messages[:i], add_generation_prompt=True)`` and
 ``render(messages[:i+1])`` are supervised — the assistant's content and the template's
 end-of-turn text (ChatML: ``<|im_end|>`` and the newline after it), but not the
-``<|im_start|>assistant\\n`` header. This is only correct if each shorter rendering's token
-ids are a prefix of the longer one's; that is checked for every record, and a template that
-rewrites earlier turns (e.g. strips past reasoning) is reported as a DataError rather than
-trained on with a shifted mask. An assistant turn that opens a conversation has no prompt
-to render, so it is context, not supervised. Cost: O(turns²) tokens per record, fine for
-chat data.
+``<|im_start|>assistant\\n`` header. An assistant turn that opens a conversation has no prompt
+to render, so it is context, not supervised.
+
+**One sample, or one per turn: as a server renders it.** Where the template is prefix-stable —
+each turn's rendering is a token prefix of the whole conversation's — the conversation is one
+sample with every reply supervised (the target runs over it once). A template that rewrites
+earlier turns (Qwen3's strips past ``<think>`` blocks) is not: a server asked turn i renders
+``messages[:i]`` its own way, and the reply follows that. Such a conversation becomes one sample
+per assistant turn, each exactly ``render(messages[:i], add_generation_prompt=True)`` followed
+by the reply and the end-of-turn (``render(messages[:i+1])``), supervised on the reply and
+end-of-turn only. A template for which even that is not a prefix is a DataError. Cost: O(turns²)
+tokens per record, fine for chat data.
 """
 
 from __future__ import annotations
@@ -52,26 +58,33 @@ def _plan(
     return [
         (i, _render(tokenizer, messages[:i], gen=True, kwargs=kw), _render(tokenizer, messages[: i + 1], False, kw))
         for i, m in enumerate(messages)
-        if m["role"] == "assistant" and i > 0  # an opening assistant turn has no prompt to render
+        if m["role"] == "assistant" and i > 0 and not m.get("tool_calls")  # an opening turn has no prompt
     ]
 
 
-def _mask(full: list[int], spans: list[tuple[int, list[int], list[int]]]) -> list[bool]:
-    mask = [False] * len(full)
+def _not_prefix(i: int) -> _Invalid:
+    return _Invalid(
+        f"the chat template is not prefix-stable at message {i}: rendering the conversation up to an "
+        "assistant turn with its generation prompt does not give a prefix (in token ids) of the rendering "
+        "through that turn, so an assistant-only loss mask cannot be computed by incremental rendering"
+    )
+
+
+def _samples(full: list[int], spans: list[tuple[int, list[int], list[int]]]) -> list[tuple[list[int], list[bool]]]:
+    """The conversation as one sample when every turn's rendering is a prefix of `full`, else one
+    sample per assistant turn (`through`, supervised past `before`)."""
     for i, before, through in spans:
-        # The prefix property: without it the span below would not line up with `full`.
-        if through[: len(before)] != before or full[: len(through)] != through:
-            msg = (
-                f"the chat template is not prefix-stable at message {i}: rendering the conversation "
-                "up to an assistant turn does not give a prefix (in token ids) of the longer rendering, "
-                "so an assistant-only loss mask cannot be computed by incremental rendering"
-            )
-            raise _Invalid(msg)
-        mask[len(before) : len(through)] = [True] * (len(through) - len(before))
-    if not any(mask):
+        if through[: len(before)] != before:
+            raise _not_prefix(i)
+    if not spans:
         msg = "no assistant token to supervise (an assistant turn that opens a conversation is context)"
         raise _Invalid(msg)
-    return mask
+    if all(full[: len(through)] == through for _, _, through in spans):
+        mask = [False] * len(full)
+        for _, before, through in spans:
+            mask[len(before) : len(through)] = [True] * (len(through) - len(before))
+        return [(full, mask)]
+    return [(through, [False] * len(before) + [True] * (len(through) - len(before))) for _, before, through in spans]
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> dict[str, list[int]]:
@@ -86,9 +99,10 @@ def tokenize_many(
     tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[list[Message]],
     template_kwargs: dict[str, Any] | None = None,
-) -> list[tuple[list[int], list[bool]] | str]:
-    """(ids, loss mask) per conversation, or the reason it cannot be used; one batched
-    encode for all of them. `template_kwargs`: the chat template's options
+) -> list[list[tuple[list[int], list[bool]]] | str]:
+    """Per conversation its samples — (ids, loss mask): one, or one per assistant turn where the
+    template rewrites earlier turns (the module docstring) — or the reason it cannot be used;
+    one batched encode for all of them. `template_kwargs`: the chat template's options
     (`data.chat_template_kwargs`, e.g. enable_thinking)."""
     kw = dict(template_kwargs or {})
     plans: list[tuple[str, list[tuple[int, str, str]]] | str] = []
@@ -99,14 +113,13 @@ def tokenize_many(
             plans.append(str(err))
     texts = [t for p in plans if not isinstance(p, str) for t in (p[0], *(x for s in p[1] for x in s[1:]))]
     enc = _encode(tokenizer, texts) if texts else {}
-    out: list[tuple[list[int], list[bool]] | str] = []
+    out: list[list[tuple[list[int], list[bool]]] | str] = []
     for p in plans:
         if isinstance(p, str):
             out.append(p)
             continue
-        full = enc[p[0]]
         try:
-            out.append((full, _mask(full, [(i, enc[a], enc[b]) for i, a, b in p[1]])))
+            out.append(_samples(enc[p[0]], [(i, enc[a], enc[b]) for i, a, b in p[1]]))
         except _Invalid as err:
             out.append(str(err))
     return out
@@ -116,12 +129,13 @@ def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], template_kwargs: dict[str, Any] | None = None
 ) -> tuple[list[int], list[bool]]:
     """Token ids of one conversation rendered with the tokenizer's chat template, and its
-    loss mask (True on assistant content and end-of-turn tokens only). Raises DataError
-    with the reason if it cannot be done. No length limit is applied."""
+    loss mask (True on assistant content and end-of-turn tokens only): its last sample, which
+    holds its last reply (`tokenize_many`). Raises DataError with the reason if it cannot be
+    done. No length limit is applied."""
     (got,) = tokenize_many(tokenizer, [messages], template_kwargs)
     if isinstance(got, str):
         raise DataError(got)
-    return got
+    return got[-1]
 
 
 def prompt_ids(

@@ -1,28 +1,39 @@
-"""Prompt sets: conversations cut before their first assistant turn, from the chatterbot
-corpus, a chat JSONL, or any file the data loader reads; `load_prompts` splits regen's sets
-into training prompts (answered in order) and held-out ones (for eval)."""
+"""Prompt sets: conversations from the chatterbot corpus, a chat JSONL, or any file the data
+loader reads, as their turns (`turns_of`: the messages added before each assistant reply the
+target writes); `load_prompts` splits regen's sets into training conversations (the sets
+interleaved by weight) and held-out prompts (for eval)."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
-import itertools
 import json
 import random
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dflash.config import Config
 from dflash.errors import DataError
 from dflash.store.packages import package_folder
 
-__all__ = ["Messages", "Prompts", "chatterbot_prompts", "file_prompts", "jsonl_prompts", "load_prompts", "prompt_key"]
+__all__ = [
+    "Messages",
+    "Prompts",
+    "chatterbot_prompts",
+    "file_prompts",
+    "interleave",
+    "jsonl_prompts",
+    "load_prompts",
+    "prompt_key",
+    "turns_of",
+]
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
-def chatterbot_prompts(language: str = "english") -> list[Messages]:
-    """Every distinct utterance of the chatterbot corpus, as a one-turn user prompt."""
+def chatterbot_prompts(language: str = "english") -> list[list[Messages]]:
+    """Every distinct utterance of the chatterbot corpus, as a one-turn user prompt (its turns)."""
     package = package_folder("chatterbot_corpus")
     if package is None:
         msg = "regen.prompts = 'chatterbot' needs the package: pip install chatterbot-corpus==1.3.3 pyyaml"
@@ -41,40 +52,66 @@ def chatterbot_prompts(language: str = "english") -> list[Messages]:
             for utt in conv or []:
                 if isinstance(utt, str) and utt.strip():
                     seen.setdefault(utt.strip(), None)
-    return [[{"role": "user", "content": u}] for u in seen]
+    return [[[{"role": "user", "content": u}]] for u in seen]
 
 
-def _before_reply(messages: Messages) -> Messages:
-    """A conversation's messages before its first assistant turn: what regen prompts with."""
-    return list(itertools.takewhile(lambda m: m["role"] != "assistant", messages))
+def _is_reply(m: dict[str, Any]) -> bool:
+    """An assistant turn the target writes again: text, not a tool call (tool calls and their
+    results are context, passed through as the source has them)."""
+    return m["role"] == "assistant" and not m.get("tool_calls")
 
 
-def jsonl_prompts(path: Path) -> list[Messages]:
-    """Conversations from a chat JSONL (`messages` or ShareGPT `conversations`), cut before
-    their first assistant turn."""
+def turns_of(messages: Messages) -> list[Messages]:
+    """A conversation's turns: per assistant reply the target writes, the messages the source
+    adds before it (system, user, tool calls and their results; the source's own replies
+    dropped, the target's take their place). A reply with no new message before it, or a
+    turn with no user or tool message, ends the conversation there."""
+    turns: list[Messages] = []
+    added: Messages = []
+    for m in messages:
+        if not _is_reply(m):
+            added.append(m)
+            continue
+        if not any(x["role"] in ("user", "tool") for x in added):
+            break
+        turns.append(added)
+        added = []
+    else:
+        if any(x["role"] in ("user", "tool") for x in added):
+            turns.append(added)
+    return turns
+
+
+def _asks(turns: list[Messages]) -> bool:
+    """A conversation regen can answer: its first turn has a user message with text."""
+    return bool(turns) and any(
+        m["role"] == "user" and isinstance(m.get("content"), str) and m["content"].strip() for m in turns[0]
+    )
+
+
+def jsonl_prompts(path: Path) -> list[list[Messages]]:
+    """Conversations from a chat JSONL (`messages` or ShareGPT `conversations`, read as the data
+    loader reads them: tools too), as their turns (`turns_of`)."""
+    from dflash.data.conversation import normalize_record
+
     if not path.is_file():
         msg = f"regen.prompts: file not found: {path}"
         raise DataError(msg)
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "model": "assistant", "system": "system"}  # fmt: skip
     out = []
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw.decode("utf-8"))
-                turns = rec.get("messages") or rec.get("conversations")
-                msgs = [
-                    {"role": roles[t.get("role", t.get("from"))], "content": str(t.get("content", t.get("value")))}
-                    for t in turns
-                ]
-            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
-                msg = f"{path}:{n}: not a chat record ({type(err).__name__}: {err})"
-                raise DataError(" ".join(msg.split())) from None
-            prompt = _before_reply(msgs)
-            if any(m["role"] == "user" for m in prompt):
-                out.append(prompt)
+                got = normalize_record(json.loads(raw.decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                got = f"{type(err).__name__}: {err}"
+            if isinstance(got, str):
+                msg = f"{path}:{n}: not a chat record ({got})"
+                raise DataError(" ".join(msg.split()))
+            turns = turns_of(got)
+            if _asks(turns):
+                out.append(turns)
     if not out:
         msg = f"{path}: no prompts (no conversation with a user turn)"
         raise DataError(msg)
@@ -82,24 +119,23 @@ def jsonl_prompts(path: Path) -> list[Messages]:
 
 
 class Prompts(NamedTuple):
-    """regen's prompts: `train` in the order regen answers them, `held` kept for eval, and
-    `sets`: (source, how many of `train` come from it), in `train`'s order."""
+    """regen's prompts: `train`, each conversation's turns (`turns_of`) in the order regen
+    answers them (the sets interleaved by weight); `source`, each one's prompt set; `held`,
+    the held-out conversations' turns, kept for eval; `sets`: (source, how many of `train`
+    come from it)."""
 
-    train: list[Messages]
-    held: list[Messages]
+    train: list[list[Messages]]
+    held: list[list[Messages]]
     sets: list[tuple[str, int]]
-
-    def source_of(self) -> list[str]:
-        """The source of each training prompt, by its index."""
-        return [src for src, n in self.sets for _ in range(n)]
+    source: list[str]
 
 
-def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
-    """A prompt set from a file (pkg:PACKAGE/FILE too), each conversation cut before its first
-    assistant turn. A `.json` file (a JSON array such as ShareGPT's, or lines), parquet or a
-    `datasets` folder goes through the data loader: invalid records (a dump cut short ends in
-    one) are skipped with `skip_invalid` and counted in a warning, else an error. Any other
-    name is JSONL, read strictly by `jsonl_prompts`."""
+def file_prompts(source: str, skip_invalid: bool = False) -> list[list[Messages]]:
+    """A prompt set from a file (pkg:PACKAGE/FILE too), each conversation as its turns. A
+    `.json` file (a JSON array such as ShareGPT's, or lines), parquet or a `datasets` folder
+    goes through the data loader: invalid records (a dump cut short ends in one) are skipped
+    with `skip_invalid` and counted in a warning, else an error. Any other name is JSONL, read
+    strictly by `jsonl_prompts`."""
     from dflash.config import DataFile
     from dflash.data.conversation import InvalidRecord
     from dflash.data.formats import iter_records
@@ -123,10 +159,9 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
                 continue
             msg = f"regen.prompts: {rec.where}: {rec.reason} (data.skip_invalid = true skips such records)"
             raise DataError(msg)
-        messages = rec.prompt if isinstance(rec, InvalidRecord) else rec.messages  # no assistant turn: all prompt
-        prompt = _before_reply(messages or [])
-        if any(m["role"] == "user" and m["content"].strip() for m in prompt):
-            out.append(prompt)
+        turns = turns_of((rec.prompt if isinstance(rec, InvalidRecord) else rec.messages) or [])
+        if _asks(turns):
+            out.append(turns)
     if skipped:  # as the data loader reports them
         first = skipped[0]
         warnings.warn(
@@ -138,32 +173,50 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Messages]:
     return out
 
 
+def interleave(sizes: list[int], weights: list[float]) -> list[tuple[int, int]]:
+    """(set, index in it) in the order regen answers them: at every point each set's count is
+    as close to its weight's share as whole prompts allow (the set whose next prompt is due
+    soonest, (n + 1/2) / weight, goes next); a set that runs out leaves the rest to the others."""
+    taken = [0] * len(sizes)
+    order = []
+    for _ in range(sum(sizes)):
+        j = min((j for j in range(len(sizes)) if taken[j] < sizes[j]), key=lambda j: ((taken[j] + 0.5) / weights[j], j))
+        order.append((j, taken[j]))
+        taken[j] += 1
+    return order
+
+
 def load_prompts(cfg: Config) -> Prompts:
-    """Training and held-out prompts, in a fixed shuffled order: the held-out ones are the
-    first set's first `regen.holdout`; training takes the rest of the first set, then each
-    further set's prompts (each set shuffled on its own), every prompt once and none that is
-    held out."""
-    sources = cfg.regen.prompt_sources
-    sets: list[list[Messages]] = []
-    for i, src in enumerate(sources):
+    """Training and held-out conversations, in a fixed shuffled order: the held-out ones are
+    the first set's first `regen.holdout`; training interleaves the sets by weight (each set
+    shuffled on its own; every conversation once, none whose first turn is held out or seen
+    already). `regen.turns = "first"` keeps each conversation's first turn only."""
+    r = cfg.regen
+    sets: list[list[list[Messages]]] = []
+    for i, src in enumerate(r.prompt_sources):
         got = chatterbot_prompts() if src == "chatterbot" else file_prompts(src, cfg.data.skip_invalid)
-        random.Random(cfg.regen.seed if i == 0 else f"{cfg.regen.seed}/{i}").shuffle(got)
-        sets.append(got)
-    held = sets[0][: cfg.regen.holdout]  # as the first set splits alone: adding sets keeps its held-out prompts
-    seen = {prompt_key(p) for p in held}
-    train: list[Messages] = []
-    counts = []
+        random.Random(r.seed if i == 0 else f"{r.seed}/{i}").shuffle(got)
+        sets.append([t[:1] for t in got] if r.turns == "first" else got)
+    held = sets[0][: r.holdout]  # as the first set splits alone: adding sets keeps its held-out prompts
+    seen = {prompt_key(p[0]) for p in held}
+    fresh: list[list[list[Messages]]] = []
     for j, got in enumerate(sets):
-        fresh = []
-        for p in got[cfg.regen.holdout :] if j == 0 else got:
-            if (k := prompt_key(p)) not in seen:
+        fresh.append([])
+        for p in got[r.holdout :] if j == 0 else got:
+            if (k := prompt_key(p[0])) not in seen:
                 seen.add(k)
-                fresh.append(p)
-        if cfg.regen.max_prompts:
-            fresh = fresh[: max(0, cfg.regen.max_prompts - len(train))]
-        train += fresh
-        counts.append(len(fresh))
-    return Prompts(train, held, list(zip(sources, counts, strict=True)))
+                fresh[-1].append(p)
+    order = interleave([len(f) for f in fresh], r.prompt_weights)
+    if r.max_prompts:
+        order = order[: r.max_prompts]
+    names = r.prompt_sources
+    counts = collections.Counter(j for j, _ in order)
+    return Prompts(
+        [fresh[j][k] for j, k in order],
+        held,
+        [(n, counts[j]) for j, n in enumerate(names)],
+        [names[j] for j, _ in order],
+    )
 
 
 def prompt_key(messages: Messages) -> str:

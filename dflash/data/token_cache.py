@@ -35,7 +35,7 @@ __all__ = ["CACHE_VERSION", "FileSamples", "cache_key", "read_cache", "tokenizer
 
 # Bump when anything here, in chat_template.py or in tokenize.py changes what a cached file
 # would contain.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -45,7 +45,7 @@ class FileSamples:
     ids: torch.Tensor  # (N,) int32, every sample's ids back to back
     mask: torch.Tensor  # (N,) bool
     offsets: torch.Tensor  # (n+1,) int64; sample j is [offsets[j], offsets[j+1])
-    counts: dict[str, int] = field(default_factory=dict)  # records, skipped_invalid, truncated, dropped_overlong
+    counts: dict[str, int] = field(default_factory=dict)  # records, skipped_invalid, truncated, dropped_overlong, continued
     first_skipped: str | None = None
 
     @property
@@ -137,7 +137,7 @@ def read_cache(cache_dir: Path, key: str) -> FileSamples | None:
         )
         if not ok:
             return None
-        counts = {k: int(meta[k]) for k in ("records", "skipped_invalid", "truncated", "dropped_overlong")}
+        counts = {k: int(meta.get(k, 0)) for k in ("records", "skipped_invalid", "truncated", "dropped_overlong", "continued")}
         return FileSamples(ids, mask, offsets, counts, meta.get("first_skipped"))
     except Exception:
         return None

@@ -18,8 +18,13 @@ subset, w > 1 repeats every sample ⌊w⌋ or ⌈w⌉ times, w = 1 keeps each on
 repeats included, gets its own ``sample_id`` (0..N-1 in file order, then record order),
 so ids are unique and the same for the same inputs; repeats share their tensors.
 
+**Conversations continued later.** A record whose conversation a later record of the same
+file continues (regen writes each turn as a record: turn k's messages are a prefix of turn
+k+1's) is learnt there, once, and counted in ``continued``. A template that rewrites earlier
+turns makes a conversation one sample per assistant turn (``chat_template.py``).
+
 Stats returned: ``records`` (read, valid or not), ``skipped_invalid``, ``truncated``,
-``dropped_overlong`` count records before weighting; ``samples``, ``tokens``,
+``dropped_overlong``, ``continued`` count records before weighting; ``samples``, ``tokens``,
 ``supervised_tokens`` describe one epoch after weighting; ``cache_hit`` is 1 when every
 file came from the cache.
 """
@@ -36,8 +41,9 @@ import torch
 from dflash import logs
 from dflash.config import DataConfig, DataFile
 from dflash.data.chat_template import tokenize_conversation, tokenize_many
-from dflash.data.conversation import Conversation, InvalidRecord
+from dflash.data.conversation import Conversation, InvalidRecord, Message
 from dflash.data.formats import count_records, iter_records
+from dflash.data.prompts import prompt_key
 from dflash.data.samples import SampleTable
 from dflash.data.token_cache import (
     CACHE_VERSION,
@@ -61,15 +67,22 @@ _CHUNK = 256  # conversations rendered and encoded together (one batched tokeniz
 
 
 class _FileTokens:
-    """One file's samples as they are tokenized (records in chunks of `_CHUNK`), and its counts."""
+    """One file's samples as they are tokenized (records in chunks of `_CHUNK`), and its counts.
+
+    A record whose whole conversation a later record of the file continues (regen writes a
+    conversation's turns one record each: turn k's messages are a prefix of turn k+1's) is
+    dropped once that later record is read: the longer one supervises the same replies, so
+    each reply is learnt once (`continued` counts them)."""
 
     def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.counts = {"records": 0, "skipped_invalid": 0, "truncated": 0, "dropped_overlong": 0}
+        self.counts = {"records": 0, "skipped_invalid": 0, "truncated": 0, "dropped_overlong": 0, "continued": 0}
         self.first_skipped: str | None = None
-        self.ids_parts: list[torch.Tensor] = []
-        self.mask_parts: list[torch.Tensor] = []
+        self.ids_parts: list[torch.Tensor | None] = []
+        self.mask_parts: list[torch.Tensor | None] = []
         self.pending: list[Conversation] = []
+        self.parts_of: dict[str, list[int]] = {}  # a conversation's key -> its samples' places in the parts
+        self.continued: set[str] = set()  # keys of conversations a record read so far continues
 
     def add(self, item: Conversation | InvalidRecord) -> None:
         self.counts["records"] += 1
@@ -95,17 +108,36 @@ class _FileTokens:
         for conv, got in zip(self.pending, results, strict=True):
             if isinstance(got, str):
                 self.invalid(conv.where, got)
-            else:
-                self._keep(conv, *got)
+                continue
+            key = prompt_key(conv.messages)
+            if key in self.continued:  # a record read earlier continues it: already learnt there
+                self.counts["continued"] += 1
+                continue
+            self._continues(conv.messages)
+            self.parts_of[key] = [p for ids, mask in got if (p := self._keep(conv, ids, mask)) is not None]
         self.pending.clear()
 
-    def _keep(self, conv: Conversation, ids: list[int], mask: list[bool]) -> None:
-        """One tokenized conversation, cut to data.max_seq_len or dropped (`data.overlong`)."""
+    def _continues(self, messages: list[Message]) -> None:
+        """The conversations this one continues (its prefixes through an earlier assistant
+        turn): their samples go, later ones are not kept."""
+        for j, m in enumerate(messages[:-1]):
+            if m["role"] != "assistant":
+                continue
+            key = prompt_key(messages[: j + 1])
+            self.continued.add(key)
+            parts = self.parts_of.pop(key, None)
+            if parts is not None:
+                self.counts["continued"] += 1
+                for p in parts:
+                    self.ids_parts[p] = self.mask_parts[p] = None
+
+    def _keep(self, conv: Conversation, ids: list[int], mask: list[bool]) -> int | None:
+        """One tokenized sample, cut to data.max_seq_len or dropped (`data.overlong`); its place."""
         limit = self.cfg.max_seq_len
         if len(ids) > limit:
             if self.cfg.overlong == "drop":
                 self.counts["dropped_overlong"] += 1
-                return
+                return None
             if not any(mask[:limit]):
                 first = mask.index(True)
                 self.invalid(
@@ -113,17 +145,20 @@ class _FileTokens:
                     f"no assistant token within max_seq_len = {limit} tokens (the conversation has "
                     f"{len(ids)} tokens, the first assistant token is at {first})",
                 )
-                return
+                return None
             self.counts["truncated"] += 1
             ids, mask = ids[:limit], mask[:limit]
         self.ids_parts.append(torch.tensor(ids, dtype=torch.int32))
         self.mask_parts.append(torch.tensor(mask, dtype=torch.bool))
+        return len(self.ids_parts) - 1
 
     def samples(self) -> FileSamples:
-        lengths = torch.tensor([0] + [ids.numel() for ids in self.ids_parts], dtype=torch.int64)
+        ids_parts = [t for t in self.ids_parts if t is not None]
+        mask_parts = [t for t in self.mask_parts if t is not None]
+        lengths = torch.tensor([0] + [ids.numel() for ids in ids_parts], dtype=torch.int64)
         return FileSamples(
-            ids=torch.cat(self.ids_parts) if self.ids_parts else torch.zeros(0, dtype=torch.int32),
-            mask=torch.cat(self.mask_parts) if self.mask_parts else torch.zeros(0, dtype=torch.bool),
+            ids=torch.cat(ids_parts) if ids_parts else torch.zeros(0, dtype=torch.int32),
+            mask=torch.cat(mask_parts) if mask_parts else torch.zeros(0, dtype=torch.bool),
             offsets=torch.cumsum(lengths, 0),
             counts=self.counts,
             first_skipped=self.first_skipped,
@@ -212,7 +247,7 @@ def load_samples(
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir(cfg)
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
 
-    stats = dict.fromkeys(("records", "skipped_invalid", "truncated", "dropped_overlong"), 0)
+    stats = dict.fromkeys(("records", "skipped_invalid", "truncated", "dropped_overlong", "continued"), 0)
     all_hit = True
     files, picks = [], []
     for file in cfg.files:

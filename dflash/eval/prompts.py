@@ -108,15 +108,16 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _chat_file(path: Path) -> list[Turns]:
-    """`{"turns": [...]}` lines (one generation per user turn), or chat records cut before
-    their first assistant turn (like regen's prompts; system messages kept): one generation."""
+    """`{"turns": [...]}` lines (one generation per user turn), or chat records read as regen
+    reads its prompts: one generation per assistant turn the target writes (`turns_of`; system
+    and tool messages kept, the file's own replies replaced by the target's)."""
     if not path.is_file():
         msg = f"--prompts: file not found: {path}"
         raise DataError(msg)
     recs = _lines(path)
     if recs and all("turns" in r for r in recs):
         return [_user_turns(r["turns"]) for r in recs]
-    return [[list(conv)] for conv in jsonl_prompts(path) if conv]
+    return jsonl_prompts(path)
 
 
 def load_prompt_set(name_or_path: str, heldout: Path | None = None) -> PromptSet:
@@ -170,8 +171,8 @@ def eval_prompts(cfg: Config, target: Target, tokenizer: Any, mask_id: int) -> l
         raise DataError(msg)
     require_eval_prompts(cfg)
     kwargs = cfg.data.chat_template_kwargs
-    chats = jsonl_prompts(cfg.heldout_prompts)[:n]
-    return [torch.tensor(prompt_ids(tokenizer, messages, kwargs), dtype=torch.long) for messages in chats]
+    chats = jsonl_prompts(cfg.heldout_prompts)[:n]  # the first turns: a training eval decodes one generation each
+    return [torch.tensor(prompt_ids(tokenizer, turns[0], kwargs), dtype=torch.long) for turns in chats]
 
 
 def stop_ids_of(target: Target) -> set[int]:

@@ -2,23 +2,26 @@
 
 This is how production drafters are trained — on the target's own outputs, which is
 exactly what the drafter must predict at inference — and it makes a small prompt set
-enough. `dflash regen CONFIG` reads prompts (the chatterbot-corpus package, or a chat
-file whose conversations are cut before their first assistant turn; or several such sets,
-answered one after the other), keeps `holdout` of the first set aside for eval, and
-generates replies in batches (greedy, or sampled) in a seeded random order, like lengths
-batched together so that padding stays low. Output is JSONL `{"id", "messages"}`, appended
-batch by batch and flushed: an interrupted regen resumes where it stopped. Who writes the
-replies is a `Replier` (`dflash/regen/replier.py`, picked by `open_replier` here): the
-target's own loop (`regen/local.py`), or with `regen.server` an OpenAI-compatible server (vLLM,
-SGLang, llama.cpp; `regen/server.py`), or with `regen.engine = "vllm"` vLLM's offline API in
-this process (`regen/vllm.py`): same prompts, split, order and records.
+enough. `dflash regen CONFIG` reads conversations (the chatterbot-corpus package, or chat
+files; several sets are drawn interleaved by weight), keeps `holdout` of the first set aside
+for eval, and has the target write every assistant turn (`regen.turns = "all"`): turn k is
+asked with the source's system, user and tool messages up to it and the target's own replies
+to the turns before, as a server would be asked it. Conversations are answered in windows
+(8 batches of them, in the drawn order): the window's first turns, then its second turns,
+and so on, so that wherever a budget stops, the sets are answered in their shares. Greedy or
+sampled. Output is JSONL `{"id", "turn", "messages"}` (one record per turn: the conversation
+through that reply), appended batch by batch and flushed: an interrupted regen resumes at each
+conversation's next turn. Who writes the replies is a `Replier` (`dflash/regen/replier.py`,
+picked by `open_replier` here): the target's own loop (`regen/local.py`), or with
+`regen.server` an OpenAI-compatible server (vLLM, SGLang, llama.cpp; `regen/server.py`), or
+with `regen.engine = "vllm"` vLLM's offline API in this process (`regen/vllm.py`): same
+prompts, split, order and records.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import json
 import math
 import random
@@ -73,22 +76,23 @@ def _drop_torn_tail(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def _done_prompts(path: Path, template_kwargs: dict[str, Any]) -> set[str]:
-    """The prompts (messages before the reply) already answered in the output file.
+def _answered(path: Path, template_kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The turns already answered in the output file: each prompt's key (the messages before
+    the reply) -> the reply.
 
     Matched by content, not position: a resume after changing the seed, holdout or prompt
     file never mistakes one prompt's reply for another's. Replies written under other chat
     template options (`data.chat_template_kwargs`, kept in each record) are refused: the
     target answered other prompts' renderings, and the file would mix them.
     """
-    done: set[str] = set()
+    done: dict[str, dict[str, Any]] = {}
     if not path.is_file():
         return done
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
             try:
                 record = json.loads(raw)
-                done.add(prompt_key(record["messages"][:-1]))
+                done[prompt_key(record["messages"][:-1])] = record["messages"][-1]
                 written = record.get("chat_template_kwargs", {})
             except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 msg = f"{path}:{n}: not a regen record; remove the line (or the file) and run regen again"
@@ -165,9 +169,9 @@ def regenerate(
         replier.close()
 
 
-def _check_held_out(out_path: Path, done: set[str], held: list[Messages]) -> None:
+def _check_held_out(out_path: Path, done: dict[str, Any], held: list[list[Messages]]) -> None:
     """A prompt answered for training must not be held out for eval now."""
-    answered = done & {prompt_key(p) for p in held}
+    answered = done.keys() & {prompt_key(p[0]) for p in held}
     if answered:
         msg = (
             f"{out_path} already answers {len(answered)} prompts that are now held out "
@@ -176,21 +180,31 @@ def _check_held_out(out_path: Path, done: set[str], held: list[Messages]) -> Non
         raise DataError(msg)
 
 
-def _unanswered(cfg: Config, tokenizer: Any, train: list[Messages], done: set[str]) -> tuple[Todo, int]:
-    """The training prompts not yet in the output, as token ids, and how many more were left
-    out as longer than regen.max_prompt_tokens."""
-    todo: Todo = []
-    too_long = 0
-    cap = cfg.regen.max_prompt_tokens or math.inf
-    for i, p in enumerate(train):
-        if prompt_key(p) in done:
-            continue
-        ids = prompt_ids(tokenizer, p, cfg.data.chat_template_kwargs)
-        if len(ids) > cap:
-            too_long += 1
-            continue
-        todo.append((i, ids))
-    return todo, too_long
+class _Chat:
+    """One training conversation on its way: `messages`, the prompt of its next turn (the
+    source's messages up to it, the target's replies to the turns before); `k`, that turn's
+    index; `ended`, no turn is asked any more (all answered, or one was too long); `left`, its
+    turn went unanswered (the engine refused it): a later regen asks it again."""
+
+    __slots__ = ("ended", "index", "k", "left", "messages", "source", "turns")
+
+    def __init__(self, index: int, turns: list[Messages], source: str, done: dict[str, dict[str, Any]]) -> None:
+        self.index, self.turns, self.source = index, turns, source
+        self.k, self.messages, self.ended = 0, list(turns[0]), False
+        self.left = False  # asked and not answered (refused): left for a later regen
+        while not self.ended and (reply := done.get(prompt_key(self.messages))) is not None:
+            self.answered(reply)  # answered by an earlier regen: its reply is the context now
+
+    def answered(self, reply: dict[str, Any]) -> None:
+        self.k += 1
+        if self.k < len(self.turns):
+            self.messages = [*self.messages, reply, *self.turns[self.k]]
+        else:
+            self.ended = True
+
+    @property
+    def open_turns(self) -> int:
+        return 0 if self.ended else len(self.turns) - self.k
 
 
 class _FeatureParts:
@@ -219,29 +233,29 @@ class _FeatureParts:
             self.mb += path.stat().st_size / 2**20
 
 
-def _queue(todo: Todo, source: list[str], batch_size: int, seed: int) -> collections.deque[Todo]:
-    """The batches to answer, set by set (a batch window spanning two would answer the next
-    set's prompts first)."""
-    by_set = itertools.groupby(todo, key=lambda item: source[item[0]])
-    return collections.deque(b for _, part in by_set for b in _batches(list(part), batch_size, seed))
-
-
 class _OutputFile:
-    """The output file as a replier's `Output`: each reply appended as a `{"id", "messages"}`
-    record, counted (by prompt set, and its new tokens) on the progress bar; feature entries
-    go to the feature parts."""
+    """The output file as a replier's `Output`: each reply appended as a `{"id", "turn",
+    "messages"}` record (its conversation moves on to its next turn), counted by prompt set and
+    on the progress bar; feature entries go to the feature parts. A turn is asked under a
+    slot number (`ask`), the index the replier is handed."""
 
-    def __init__(
-        self, out: IO[str], cfg: Config, tokenizer: Any, prompts: Prompts, bar: Any, features: _FeatureParts | None
-    ) -> None:
-        self.out, self.tokenizer, self.bar, self.features = out, tokenizer, bar, features
+    def __init__(self, out: IO[str], cfg: Config, prompts: Prompts, bar: Any, features: _FeatureParts | None) -> None:
+        self.out, self.bar, self.features = out, bar, features
         self.template_kwargs = cfg.data.chat_template_kwargs
-        self.train, self.source = prompts.train, prompts.source_of()
-        self.per_set = dict.fromkeys((src for src, _ in prompts.sets), 0)  # replies written, by prompt set
+        self.slots: list[_Chat] = []
+        self.per_set = {src: {"prompts": 0, "turns": 0, "too_long": 0} for src, _ in prompts.sets}
         self.new_tokens = self.written = 0
+        self.tokenizer: Any = None
+
+    def ask(self, chat: _Chat) -> int:
+        self.slots.append(chat)
+        return len(self.slots) - 1
 
     def prompt(self, i: int) -> Messages:
-        return self.train[i]
+        return self.slots[i].messages
+
+    def where(self, i: int) -> tuple[int, int]:
+        return self.slots[i].index, self.slots[i].k + 1
 
     def write_ids(self, i: int, ids: list[int]) -> Messages:
         return self.write_text(i, self.tokenizer.decode(ids, skip_special_tokens=True), len(ids))
@@ -250,12 +264,17 @@ class _OutputFile:
         text = text.strip()
         if tokens is None:
             tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        msgs = [*self.train[i], {"role": "assistant", "content": text}]
-        record: dict[str, Any] = {"id": i, "messages": msgs}
+        chat = self.slots[i]
+        reply = {"role": "assistant", "content": text}
+        msgs = [*chat.messages, reply]
+        record: dict[str, Any] = {"id": chat.index, "turn": chat.k + 1, "messages": msgs}
         if self.template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
             record["chat_template_kwargs"] = self.template_kwargs
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.per_set[self.source[i]] += 1
+        counts = self.per_set[chat.source]
+        counts["prompts"] += chat.k == 0
+        counts["turns"] += 1
+        chat.answered(reply)
         self.written += 1
         self.new_tokens += tokens
         if self.bar is not None:
@@ -263,12 +282,71 @@ class _OutputFile:
             self.bar.update(1)
         return msgs
 
+    def too_long(self, chat: _Chat) -> None:
+        """A turn over its cap: skipped with the conversation's later turns (they need its reply)."""
+        self.per_set[chat.source]["too_long"] += 1
+        if self.bar is not None and self.bar.total is not None:
+            self.bar.total -= chat.open_turns
+            self.bar.refresh()
+        chat.ended = True
+
     def write_features(self, entries: list[Entry | None]) -> None:
         if self.features is not None:
             self.features.write(entries)
 
     def flush(self) -> None:
         self.out.flush()
+
+
+class _Rounds:
+    """The conversations answered window by window (8 batches of them, in the drawn order):
+    each window's next turns in rounds — its conversations' first open turns, then the turns
+    after them — until the window is done, the time budget is spent or the replier leaves
+    work behind (`regen.max_minutes`)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, replier: Replier, out: _OutputFile) -> None:
+        self.cfg, self.tokenizer, self.replier, self.out = cfg, tokenizer, replier, out
+        r = cfg.regen
+        self.caps = (r.max_prompt_tokens or math.inf, r.max_context_tokens or math.inf)  # turn 1, later turns
+        self.window = 8 * r.batch_size
+
+    def answer(self, chats: list[_Chat], budget_s: float) -> None:
+        t0, first = time.perf_counter(), True
+        todo = [c for c in chats if not c.ended]
+        for w in range(0, len(todo), self.window):
+            window = todo[w : w + self.window]
+            drawn = True  # the window's first round: batches in the drawn order (the sets' shares)
+            while batch := self._round(window):
+                left = budget_s - (time.perf_counter() - t0 - self.replier.start_s)
+                if left <= 0 and not first:
+                    return
+                queue = self._queue(batch, drawn)
+                asked = [(self.out.slots[i], self.out.slots[i].k) for i, _ in batch]
+                self.replier.answer_all(queue, self.out, left if not first else max(left, 0.0))
+                if queue:  # the budget ran out inside the round
+                    return
+                for chat, k in asked:
+                    chat.left |= chat.k == k
+                first = drawn = False
+
+    def _round(self, window: list[_Chat]) -> Todo:
+        """The window's open turns as token ids, each over its cap skipped (`too_long`)."""
+        todo: Todo = []
+        for chat in window:
+            if chat.ended or chat.left:
+                continue
+            ids = prompt_ids(self.tokenizer, chat.messages, self.cfg.data.chat_template_kwargs)
+            if len(ids) > self.caps[chat.k > 0]:
+                self.out.too_long(chat)
+                continue
+            todo.append((self.out.ask(chat), ids))
+        return todo
+
+    def _queue(self, todo: Todo, drawn: bool) -> collections.deque[Todo]:
+        r = self.cfg.regen
+        if drawn:
+            return collections.deque(todo[s : s + r.batch_size] for s in range(0, len(todo), r.batch_size))
+        return collections.deque(_batches(todo, r.batch_size, r.seed))
 
 
 def _regenerate(
@@ -282,31 +360,34 @@ def _regenerate(
     out_path = cfg.regen_output
     prompts = prompts if prompts is not None else load_prompts(cfg)
     _drop_torn_tail(out_path)
-    done = _done_prompts(out_path, cfg.data.chat_template_kwargs)
+    done = _answered(out_path, cfg.data.chat_template_kwargs)
     _check_held_out(out_path, done, prompts.held)
-    write_jsonl(cfg.regen_heldout, [{"id": i, "messages": p} for i, p in enumerate(prompts.held)])
-    todo, too_long = _unanswered(cfg, tokenizer, prompts.train, done)
-    already = len(prompts.train) - len(todo) - too_long
+    write_jsonl(cfg.regen_heldout, [{"id": i, "messages": _held_out(p)} for i, p in enumerate(prompts.held)])
+    chats = [_Chat(i, turns, src, done) for i, (turns, src) in enumerate(zip(prompts.train, prompts.source, strict=True))]
+    already = sum(c.k for c in chats)
     t0 = time.perf_counter()
     features = _FeatureParts(out_path, target, cfg.regen.temperature == 0) if cfg.regen.save_features else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     r = cfg.regen
     budget_s = 60 * r.max_minutes if r.max_minutes else math.inf
-    total = len(prompts.train) - too_long
-    bar = logs.progress("regen", total, "prompt", already) if progress else contextlib.nullcontext()
+    total = already + sum(c.open_turns for c in chats)
+    bar = logs.progress("regen", total, "turn", already) if progress else contextlib.nullcontext()
     with out_path.open("a", encoding="utf-8") as f, bar as shown:
-        out = _OutputFile(f, cfg, tokenizer, prompts, shown, features)
-        replier.answer_all(_queue(todo, out.source, r.batch_size, r.seed), out, budget_s)
+        out = _OutputFile(f, cfg, prompts, shown, features)
+        out.tokenizer = tokenizer
+        _Rounds(cfg, tokenizer, replier, out).answer(chats, budget_s)
     el = time.perf_counter() - t0
     start_s = replier.start_s  # an engine's start (vLLM's load): not in tok/s
+    too_long = sum(s["too_long"] for s in out.per_set.values())
     return {
         "output": str(out_path),
         "heldout": str(cfg.regen_heldout),
         "prompts": len(prompts.train),
         "generated": out.written,
-        "generated_per_set": out.per_set,
+        "generated_per_set": {src: s["turns"] for src, s in out.per_set.items()},
+        "per_set": out.per_set,
         "resumed_from": already,
-        "unanswered": len(todo) - out.written - replier.refused,
+        "unanswered": sum(c.open_turns for c in chats) - replier.refused,
         "refused": replier.refused,
         "too_long": too_long,
         "engine": replier.engine,
@@ -319,3 +400,14 @@ def _regenerate(
         "wall_s": round(el, 2),
         "tokens_per_s": round(out.new_tokens / (el - start_s), 1) if el > start_s else 0.0,
     }
+
+
+def _held_out(turns: list[Messages]) -> Messages:
+    """A held-out conversation as eval reads it back (`turns_of`): its turns, each user turn
+    followed by an empty assistant stand-in so that the turns stay apart."""
+    out: Messages = []
+    for k, turn in enumerate(turns):
+        if k:
+            out.append({"role": "assistant", "content": ""})
+        out += turn
+    return out

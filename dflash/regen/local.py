@@ -51,15 +51,19 @@ class _Budget:
     """regen.max_minutes: how much of the next batch fits the time left, judged by the last
     batch (`_rows_that_fit`)."""
 
-    def __init__(self, budget_s: float, batch_size: int, t0: float) -> None:
-        self.t0 = t0
-        self.budget_s = budget_s
+    def __init__(self, batch_size: int) -> None:
+        self.t0 = time.perf_counter()
+        self.budget_s = 0.0
         self.batch_size = batch_size
-        self.last_s = 0.0
+        self.last_s = 0.0  # the last batch, judging the next: kept from call to call (regen's rounds)
         self.last_rows = 0
 
+    def start(self, budget_s: float) -> None:
+        """A call's budget: `budget_s` seconds from now."""
+        self.t0, self.budget_s = time.perf_counter(), budget_s
+
     def take(self, queue: collections.deque[Todo], first: bool) -> Todo | None:
-        """The next batch, cut to what fits (the first batch of a call runs whole); None when
+        """The next batch, cut to what fits (`first`: it runs whole); None when
         what fits is not worth a batch: then the queue keeps it."""
         batch = queue.popleft()
         if first:
@@ -163,8 +167,9 @@ def feature_entries(
 
     `convs`: each conversation as written; `fed[r]`: the token ids the target ran over while
     generating it (prompt, then reply); `feats[r]` (len(fed[r]), k·H): its features there;
-    `after[r]`: the token it generated after the last one fed. A conversation whose training
-    tokenization does not start with `fed[r]` gets its features from one more target forward
+    `after[r]`: the token it generated after the last one fed. The entry is for the training
+    sample that ends with the reply (the conversation's last). One whose tokenization does
+    not start with `fed[r]` gets its features from one more target forward
     over that tokenization; one training would skip (invalid) gets None."""
     tokenized = tokenize_many(tokenizer, convs, template_kwargs)
     entries: list[Entry | None] = [None] * len(convs)
@@ -172,7 +177,7 @@ def feature_entries(
     for r, result in enumerate(tokenized):
         if isinstance(result, str):  # training skips it: no entry
             continue
-        ids, f = result[0], fed[r]
+        ids, f = result[-1][0], fed[r]  # the sample that ends with this reply
         if ids[: len(f)] != f:
             redo.append((r, ids))
             continue
@@ -210,20 +215,20 @@ class LocalReplier:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos = tokenizer.eos_token_id
         self.generator = None if target is None else torch.Generator(device=target.device).manual_seed(cfg.regen.seed)
+        self.budget = _Budget(cfg.regen.batch_size)
 
     @torch.no_grad()
     def answer_all(self, queue: collections.deque[Todo], out: Output, budget_s: float) -> None:
         """The queued batches in order, until the queue or the time budget runs out."""
-        budget = _Budget(budget_s, self.regen.batch_size, time.perf_counter())
-        first = True
+        budget = self.budget
+        budget.start(budget_s)
         while queue:
-            batch = budget.take(queue, first)
+            batch = budget.take(queue, first=not budget.last_rows)  # regen's first batch runs whole
             if batch is None:
                 break
             t_batch = time.perf_counter()
             self._answer(batch, out)
             budget.observe(len(batch), time.perf_counter() - t_batch)
-            first = False
 
     def close(self) -> None:
         pass

@@ -21,14 +21,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Output", "Replier", "Todo", "until_eos"]
 
-Todo = list[tuple[int, list[int]]]  # prompts to answer: (index among the training prompts, its token ids)
+Todo = list[tuple[int, list[int]]]  # prompts to answer: (its number in this regen, its token ids)
 
 
 class Output(Protocol):
     """Where a replier writes: each reply becomes a record, in the order it is handed over."""
 
     def prompt(self, i: int) -> Messages:
-        """Training prompt i: the conversation its reply continues."""
+        """Prompt i: the conversation its reply continues (the turn's prompt)."""
+        ...
+
+    def where(self, i: int) -> tuple[int, int]:
+        """Prompt i's conversation (its index among the training conversations) and turn (1, 2, ...)."""
         ...
 
     def write_ids(self, i: int, ids: list[int]) -> Messages:

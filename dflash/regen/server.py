@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
@@ -219,7 +220,7 @@ class RequestPool:
     """`workers` daemon threads (named regen-server-N) asking `server` for replies: a process
     that ends (an error, Ctrl-C) never waits for them. After a request fails for good (not a
     refusal of its prompt), no worker sends another: the queued ones are cancelled. `close`
-    cancels what is queued and aborts what is in flight."""
+    cancels what is queued and aborts what is in flight (`abort`)."""
 
     def __init__(self, server: ChatServer, workers: int) -> None:
         self.server = server
@@ -257,12 +258,15 @@ class RequestPool:
                     self._failed.set()  # before the caller can see the error: nothing is sent after it
                 fut.set_exception(err)
 
-    def close(self) -> None:
+    def close(self, abort: bool = True) -> None:
+        """The workers told to end; `abort`: what is queued cancelled, what is in flight aborted
+        (the server takes no request after it)."""
         with self._lock:
             queued, self._queued = self._queued, set()
         for fut in queued:
             fut.cancel()
-        self.server.abort()
+        if abort:
+            self.server.abort()
         for _ in self._threads:
             self._jobs.put(None)
 
@@ -313,15 +317,17 @@ class ServerReplier:
         """The queued prompts, until the queue runs out or `budget_s` seconds pass: then the
         requests still pending are cancelled, the replies already back written."""
         deadline = time.perf_counter() + budget_s
-        items = (i for batch in queue for i, _ in batch)
+        items = (i for batch in _drained(queue) for i, _ in batch)
         ahead = 4 * self.batch_size  # requests queued: the workers never wait on a slow head
         pending: collections.deque[tuple[int, Asked]] = collections.deque()
         pool = RequestPool(self.chat_server, self.batch_size)
+        done = False
         try:
             while True:
                 while len(pending) < ahead and time.perf_counter() < deadline and (i := next(items, None)) is not None:
                     pending.append((i, pool.submit(out.prompt(i), {**self.options, "seed": self.seed + i})))
                 if not pending:
+                    done = True  # every request answered: nothing in flight to abort
                     return
                 if not pending[0][1].done():
                     out.flush()
@@ -335,7 +341,7 @@ class ServerReplier:
             raise
         finally:
             out.flush()
-            pool.close()
+            pool.close(abort=not done)
 
     def close(self) -> None:
         self.chat_server.close()
@@ -362,8 +368,10 @@ class ServerReplier:
             raise ServerError(msg, err.status)
         words = " ".join(_last_user_text(out.prompt(i)).split())
         about = words[:60] + ("..." if len(words) > 60 else "")
-        message = f"regen: prompt {i} ({about!r}) skipped, {err}; a later regen asks it again"
-        structlog.get_logger("dflash").warning("warning", message=message, prompt_id=i)
+        cid, turn = out.where(i)
+        at = f" turn {turn}" if turn > 1 else ""
+        message = f"regen: prompt {cid}{at} ({about!r}) skipped, {err}; a later regen asks it again"
+        structlog.get_logger("dflash").warning("warning", message=message, prompt_id=cid, turn=turn)
 
     def _write_finished(self, pending: collections.deque[tuple[int, Asked]], out: Output) -> None:
         """The replies already back among `pending`, written whatever their order; refusals and
@@ -372,6 +380,12 @@ class ServerReplier:
             if reply.done() and not reply.cancelled() and reply.exception() is None:
                 self._take(out, i, reply)
         pending.clear()
+
+
+def _drained(queue: collections.deque[Todo]) -> Iterator[Todo]:
+    """The queue's batches, each taken off it as it is reached (what is left: not yet asked)."""
+    while queue:
+        yield queue.popleft()
 
 
 _REFUSED_FIRST = 8  # refusals before any reply that stop a server regen

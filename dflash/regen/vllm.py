@@ -112,6 +112,14 @@ def hf_sampling(folder: Path) -> tuple[tuple[str, float], ...]:
     return (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
 
 
+def position_limit(folder: Path) -> int:
+    """The target's max_position_embeddings (a large number where the config has none)."""
+    from dflash.model.loading import model_config
+
+    n = getattr(model_config(folder).get_text_config(), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else 1 << 20
+
+
 def model_len(folder: Path, longest_prompt: int, max_new: int) -> int:
     """vLLM's `max_model_len` for these prompts and replies: the longest prompt and its reply
     (and a margin), within the model's max_position_embeddings; one line when even the longest
@@ -234,25 +242,43 @@ class VllmReplier:
         sampling = hf_sampling(self.folder) if r.temperature > 0 else ()
         self.settings = ReplySettings(r.max_new_tokens, self.eos, r.temperature, r.seed, sampling)
         self.start_s = 0.0
+        self.engine: ReplyEngine | None = None
+        self.max_len = 0
+        # the longest prompt a later round may ask: the config's cap, else the target's positions
+        later = r.max_context_tokens or (position_limit(self.folder) - r.max_new_tokens)
+        self.longest = later if r.turns == "all" else 0
 
     def answer_all(self, queue: collections.deque[Todo], out: Output, budget_s: float) -> None:
-        """The queued prompts, until they are answered or `budget_s` seconds after the engine's start."""
+        """The queued prompts, until they are answered or `budget_s` seconds after the call (the
+        engine's start, on the first call, not counted). The engine stays up for regen's later
+        rounds (`close` ends it), sized on its first call for the longest prompt regen may ask
+        (`regen.max_context_tokens`, else the target's positions); a prompt longer than that
+        is refused (asked again by a later regen)."""
         items = [item for batch in queue for item in batch]
+        queue.clear()
         if not items:
             return
-        max_len = model_len(self.folder, max(len(ids) for _, ids in items), self.max_new)
         with sigterm_as_interrupt():
-            t0 = time.perf_counter()
-            engine = ReplyEngine(self.folder, self.target_dtype, max_len, self.settings, len(items))
-            self.start_s = time.perf_counter() - t0
+            if self.engine is None:
+                t0 = time.perf_counter()
+                longest = max(max(len(ids) for _, ids in items), self.longest)
+                self.max_len = model_len(self.folder, longest, self.max_new)
+                self.engine = ReplyEngine(self.folder, self.target_dtype, self.max_len, self.settings, len(items))
+                self.start_s = time.perf_counter() - t0
+            fits = [(i, ids) for i, ids in items if len(ids) + self.max_new <= self.max_len]
+            self.refused += len(items) - len(fits)
             try:
-                self._answer(engine, iter(items), out, time.perf_counter() + budget_s)
+                self._answer(self.engine, iter(fits), out, time.perf_counter() + budget_s)
+            except BaseException:
+                self.close()
+                raise
             finally:
                 out.flush()
-                engine.close()
 
     def close(self) -> None:
-        pass
+        if self.engine is not None:
+            self.engine, engine = None, self.engine
+            engine.close()
 
     def _answer(self, engine: ReplyEngine, feed: Iterator[tuple[int, list[int]]], out: Output, deadline: float) -> None:
         """The engine's steps until what `feed` holds and the engine takes by `deadline` is answered."""

@@ -443,3 +443,34 @@ def test_server_refuses_save_features(env):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"regen\.server: not an http"):
         env.cfg("x", 'regen.server="localhost:8000"')
+
+
+def test_a_server_answers_every_turn_with_its_own_replies_in_context(env, fake):
+    """Multi-turn chats: turn 2 is asked with the server's own reply to turn 1; the tools of an
+    agent's conversation go with its requests (tool_choice none: a text reply); a conversation
+    stopped mid-way (the server fails) resumes at its next turn, no turn asked twice."""
+    state, url = fake
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    chats = env.root / "turns.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"tell me about the {w} sea"},
+                           {"role": "assistant", "content": "no"}, {"role": "user", "content": f"why {w}"}],
+              **({"tools": tools} if w == "red" else {})} for w in ("red", "blue", "green", "one")]  # fmt: skip
+    chats.write_text("".join(json.dumps(c) + "\n" for c in lines), encoding="utf-8")
+    cfg = env.cfg("turns", f'regen.server="{url}"', f"regen.prompts={json.dumps(str(chats))}", "regen.holdout=0",
+                  "regen.batch_size=1")  # fmt: skip
+    state.fail_after = 5  # four first turns, one second: then the server fails
+    with pytest.raises(DFlashError):
+        regenerate(cfg, None, env.tokenizer, progress=False)
+    assert sorted(r["turn"] for r in _records(cfg)) == [1, 1, 1, 1, 2]
+    state.fail_after, asked = None, len(state.bodies)
+    again = regenerate(cfg, None, env.tokenizer, progress=False)
+    assert (again["resumed_from"], again["generated"], len(state.bodies) - asked) == (5, 3, 3)
+    records = _records(cfg)
+    assert sorted((r["id"], r["turn"]) for r in records) == [(i, k) for i in range(4) for k in (1, 2)]
+    for r in (r for r in records if r["turn"] == 2):
+        first, reply = r["messages"][0]["content"], r["messages"][1]
+        assert reply == {"role": "assistant", "content": f"sure {first}"}  # the server's own, not the file's "no"
+        assert r.get("tools") == (tools if "red" in first else None)
+    red = [b for b in state.bodies if "red" in b["messages"][0]["content"]]
+    assert red and all(b["tools"] == tools and b["tool_choice"] == "none" for b in red)
+    assert all("tools" not in b for b in state.bodies if b not in red)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from dflash.config import Config, load_config
+from dflash.data.prompts import load_prompts
 from dflash.errors import ConfigError
 from dflash.regen.vllm import ReplySettings, hf_sampling, model_len, sampling_options
 from tests.conftest import ROOT, dflash
@@ -156,8 +157,20 @@ def test_a_prompt_and_reply_past_the_targets_positions_is_one_line(env):
         model_len(folder, 4090, 12)
 
 
-def _records(path: Path) -> dict[int, list[dict[str, str]]]:
-    return {r["id"]: r["messages"] for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())}
+def _records(path: Path) -> dict[tuple[int, int], list[dict[str, str]]]:
+    return {(r["id"], r["turn"]): r["messages"] for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())}
+
+
+def _with_second_turns(env: Env) -> str:
+    """The prompt file's conversations, every other one with a second user turn: the config
+    override that reads them."""
+    path = env.root / "turns.jsonl"
+    convs = [json.loads(line) for line in (env.root / "prompts.jsonl").read_text(encoding="utf-8").splitlines()]
+    for i, c in enumerate(convs):
+        first = [m for m in c["messages"] if m["role"] != "assistant"]
+        c["messages"] = first + ([{"role": "assistant", "content": "ok"}, {"role": "user", "content": "why"}] if i % 2 else [])
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
+    return f"regen.prompts={json.dumps(str(path))}"
 
 
 def _stats(stdout: str) -> dict[str, Any]:
@@ -175,7 +188,10 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
     from dflash.model.target import load_target
     from dflash.regen import command as regen
 
-    local = env.cfg("hf")
+    over = _with_second_turns(env)  # every turn: the second asked with each engine's own first reply
+    local = env.cfg("hf", over)
+    turns = sum(len(t) for t in load_prompts(local).train)
+    assert turns > NUM_TRAIN
     tokenizer = load_tokenizer(local.target, local.data.cache_dir)
     target = load_target(local.target, torch.device("cpu"), local.drafter.num_layers, local.data.cache_dir)
     ours: dict[int, list[int]] = {}
@@ -186,22 +202,22 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
         return write(self, i, ids)
 
     monkeypatch.setattr(regen._OutputFile, "write_ids", recorded)
-    assert regen.regenerate(local, target, tokenizer, progress=False)["generated"] == NUM_TRAIN
+    assert regen.regenerate(local, target, tokenizer, progress=False)["generated"] == turns
 
     script, ids = env.root / "recording.py", env.root / "vllm_ids.json"
     script.write_text(RECORDING, encoding="utf-8")
-    args = [str(env.config), "--set", 'run.name="vllm"', "--set", 'regen.engine="vllm"']
+    args = [str(env.config), "--set", 'run.name="vllm"', "--set", 'regen.engine="vllm"', "--set", over]
     run_env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # dflash sizes it
     proc = subprocess.run([str(ENGINES_PY), str(script), str(ids), "regen", *args],
                           capture_output=True, text=True, timeout=240, cwd=ROOT, env=run_env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = _stats(proc.stdout)
-    assert (stats["engine"], stats["generated"], stats["target_dtype"]) == ("vllm", NUM_TRAIN, "float32")
+    assert (stats["engine"], stats["generated"], stats["target_dtype"]) == ("vllm", turns, "float32")
     theirs = {int(i): v for i, v in json.loads(ids.read_text()).items()}
     assert theirs == ours  # every reply's token ids
     assert sum(map(len, ours.values())) == stats["new_tokens"]
     assert len({tuple(v) for v in ours.values()}) > NUM_TRAIN // 2 and sum(len(v) < 12 for v in ours.values()) >= 3
-    vllm_cfg = env.cfg("vllm", 'regen.engine="vllm"')
+    vllm_cfg = env.cfg("vllm", 'regen.engine="vllm"', over)
     assert _records(vllm_cfg.regen_output) == _records(local.regen_output)  # the text, and the prompts by id
     assert vllm_cfg.regen_heldout.read_text() == local.regen_heldout.read_text()
 
@@ -209,5 +225,5 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=run_env)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = _stats(again.stdout)
-    assert (resumed["generated"], resumed["resumed_from"], resumed["engine_start_s"]) == (0, NUM_TRAIN, 0.0)
-    assert len(vllm_cfg.regen_output.read_text().splitlines()) == NUM_TRAIN
+    assert (resumed["generated"], resumed["resumed_from"], resumed["engine_start_s"]) == (0, turns, 0.0)
+    assert len(vllm_cfg.regen_output.read_text().splitlines()) == turns

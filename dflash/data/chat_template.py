@@ -41,6 +41,7 @@ class _Invalid(Exception):
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], gen: bool, kwargs: dict[str, Any]) -> str:
+    """`kwargs`: the template's options, and the conversation's `tools` where it has them."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kwargs)
     except Exception as err:  # jinja's raise_exception (roles must alternate, ...) and the like
@@ -99,14 +100,16 @@ def tokenize_many(
     tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[list[Message]],
     template_kwargs: dict[str, Any] | None = None,
+    tools: Sequence[list[Any] | None] | None = None,
 ) -> list[list[tuple[list[int], list[bool]]] | str]:
     """Per conversation its samples — (ids, loss mask): one, or one per assistant turn where the
     template rewrites earlier turns (the module docstring) — or the reason it cannot be used;
     one batched encode for all of them. `template_kwargs`: the chat template's options
-    (`data.chat_template_kwargs`, e.g. enable_thinking)."""
-    kw = dict(template_kwargs or {})
+    (`data.chat_template_kwargs`, e.g. enable_thinking); `tools`: each conversation's function
+    schemas (or None), rendered by the template."""
     plans: list[tuple[str, list[tuple[int, str, str]]] | str] = []
-    for messages in conversations:
+    for j, messages in enumerate(conversations):
+        kw = _with_tools(template_kwargs, tools[j] if tools is not None else None)
         try:
             plans.append((_render(tokenizer, messages, False, kw), _plan(tokenizer, messages, kw)))
         except _Invalid as err:
@@ -138,12 +141,20 @@ def tokenize_conversation(
     return got[-1]
 
 
+def _with_tools(template_kwargs: dict[str, Any] | None, tools: list[Any] | None) -> dict[str, Any]:
+    return {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+
+
 def prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], template_kwargs: dict[str, Any] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[Any] | None = None,
 ) -> list[int]:
     """Token ids of a prompt as the target is asked it: the chat template with the assistant's
-    turn opened (`add_generation_prompt`), as regen and eval feed it."""
+    turn opened (`add_generation_prompt`), as regen and eval feed it (`tools`: the
+    conversation's function schemas)."""
     enc = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **_with_tools(template_kwargs, tools)
     )
     return list(enc["input_ids"])

@@ -2,12 +2,16 @@
 
 Every supported layout (``formats.py``) hands its records here, so all of them become the
 same thing — a list of ``{"role", "content"}`` messages with roles ``system`` / ``user`` /
-``assistant`` — with where the record came from. Role spellings ``human``/``user`` → user,
-``gpt``/``assistant``/``model`` → assistant and ``system`` are accepted in both shapes
+``assistant`` / ``tool`` — with where the record came from and the record's ``tools`` (the
+function schemas the chat template renders). Role spellings ``human``/``user`` → user,
+``gpt``/``assistant``/``model`` → assistant, ``system`` and ``tool`` are accepted in both shapes
 (OpenAI ``messages`` and ShareGPT ``conversations``); any other role is an error, because
-silently dropping (say) a ``tool`` turn would train on a conversation the model never saw.
-A record that cannot be used is an ``InvalidRecord``, not an exception: whether it may be
-skipped is the caller's decision (``data.skip_invalid``).
+silently dropping a turn would train on a conversation the model never saw. Agent data in the
+OpenAI schema is read whole: an assistant message's ``tool_calls`` (its content may then be
+null) and a tool message's ``tool_call_id`` / ``name`` are kept for the template; content given
+as a list of parts is its text parts joined (any other part is an error). A record that cannot
+be used is an ``InvalidRecord``, not an exception: whether it may be skipped is the caller's
+decision (``data.skip_invalid``).
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from typing import Any, Literal
 
 from dflash.errors import DataError
 
-__all__ = ["ROLE_ALIASES", "Conversation", "InvalidRecord", "Message", "normalize_record", "parse_record"]
+__all__ = ["ROLE_ALIASES", "Conversation", "InvalidRecord", "Message", "normalize_record", "parse_record", "record_tools"]
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 # One table for both shapes: a ShareGPT file that says "user" or an OpenAI file that says
 # "gpt" is still unambiguous, and refusing it would only annoy.
@@ -31,7 +35,9 @@ ROLE_ALIASES: dict[str, str] = {
     "assistant": "assistant",
     "gpt": "assistant",
     "model": "assistant",
+    "tool": "tool",
 }
+_KEPT = ("tool_calls", "tool_call_id", "name")  # what a template reads of agent messages, kept as given
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Conversation:
     index: int  # JSONL: 1-based line; parquet / datasets: 0-based row
     unit: Literal["line", "row", "item"]
     messages: list[Message]
+    tools: list[Any] | None = None  # the record's function schemas, for the chat template
 
     @property
     def where(self) -> str:
@@ -57,6 +64,7 @@ class InvalidRecord:
     unit: Literal["line", "row", "item"]
     reason: str
     prompt: list[Message] | None = None  # a record whose one fault is no assistant turn: a prompt (regen)
+    tools: list[Any] | None = None  # that prompt's function schemas
 
     @property
     def where(self) -> str:
@@ -113,12 +121,44 @@ def _normalize_messages(turns: Any, key: str, role_key: str, content_key: str) -
         if canonical is None:
             allowed = ", ".join(ROLE_ALIASES)
             return f"'{key}'[{i}]: unknown role {role!r} (allowed: {allowed})"
-        if not isinstance(content, str):
-            return f"'{key}'[{i}].{content_key} must be a string, got {_type_name(content)}"
-        out.append({"role": canonical, "content": content})
+        message = _message(canonical, content, turn, f"'{key}'[{i}]", content_key)
+        if isinstance(message, str):
+            return message
+        out.append(message)
     if not out:
         return f"'{key}' is empty"
     return out
+
+
+def _message(role: str, content: Any, turn: dict[str, Any], where: str, content_key: str) -> Message | str:
+    """One normalised message, or the reason it cannot be read."""
+    calls = turn.get("tool_calls")
+    if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+        return f"{where}.tool_calls: a list, on an assistant message only"
+    if content is None and calls:
+        content = ""
+    if isinstance(content, list):  # OpenAI content parts: the text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return f"{where}.{content_key}: only text parts can be read ({{'type': 'text', 'text': ...}})"
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        return f"{where}.{content_key} must be a string, got {_type_name(content)}"
+    return {"role": role, "content": content, **{k: turn[k] for k in _KEPT if turn.get(k) is not None}}
+
+
+def record_tools(record: Any) -> list[Any] | None | str:
+    """A record's `tools` (OpenAI function schemas), None without, or the reason it is unusable."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            return "'tools' must be a list of objects, got a string"
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        return f"'tools' must be a list of objects, got {_type_name(tools)}"
+    return tools
 
 
 def parse_record(
@@ -127,6 +167,9 @@ def parse_record(
     got = normalize_record(record)
     if isinstance(got, str):
         return InvalidRecord(path, index, unit, got)
+    tools = record_tools(record)
+    if isinstance(tools, str):
+        return InvalidRecord(path, index, unit, tools)
     if not any(m["role"] == "assistant" for m in got):  # nothing to supervise: the loss mask would be all zeros
-        return InvalidRecord(path, index, unit, "conversation has no assistant turn", prompt=got)
-    return Conversation(path, index, unit, got)
+        return InvalidRecord(path, index, unit, "conversation has no assistant turn", prompt=got, tools=tools)
+    return Conversation(path, index, unit, got, tools)

@@ -18,6 +18,7 @@ from dflash.errors import DataError
 from dflash.store.packages import package_folder
 
 __all__ = [
+    "Chat",
     "Messages",
     "Prompts",
     "chatterbot_prompts",
@@ -32,7 +33,15 @@ __all__ = [
 Messages = list[dict[str, Any]]
 
 
-def chatterbot_prompts(language: str = "english") -> list[list[Messages]]:
+class Chat(list):  # type: ignore[type-arg]
+    """A conversation's turns (`turns_of`), with its `tools` (function schemas, or None)."""
+
+    def __init__(self, turns: list[Messages], tools: list[Any] | None = None) -> None:
+        super().__init__(turns)
+        self.tools = tools
+
+
+def chatterbot_prompts(language: str = "english") -> list[Chat]:
     """Every distinct utterance of the chatterbot corpus, as a one-turn user prompt (its turns)."""
     package = package_folder("chatterbot_corpus")
     if package is None:
@@ -52,7 +61,7 @@ def chatterbot_prompts(language: str = "english") -> list[list[Messages]]:
             for utt in conv or []:
                 if isinstance(utt, str) and utt.strip():
                     seen.setdefault(utt.strip(), None)
-    return [[[{"role": "user", "content": u}]] for u in seen]
+    return [Chat([[{"role": "user", "content": u}]]) for u in seen]
 
 
 def _is_reply(m: dict[str, Any]) -> bool:
@@ -89,10 +98,10 @@ def _asks(turns: list[Messages]) -> bool:
     )
 
 
-def jsonl_prompts(path: Path) -> list[list[Messages]]:
+def jsonl_prompts(path: Path) -> list[Chat]:
     """Conversations from a chat JSONL (`messages` or ShareGPT `conversations`, read as the data
     loader reads them: tools too), as their turns (`turns_of`)."""
-    from dflash.data.conversation import normalize_record
+    from dflash.data.conversation import normalize_record, record_tools
 
     if not path.is_file():
         msg = f"regen.prompts: file not found: {path}"
@@ -103,15 +112,17 @@ def jsonl_prompts(path: Path) -> list[list[Messages]]:
             if not raw.strip():
                 continue
             try:
-                got = normalize_record(json.loads(raw.decode("utf-8")))
+                record = json.loads(raw.decode("utf-8"))
+                got, tools = normalize_record(record), record_tools(record)
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                got = f"{type(err).__name__}: {err}"
-            if isinstance(got, str):
-                msg = f"{path}:{n}: not a chat record ({got})"
-                raise DataError(" ".join(msg.split()))
-            turns = turns_of(got)
+                got = tools = f"{type(err).__name__}: {err}"
+            for why in (got, tools):
+                if isinstance(why, str):
+                    msg = f"{path}:{n}: not a chat record ({why})"
+                    raise DataError(" ".join(msg.split()))
+            turns = turns_of(got)  # type: ignore[arg-type]
             if _asks(turns):
-                out.append(turns)
+                out.append(Chat(turns, tools))  # type: ignore[arg-type]
     if not out:
         msg = f"{path}: no prompts (no conversation with a user turn)"
         raise DataError(msg)
@@ -124,13 +135,13 @@ class Prompts(NamedTuple):
     the held-out conversations' turns, kept for eval; `sets`: (source, how many of `train`
     come from it)."""
 
-    train: list[list[Messages]]
-    held: list[list[Messages]]
+    train: list[Chat]
+    held: list[Chat]
     sets: list[tuple[str, int]]
     source: list[str]
 
 
-def file_prompts(source: str, skip_invalid: bool = False) -> list[list[Messages]]:
+def file_prompts(source: str, skip_invalid: bool = False) -> list[Chat]:
     """A prompt set from a file (pkg:PACKAGE/FILE too), each conversation as its turns. A
     `.json` file (a JSON array such as ShareGPT's, or lines), parquet or a `datasets` folder
     goes through the data loader: invalid records (a dump cut short ends in one) are skipped
@@ -161,7 +172,7 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[list[Messages]
             raise DataError(msg)
         turns = turns_of((rec.prompt if isinstance(rec, InvalidRecord) else rec.messages) or [])
         if _asks(turns):
-            out.append(turns)
+            out.append(Chat(turns, rec.tools))
     if skipped:  # as the data loader reports them
         first = skipped[0]
         warnings.warn(
@@ -192,14 +203,14 @@ def load_prompts(cfg: Config) -> Prompts:
     shuffled on its own; every conversation once, none whose first turn is held out or seen
     already). `regen.turns = "first"` keeps each conversation's first turn only."""
     r = cfg.regen
-    sets: list[list[list[Messages]]] = []
+    sets: list[list[Chat]] = []
     for i, src in enumerate(r.prompt_sources):
         got = chatterbot_prompts() if src == "chatterbot" else file_prompts(src, cfg.data.skip_invalid)
         random.Random(r.seed if i == 0 else f"{r.seed}/{i}").shuffle(got)
-        sets.append([t[:1] for t in got] if r.turns == "first" else got)
+        sets.append([Chat(t[:1], t.tools) for t in got] if r.turns == "first" else got)
     held = sets[0][: r.holdout]  # as the first set splits alone: adding sets keeps its held-out prompts
     seen = {prompt_key(p[0]) for p in held}
-    fresh: list[list[list[Messages]]] = []
+    fresh: list[list[Chat]] = []
     for j, got in enumerate(sets):
         fresh.append([])
         for p in got[r.holdout :] if j == 0 else got:

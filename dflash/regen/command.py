@@ -186,10 +186,11 @@ class _Chat:
     index; `ended`, no turn is asked any more (all answered, or one was too long); `left`, its
     turn went unanswered (the engine refused it): a later regen asks it again."""
 
-    __slots__ = ("ended", "index", "k", "left", "messages", "source", "turns")
+    __slots__ = ("ended", "index", "k", "left", "messages", "source", "tools", "turns")
 
     def __init__(self, index: int, turns: list[Messages], source: str, done: dict[str, dict[str, Any]]) -> None:
         self.index, self.turns, self.source = index, turns, source
+        self.tools: list[Any] | None = getattr(turns, "tools", None)
         self.k, self.messages, self.ended = 0, list(turns[0]), False
         self.left = False  # asked and not answered (refused): left for a later regen
         while not self.ended and (reply := done.get(prompt_key(self.messages))) is not None:
@@ -235,7 +236,8 @@ class _FeatureParts:
 
 class _OutputFile:
     """The output file as a replier's `Output`: each reply appended as a `{"id", "turn",
-    "messages"}` record (its conversation moves on to its next turn), counted by prompt set and
+    "messages"}` record (and `tools`, where the conversation has them; the conversation moves
+    on to its next turn), counted by prompt set and
     on the progress bar; feature entries go to the feature parts. A turn is asked under a
     slot number (`ask`), the index the replier is handed."""
 
@@ -257,6 +259,9 @@ class _OutputFile:
     def where(self, i: int) -> tuple[int, int]:
         return self.slots[i].index, self.slots[i].k + 1
 
+    def tools(self, i: int) -> list[Any] | None:
+        return self.slots[i].tools
+
     def write_ids(self, i: int, ids: list[int]) -> Messages:
         return self.write_text(i, self.tokenizer.decode(ids, skip_special_tokens=True), len(ids))
 
@@ -268,6 +273,8 @@ class _OutputFile:
         reply = {"role": "assistant", "content": text}
         msgs = [*chat.messages, reply]
         record: dict[str, Any] = {"id": chat.index, "turn": chat.k + 1, "messages": msgs}
+        if chat.tools:
+            record["tools"] = chat.tools
         if self.template_kwargs:  # the prompt's rendering depends on them: keep them with the reply
             record["chat_template_kwargs"] = self.template_kwargs
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -335,7 +342,7 @@ class _Rounds:
         for chat in window:
             if chat.ended or chat.left:
                 continue
-            ids = prompt_ids(self.tokenizer, chat.messages, self.cfg.data.chat_template_kwargs)
+            ids = prompt_ids(self.tokenizer, chat.messages, self.cfg.data.chat_template_kwargs, chat.tools)
             if len(ids) > self.caps[chat.k > 0]:
                 self.out.too_long(chat)
                 continue

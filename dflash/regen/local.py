@@ -162,16 +162,17 @@ def feature_entries(
     feats: list[torch.Tensor],
     template_kwargs: dict[str, Any],
     greedy: bool,
+    tools: list[list[Any] | None] | None = None,
 ) -> list[Entry | None]:
     """The feature-file entries of one batch of replies (see dflash/features/files.py).
 
-    `convs`: each conversation as written; `fed[r]`: the token ids the target ran over while
+    `convs`: each conversation as written (`tools`: its function schemas); `fed[r]`: the token ids the target ran over while
     generating it (prompt, then reply); `feats[r]` (len(fed[r]), k·H): its features there;
     `after[r]`: the token it generated after the last one fed. The entry is for the training
     sample that ends with the reply (the conversation's last). One whose tokenization does
     not start with `fed[r]` gets its features from one more target forward
     over that tokenization; one training would skip (invalid) gets None."""
-    tokenized = tokenize_many(tokenizer, convs, template_kwargs)
+    tokenized = tokenize_many(tokenizer, convs, template_kwargs, tools)
     entries: list[Entry | None] = [None] * len(convs)
     redo: list[tuple[int, list[int]]] = []
     for r, result in enumerate(tokenized):
@@ -251,6 +252,7 @@ class LocalReplier:
         kwargs = self._generate_kwargs()
         res, recorded = _generate(self.target, [ids for _, ids in batch], self.pad, self.eos, steps, kwargs, saving)
         convs: list[Messages] = []
+        tools: list[list[Any] | None] = []
         fed: list[list[int]] = []
         after: list[int] = []
         feats: list[torch.Tensor] = []
@@ -261,9 +263,12 @@ class LocalReplier:
                 after.append(int(res[r, len(reply)]))
                 feats.append(recorded[r][: len(toks) + len(reply)])
             convs.append(out.write_ids(i, reply))
+            tools.append(out.tools(i))
         out.flush()
         if recorded is not None:  # after the replies: a part without its replies is never read
             greedy = self.regen.temperature == 0
             out.write_features(
-                feature_entries(self.target, self.tokenizer, convs, fed, after, feats, self.template_kwargs, greedy)
+                feature_entries(
+                    self.target, self.tokenizer, convs, fed, after, feats, self.template_kwargs, greedy, tools
+                )
             )

@@ -12,7 +12,7 @@ resume, the held-out split and the feature files' folder are regen's, not a repl
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash.data.prompts import Messages
 
@@ -29,6 +29,10 @@ class Output(Protocol):
 
     def prompt(self, i: int) -> Messages:
         """Prompt i: the conversation its reply continues (the turn's prompt)."""
+        ...
+
+    def tools(self, i: int) -> list[Any] | None:
+        """Prompt i's conversation's function schemas (rendered with it), or None."""
         ...
 
     def where(self, i: int) -> tuple[int, int]:

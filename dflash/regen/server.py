@@ -325,7 +325,7 @@ class ServerReplier:
         try:
             while True:
                 while len(pending) < ahead and time.perf_counter() < deadline and (i := next(items, None)) is not None:
-                    pending.append((i, pool.submit(out.prompt(i), {**self.options, "seed": self.seed + i})))
+                    pending.append((i, pool.submit(out.prompt(i), self._options(out, i))))
                 if not pending:
                     done = True  # every request answered: nothing in flight to abort
                     return
@@ -345,6 +345,12 @@ class ServerReplier:
 
     def close(self) -> None:
         self.chat_server.close()
+
+    def _options(self, out: Output, i: int) -> dict[str, Any]:
+        """Prompt i's request options: regen's, its seed, and its conversation's tools (the
+        server renders them as the template does here; tool_choice none: a text reply)."""
+        tools = out.tools(i)
+        return {**self.options, "seed": self.seed + i, **({"tools": tools, "tool_choice": "none"} if tools else {})}
 
     def _take(self, out: Output, i: int, reply: Asked) -> None:
         """Training prompt i's reply written, or its refusal a warning record."""

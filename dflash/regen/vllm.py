@@ -242,7 +242,7 @@ class VllmReplier:
         sampling = hf_sampling(self.folder) if r.temperature > 0 else ()
         self.settings = ReplySettings(r.max_new_tokens, self.eos, r.temperature, r.seed, sampling)
         self.start_s = 0.0
-        self.engine: ReplyEngine | None = None
+        self._engine: ReplyEngine | None = None
         self.max_len = 0
         # the longest prompt a later round may ask: the config's cap, else the target's positions
         later = r.max_context_tokens or (position_limit(self.folder) - r.max_new_tokens)
@@ -259,16 +259,16 @@ class VllmReplier:
         if not items:
             return
         with sigterm_as_interrupt():
-            if self.engine is None:
+            if self._engine is None:
                 t0 = time.perf_counter()
                 longest = max(max(len(ids) for _, ids in items), self.longest)
                 self.max_len = model_len(self.folder, longest, self.max_new)
-                self.engine = ReplyEngine(self.folder, self.target_dtype, self.max_len, self.settings, len(items))
+                self._engine = ReplyEngine(self.folder, self.target_dtype, self.max_len, self.settings, len(items))
                 self.start_s = time.perf_counter() - t0
             fits = [(i, ids) for i, ids in items if len(ids) + self.max_new <= self.max_len]
             self.refused += len(items) - len(fits)
             try:
-                self._answer(self.engine, iter(fits), out, time.perf_counter() + budget_s)
+                self._answer(self._engine, iter(fits), out, time.perf_counter() + budget_s)
             except BaseException:
                 self.close()
                 raise
@@ -276,8 +276,8 @@ class VllmReplier:
                 out.flush()
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine, engine = None, self.engine
+        if self._engine is not None:
+            self._engine, engine = None, self._engine
             engine.close()
 
     def _answer(self, engine: ReplyEngine, feed: Iterator[tuple[int, list[int]]], out: Output, deadline: float) -> None:

@@ -281,9 +281,11 @@ def _eval_table(records: list[dict]) -> str:
         acc = " ".join(f"{x:5.2f}" for x in r["accept_per_position"][:k])
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         taus = f"{r['tau']:>7.3f}{r['tau_per_generation']:>9.3f}"
+        turns = r.get("tau_per_turn") or []
+        by_turn = "  tau by turn " + " / ".join(f"{t:.3f}" for t in turns) if len(turns) > 1 else ""
         rows.append(
             f"{r['prompt_set']:<14}{r['prompts']:>8}{r['generations']:>6}{taus}  "
-            f"{acc}{speed:>9}  {({True: 'yes', False: 'NO', None: 'sampled'})[r['lossless']]}"
+            f"{acc}{speed:>9}  {({True: 'yes', False: 'NO', None: 'sampled'})[r['lossless']]}{by_turn}"
         )
     mode = "greedy" if not records[0].get("temperature") else f"sampled at temperature {records[0]['temperature']}"
     if records[0].get("batch_size", 1) > 1:

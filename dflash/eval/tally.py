@@ -81,6 +81,8 @@ class _Tally:
         self.spec_s = self.plain_s = 0.0
         self.mismatches = self.generated = 0
         self.per_generation: list[float] = []  # each generation's own τ
+        self.turn = 0  # the turn depth being decoded (0: the first turn of each prompt)
+        self.per_turn: dict[int, list[int]] = {}  # turn -> [verify steps, tokens they gave]
 
     def add(self, spec: SpecOutput, plain: list[int], spec_s: float, plain_s: float) -> None:
         self.spec_s += spec_s
@@ -89,6 +91,9 @@ class _Tally:
         self.mismatches += self.temperature <= 0 and spec.tokens != plain
         for a in spec.accepted:
             self.hist[a] += 1
+        steps = self.per_turn.setdefault(self.turn, [0, 0])
+        steps[0] += len(spec.accepted)
+        steps[1] += sum(a + 1 for a in spec.accepted)
         if spec.accepted:
             self.per_generation.append(sum(a + 1 for a in spec.accepted) / len(spec.accepted))
 
@@ -119,6 +124,8 @@ class _Tally:
             "block_size": self.B,
             "temperature": self.temperature,
             "family_head": self.family_head,  # False: drafted from the backbone's logits alone (eval.family_head)
+            # τ of each turn depth (turn 1, 2, ... of multi-turn prompts: MT-Bench's second turns apart)
+            "tau_per_turn": [round(n / k, 4) if k else 0.0 for k, n in (self.per_turn[t] for t in sorted(self.per_turn))],
         }
 
 
@@ -223,6 +230,7 @@ def evaluate_chat(
     with _eval_mode(drafter):
         for group, k in ((g, k) for g in groups for k in range(max(len(prompts[i]) for i in g))):
             rows = [i for i in group if k < len(prompts[i])]
+            run.tally.turn = k
             ids = []
             for i in rows:
                 histories[i] = [*histories[i], *prompts[i][k]]

@@ -171,7 +171,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
             "max_seq_len": 64,
         },
         "drafter": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "mask_token_id": mask_id},
-        "train": {"epochs": 1, "log_every": 1}, "optimizer": {"lr": 1e-2},
+        "train": {"epochs": 1, "log_every": 1},
+        "optimizer": {"lr": 1e-2},
         "profile": {"interval_s": 5.0},
         "eval": {"num_prompts": 2, "max_new_tokens": 8, "at_end": True},
     }
@@ -400,7 +401,9 @@ def test_regen_max_prompt_tokens_skips_longer_prompts_and_counts_them(env: Env, 
     _, tokenizer = loaded
     cfg = env.cfg("cap", "regen.max_prompts=12")
     train = load_prompts(cfg).train
-    ids = [tokenizer.apply_chat_template(p[0], add_generation_prompt=True, tokenize=True, return_dict=True) for p in train]
+    ids = [
+        tokenizer.apply_chat_template(p[0], add_generation_prompt=True, tokenize=True, return_dict=True) for p in train
+    ]
     lengths = [len(x["input_ids"]) for x in ids]
     cap = sorted(lengths)[len(lengths) // 2]
     keep = {i for i, n in enumerate(lengths) if n <= cap}

@@ -77,7 +77,9 @@ def _conversations() -> list[dict[str, Any]]:
     """16 chats of one to three user turns (the source's replies are the target's to write);
     every fourth one an agent's: a tool call and its result before the reply."""
     out = []
-    for i, subject in enumerate(f"{a} {s}" for a in ("red", "blue", "green", "one") for s in ("cat", "dog", "sun", "sea")):
+    for i, subject in enumerate(
+        f"{a} {s}" for a in ("red", "blue", "green", "one") for s in ("cat", "dog", "sun", "sea")
+    ):
         msgs: list[dict[str, Any]] = [_user(f"tell me about the {subject}")]
         if i % 4 == 3:
             call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
@@ -124,8 +126,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
         "target": {"kind": "hf", "path": str(root / "model"), "stop_token": "<|im_end|>"},
         "regen": {"prompts": str(prompts), "holdout": 2, "max_new_tokens": 6, "batch_size": 3},
         "data": {
-            "source": "files", "files": [{"path": str(runs / "main" / "regen.jsonl")}], "cache_dir": str(root / "cache"),
-            "batch_size": 4, "max_seq_len": 128, "chat_template_kwargs": THINK,
+            "source": "files", "files": [{"path": str(runs / "main" / "regen.jsonl")}],
+            "cache_dir": str(root / "cache"), "batch_size": 4, "max_seq_len": 128, "chat_template_kwargs": THINK,
         },
         "drafter": {"num_layers": 1, "block_size": 4, "max_anchors": 8,
                     "mask_token_id": tok.convert_tokens_to_ids("<|mask|>")},
@@ -222,7 +224,9 @@ def test_a_prefix_stable_conversation_stays_one_sample_and_its_earlier_turns_rec
     turn1 = [_user("hi"), {"role": "assistant", "content": "hello there"}]
     turn2 = [*turn1, _user("bye"), {"role": "assistant", "content": "ok"}]
     path = tmp_path / "r.jsonl"
-    path.write_text("".join(json.dumps({"id": 0, "turn": k, "messages": m}) + "\n" for k, m in ((1, turn1), (2, turn2))))
+    path.write_text(
+        "".join(json.dumps({"id": 0, "turn": k, "messages": m}) + "\n" for k, m in ((1, turn1), (2, turn2)))
+    )
     off = {"enable_thinking": False}
     got, stats = load_samples(
         DataConfig(source="files", files=[{"path": str(path)}], chat_template_kwargs=off), env.tokenizer,
@@ -291,11 +295,15 @@ def test_an_interrupted_regen_resumes_mid_conversation(env, full, monkeypatch):
 
 def test_later_turns_over_max_context_tokens_are_skipped_with_the_rest_of_their_conversation(env, full):
     _, whole = full
-    longest_first = max(len(prompt_ids(env.tokenizer, r["messages"][:-1], THINK, r.get("tools"))) for r in whole if r["turn"] == 1)
-    stats = regenerate(env.cfg("capped", f"regen.max_context_tokens={longest_first}"), env.target, env.tokenizer, progress=False)
+    longest_first = max(
+        len(prompt_ids(env.tokenizer, r["messages"][:-1], THINK, r.get("tools"))) for r in whole if r["turn"] == 1
+    )
+    stats = regenerate(
+        env.cfg("capped", f"regen.max_context_tokens={longest_first}"), env.target, env.tokenizer, progress=False
+    )
     assert stats["too_long"] > 0 and stats["generated"] + stats["too_long"] <= len(whole)
-    assert all(r["turn"] == 1 or len(prompt_ids(env.tokenizer, r["messages"][:-1], THINK, r.get("tools"))) <= longest_first
-               for r in _records(env.cfg("capped")))  # fmt: skip
+    asked = [prompt_ids(env.tokenizer, r["messages"][:-1], THINK, r.get("tools")) for r in _records(env.cfg("capped"))]
+    assert all(len(ids) <= longest_first for ids in asked)
     first_only = regenerate(env.cfg("first", 'regen.turns="first"'), env.target, env.tokenizer, progress=False)
     assert first_only["generated"] == len([r for r in whole if r["turn"] == 1])
 

@@ -168,7 +168,9 @@ def _with_second_turns(env: Env) -> str:
     convs = [json.loads(line) for line in (env.root / "prompts.jsonl").read_text(encoding="utf-8").splitlines()]
     for i, c in enumerate(convs):
         first = [m for m in c["messages"] if m["role"] != "assistant"]
-        c["messages"] = first + ([{"role": "assistant", "content": "ok"}, {"role": "user", "content": "why"}] if i % 2 else [])
+        c["messages"] = first + (
+            [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "why"}] if i % 2 else []
+        )
     path.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
     return f"regen.prompts={json.dumps(str(path))}"
 

@@ -22,7 +22,15 @@ from typing import Any, Literal
 
 from dflash.errors import DataError
 
-__all__ = ["ROLE_ALIASES", "Conversation", "InvalidRecord", "Message", "normalize_record", "parse_record", "record_tools"]
+__all__ = [
+    "ROLE_ALIASES",
+    "Conversation",
+    "InvalidRecord",
+    "Message",
+    "normalize_record",
+    "parse_record",
+    "record_tools",
+]
 
 Message = dict[str, Any]
 
@@ -146,7 +154,7 @@ def _message(role: str, content: Any, turn: dict[str, Any], where: str, content_
     return {"role": role, "content": content, **{k: turn[k] for k in _KEPT if turn.get(k) is not None}}
 
 
-def record_tools(record: Any) -> list[Any] | None | str:
+def record_tools(record: Any) -> list[Any] | str | None:
     """A record's `tools` (OpenAI function schemas), None without, or the reason it is unusable."""
     tools = record.get("tools") if isinstance(record, dict) else None
     if isinstance(tools, str):

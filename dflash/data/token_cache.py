@@ -45,7 +45,9 @@ class FileSamples:
     ids: torch.Tensor  # (N,) int32, every sample's ids back to back
     mask: torch.Tensor  # (N,) bool
     offsets: torch.Tensor  # (n+1,) int64; sample j is [offsets[j], offsets[j+1])
-    counts: dict[str, int] = field(default_factory=dict)  # records, skipped_invalid, truncated, dropped_overlong, continued
+    counts: dict[str, int] = field(
+        default_factory=dict
+    )  # records, skipped_invalid, truncated, dropped_overlong, continued
     first_skipped: str | None = None
 
     @property
@@ -137,7 +139,9 @@ def read_cache(cache_dir: Path, key: str) -> FileSamples | None:
         )
         if not ok:
             return None
-        counts = {k: int(meta.get(k, 0)) for k in ("records", "skipped_invalid", "truncated", "dropped_overlong", "continued")}
+        counts = {
+            k: int(meta.get(k, 0)) for k in ("records", "skipped_invalid", "truncated", "dropped_overlong", "continued")
+        }
         return FileSamples(ids, mask, offsets, counts, meta.get("first_skipped"))
     except Exception:
         return None

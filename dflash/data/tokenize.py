@@ -105,7 +105,10 @@ class _FileTokens:
     def flush(self) -> None:
         """The pending conversations through the chat template, in one batched call."""
         results = tokenize_many(
-            self.tokenizer, [c.messages for c in self.pending], self.cfg.chat_template_kwargs, [c.tools for c in self.pending]
+            self.tokenizer,
+            [c.messages for c in self.pending],
+            self.cfg.chat_template_kwargs,
+            [c.tools for c in self.pending],
         )
         for conv, got in zip(self.pending, results, strict=True):
             if isinstance(got, str):

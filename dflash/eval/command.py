@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.data.chat_template import prompt_ids
 from dflash.errors import ConfigError, DataError
 from dflash.eval.engine import (
     check_llamacpp_drafter,
@@ -19,6 +18,7 @@ from dflash.eval.engine import (
     evaluate_in_llamacpp,
     evaluate_in_vllm,
 )
+from dflash.eval.engine_turns import evaluate_engine_turns
 from dflash.eval.fit import check_drafter_fits
 from dflash.eval.prompts import eval_prompts, load_prompt_set, reads_chat_prompts, require_eval_prompts, stop_ids
 from dflash.eval.tally import DecodeSettings, evaluate, evaluate_chat
@@ -94,7 +94,7 @@ def run_eval(
     none: the run's held-out or random prompts, `eval.num_prompts` of them). One `eval`
     record per set, with `prompt_set`. `limit`: at most this many prompts per set.
     `engine = "vllm"` / `"llamacpp"`: decoded in vLLM / llama-server instead (`eval/engine.py`;
-    a chat set's first turns), vLLM's target over `tensor_parallel` devices."""
+    every turn of a chat set, `eval/engine_turns.py`), vLLM's target over `tensor_parallel` devices."""
     _refuse_engine(cfg, engine)
     t_dev = check_device(cfg.pipeline.target_devices[0], "pipeline.target_devices[0]")
     d_dev = check_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices[0]")
@@ -115,13 +115,11 @@ def run_eval(
         msg = "--prompts: chat prompt sets need a target with a tokenizer (target.kind = 'hf' or 'gguf')"
         raise DataError(msg)
     kwargs = dict(cfg.data.chat_template_kwargs)
-    if engine != "dflash":  # first turns: later ones would follow each engine's own replies
-        firsts = {
-            ps.name: [torch.tensor(prompt_ids(tokenizer, p[0], kwargs)) for p in ps.prompts[:limit]] for ps in sets
-        }
-        if engine == "llamacpp":
-            return evaluate_in_llamacpp(cfg, target, drafter, drafter_path, firsts, settings, kwargs)
-        return evaluate_in_vllm(cfg, target, drafter, drafter_path, firsts, settings, kwargs, tensor_parallel)
+    if engine != "dflash":  # every turn, each after the engine's own reply to the one before
+        chats = {ps.name: ps.prompts[:limit] for ps in sets}
+        return evaluate_engine_turns(
+            cfg, engine, target, tokenizer, drafter, drafter_path, chats, settings, kwargs, tensor_parallel
+        )
     return [
         {"prompt_set": ps.name, **evaluate_chat(target, drafter, head, tokenizer, ps.prompts[:limit], settings, kwargs),
          "chat_template_kwargs": kwargs}

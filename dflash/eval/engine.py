@@ -83,10 +83,12 @@ def evaluate_in_vllm(
     settings: DecodeSettings,
     template_kwargs: dict[str, Any] | None = None,
     tensor_parallel: int = 1,
+    outputs: dict[str, list[list[int]]] | None = None,
 ) -> list[dict[str, Any]]:
     """The `eval` records of the export in vLLM, one per prompt set (name → token-id prompts;
-    greedy only). `template_kwargs`: the chat template options the prompts were rendered with
-    (a chat set's first turns), kept in each record as our chat eval's are. A target loaded
+    greedy only). `template_kwargs`: the chat template options the prompts were rendered with,
+    kept in each record as our chat eval's are; `outputs`: filled with vLLM's speculative
+    outputs per set (the next turn's context, `evaluate_engine_turns`). A target loaded
     without its decoder layers (`target.load = "head"`) has no decoding of ours to compare:
     `dflash_tau` and `identical_to_dflash_greedy` are null, `lossless` is vLLM's against itself."""
     _greedy_only(settings.temperature)
@@ -109,6 +111,8 @@ def evaluate_in_vllm(
             mine = evaluate(target, drafter, head, prompts, settings)
         records.append({"prompt_set": name, **chat, **_record("vllm", spec_run, plain, ours, mine)})
         records[-1]["speculative_config"] = vllm.speculative_config(path, drafter.spec)
+        if outputs is not None:
+            outputs[name] = spec_run.outputs
     return records
 
 
@@ -195,6 +199,7 @@ def evaluate_in_llamacpp(
     sets: Mapping[str, Sequence[torch.Tensor]],
     settings: DecodeSettings,
     template_kwargs: dict[str, Any] | None = None,
+    outputs: dict[str, list[list[int]]] | None = None,
 ) -> list[dict[str, Any]]:
     """The `eval` records of the drafter in llama-server, one per prompt set: the target's
     GGUF (`target_gguf`), the drafter written to GGUF beside it (a temporary file, f32), one
@@ -230,6 +235,8 @@ def evaluate_in_llamacpp(
         record["llamacpp_plain_tokens_per_s"] = _tokens_per_s(plain)
         record["target_gguf"] = str(t_gguf)
         records.append({"prompt_set": name, **chat, **record})
+        if outputs is not None:
+            outputs[name] = spec_run.outputs
     return records
 
 

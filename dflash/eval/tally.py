@@ -125,7 +125,9 @@ class _Tally:
             "temperature": self.temperature,
             "family_head": self.family_head,  # False: drafted from the backbone's logits alone (eval.family_head)
             # τ of each turn depth (turn 1, 2, ... of multi-turn prompts: MT-Bench's second turns apart)
-            "tau_per_turn": [round(n / k, 4) if k else 0.0 for k, n in (self.per_turn[t] for t in sorted(self.per_turn))],
+            "tau_per_turn": [
+                round(n / k, 4) if k else 0.0 for k, n in (self.per_turn[t] for t in sorted(self.per_turn))
+            ],
         }
 
 

@@ -370,7 +370,9 @@ def _regenerate(
     done = _answered(out_path, cfg.data.chat_template_kwargs)
     _check_held_out(out_path, done, prompts.held)
     write_jsonl(cfg.regen_heldout, [{"id": i, "messages": _held_out(p)} for i, p in enumerate(prompts.held)])
-    chats = [_Chat(i, turns, src, done) for i, (turns, src) in enumerate(zip(prompts.train, prompts.source, strict=True))]
+    chats = [
+        _Chat(i, turns, src, done) for i, (turns, src) in enumerate(zip(prompts.train, prompts.source, strict=True))
+    ]
     already = sum(c.k for c in chats)
     t0 = time.perf_counter()
     features = _FeatureParts(out_path, target, cfg.regen.temperature == 0) if cfg.regen.save_features else None

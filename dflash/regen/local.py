@@ -166,8 +166,8 @@ def feature_entries(
 ) -> list[Entry | None]:
     """The feature-file entries of one batch of replies (see dflash/features/files.py).
 
-    `convs`: each conversation as written (`tools`: its function schemas); `fed[r]`: the token ids the target ran over while
-    generating it (prompt, then reply); `feats[r]` (len(fed[r]), k·H): its features there;
+    `convs`: each conversation as written (`tools`: its function schemas); `fed[r]`: the token
+    ids the target ran over while generating it (prompt, then reply); `feats[r]` (len(fed[r]), k·H): its features there;
     `after[r]`: the token it generated after the last one fed. The entry is for the training
     sample that ends with the reply (the conversation's last). One whose tokenization does
     not start with `fed[r]` gets its features from one more target forward

@@ -320,3 +320,27 @@ def test_regen_output_trains_one_sample_per_turn_with_thinking_on(env, full):
     steps = [r for r in got if r["event"] == "train_step"]
     assert steps and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
     assert not [r for r in got if r["event"] in ("warning", "run_failed")]
+
+
+def test_a_stopped_regen_has_answered_each_set_in_its_share(env, tmp_path):
+    """Two sets weighted 0.3 / 0.7, a third of the second's first turns over max_prompt_tokens
+    (skipped, the set's next conversation in their place): wherever the output is cut past 100
+    prompts, each set's share of the prompts answered is within 5 % of its weight."""
+    words = WORDS.split()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"messages": [_user(f"hi {w} {v}")]}) + "\n" for w in words[:20] for v in words[:10]))
+    b.write_text("".join(
+        json.dumps({"messages": [_user(f"tell me {w} {v}" + (" sea" * 30 if j % 3 == 0 else ""))]}) + "\n"
+        for j, (w, v) in enumerate((w, v) for w in words[20:40] for v in words[:15])
+    ))  # fmt: skip
+    sets = f'regen.prompts=[{{source = "{a}", weight = 0.3}}, {{source = "{b}", weight = 0.7}}]'
+    cfg = env.cfg("shares", sets, "regen.max_prompt_tokens=20", "regen.max_new_tokens=1", "regen.batch_size=32")
+    stats = regenerate(cfg, env.target, env.tokenizer, progress=False)
+    assert stats["per_set"][str(b)]["too_long"] == 100
+    mine = {json.dumps(p, sort_keys=True): src for p, src in ((json.loads(x)["messages"], s) for s in (a, b)
+            for x in s.read_text().splitlines())}  # fmt: skip
+    order = [mine[json.dumps(r["messages"][:-1], sort_keys=True)] for r in _records(cfg) if r["turn"] == 1]
+    assert len(order) > 250
+    for n in range(100, 250):
+        share = order[:n].count(a) / n
+        assert abs(share - 0.3) <= 0.05, (n, share)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -186,18 +187,19 @@ class _Chat:
     index; `ended`, no turn is asked any more (all answered, or one was too long); `left`, its
     turn went unanswered (the engine refused it): a later regen asks it again."""
 
-    __slots__ = ("ended", "index", "k", "left", "messages", "source", "tools", "turns")
+    __slots__ = ("ended", "ids", "index", "k", "left", "messages", "source", "tools", "turns")
 
     def __init__(self, index: int, turns: list[Messages], source: str, done: dict[str, dict[str, Any]]) -> None:
         self.index, self.turns, self.source = index, turns, source
         self.tools: list[Any] | None = getattr(turns, "tools", None)
         self.k, self.messages, self.ended = 0, list(turns[0]), False
         self.left = False  # asked and not answered (refused): left for a later regen
+        self.ids: list[int] | None = None  # the next turn's prompt ids, once rendered
         while not self.ended and (reply := done.get(prompt_key(self.messages))) is not None:
             self.answered(reply)  # answered by an earlier regen: its reply is the context now
 
     def answered(self, reply: dict[str, Any]) -> None:
-        self.k += 1
+        self.k, self.ids = self.k + 1, None
         if self.k < len(self.turns):
             self.messages = [*self.messages, reply, *self.turns[self.k]]
         else:
@@ -309,7 +311,9 @@ class _Rounds:
     """The conversations answered window by window (8 batches of them, in the drawn order):
     each window's next turns in rounds — its conversations' first open turns, then the turns
     after them — until the window is done, the time budget is spent or the replier leaves
-    work behind (`regen.max_minutes`)."""
+    work behind (`regen.max_minutes`). Conversations are drawn from the sets by weight among
+    those whose first turn fits `regen.max_prompt_tokens` (`_drawn`): the sets' shares hold
+    for the prompts answered, not only for the prompts asked."""
 
     def __init__(self, cfg: Config, tokenizer: Any, replier: Replier, out: _OutputFile) -> None:
         self.cfg, self.tokenizer, self.replier, self.out = cfg, tokenizer, replier, out
@@ -317,11 +321,34 @@ class _Rounds:
         self.caps = (r.max_prompt_tokens or math.inf, r.max_context_tokens or math.inf)  # turn 1, later turns
         self.window = 8 * r.batch_size
 
+    def _ids(self, chat: _Chat) -> list[int]:
+        if chat.ids is None:
+            chat.ids = prompt_ids(self.tokenizer, chat.messages, self.cfg.data.chat_template_kwargs, chat.tools)
+        return chat.ids
+
+    def _drawn(self, chats: list[_Chat]) -> Iterator[_Chat]:
+        """The conversations with a turn left, each set's in its order, the set whose next one
+        is due soonest by weight first ((n + 1/2) / weight, n: its conversations drawn so far,
+        answered ones of an earlier regen included); a first turn over its cap is skipped
+        (`too_long`) and does not count, so the set's next one takes its place."""
+        r = self.cfg.regen
+        weight = dict(zip(r.prompt_sources, r.prompt_weights, strict=True))
+        left = {src: collections.deque(c for c in chats if c.source == src) for src in r.prompt_sources}
+        taken = dict.fromkeys(left, 0)
+        while live := [src for src in left if left[src]]:
+            src = min(live, key=lambda s: ((taken[s] + 0.5) / weight[s], r.prompt_sources.index(s)))
+            chat = left[src].popleft()
+            if chat.k == 0 and not chat.ended and len(self._ids(chat)) > self.caps[0]:
+                self.out.too_long(chat)
+                continue
+            taken[src] += 1
+            if not chat.ended:
+                yield chat
+
     def answer(self, chats: list[_Chat], budget_s: float) -> None:
         t0, first = time.perf_counter(), True
-        todo = [c for c in chats if not c.ended]
-        for w in range(0, len(todo), self.window):
-            window = todo[w : w + self.window]
+        drawn_chats = self._drawn(chats)
+        while window := list(itertools.islice(drawn_chats, self.window)):
             drawn = True  # the window's first round: batches in the drawn order (the sets' shares)
             while batch := self._round(window):
                 left = budget_s - (time.perf_counter() - t0 - self.replier.start_s)
@@ -342,7 +369,7 @@ class _Rounds:
         for chat in window:
             if chat.ended or chat.left:
                 continue
-            ids = prompt_ids(self.tokenizer, chat.messages, self.cfg.data.chat_template_kwargs, chat.tools)
+            ids = self._ids(chat)
             if len(ids) > self.caps[chat.k > 0]:
                 self.out.too_long(chat)
                 continue

@@ -35,7 +35,7 @@ def test_every_turn_is_asked_after_the_engines_own_reply_and_the_rounds_merge(mo
     tok = _Tok()
     asked: list[dict[str, list[str]]] = []
 
-    def engine(cfg, target, drafter, path, sets, settings, kwargs, *rest):  # noqa: ANN001, ARG001
+    def engine(cfg, target, drafter, path, sets, settings, kwargs, *rest):
         outputs = rest[-1]
         asked.append({name: [tok.decode(p.tolist()) for p in prompts] for name, prompts in sets.items()})
         records = []

@@ -140,7 +140,7 @@ def drafting(family: str, ours: DFlashDrafter, ref: torch.nn.Module, g: torch.Ge
         if family == "dflash2":
             cands, scores = ref.candidate_selector.select(unary[slot], h_ref[0, slot], prev)
             pick = cands[scores.argmax()]
-            u = (h[0, slot] @ ref.lm_head.weight.t())
+            u = h[0, slot] @ ref.lm_head.weight.t()
             c = u.topk(ours.candidate_selector.top_k).indices
             mine.append(ours.candidate_selector.scores(u[c], h[0, slot], tokens[0, i - 1] if i else anchor[0], c))
         else:

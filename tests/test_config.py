@@ -278,7 +278,7 @@ def test_a_checkpoint_written_with_the_old_keys_loads_in_the_new_layout(tmp_path
 
     from dflash.train.checkpoint import Snapshot, load_checkpoint, write_checkpoint
 
-    toml = '[run]\nseed = 0\n[train]\nepochs = 2\nlr = 0.001\nloss_chunk = 64\n'
+    toml = "[run]\nseed = 0\n[train]\nepochs = 2\nlr = 0.001\nloss_chunk = 64\n"
     snap = Snapshot(1, {"w": torch.zeros(2)}, {"state.0.step": torch.zeros(())}, {
         "step": 1, "cursor": None, "scheduler": {}, "param_groups": [],
     }, toml)  # fmt: skip

@@ -15,9 +15,7 @@ from dflash.stages.drafter_step import Lookahead, device_tensors
 def test_a_flex_mask_hands_over_the_layout_its_kernels_read():
     """A BlockMask's mask_mod closes over the layout's anchors, valid flags and document ids,
     which flex attention's kernels read on the forward stream: they are held there too."""
-    layout = BlockLayout(
-        torch.tensor([[1, 3]]), torch.tensor([[True, True]]), torch.zeros(1, 6, dtype=torch.long), 2
-    )
+    layout = BlockLayout(torch.tensor([[1, 3]]), torch.tensor([[True, True]]), torch.zeros(1, 6, dtype=torch.long), 2)
     spec = SimpleNamespace(layer_types=["full_attention"], sliding_window=4, sliding_causal_block=True)
     masks = layer_masks(layout, spec, use_flex=True)
     found = {id(t) for t in device_tensors({"masks": masks})}

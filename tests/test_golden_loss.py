@@ -82,6 +82,7 @@ LATE_STEP_OF = {"dflash2": 20, "dspark": 20}
 def _rel(key: str, step: int, name: str) -> float:
     return LATE_REL_OF[key] if step > LATE_STEP_OF.get(name, LATE_STEP) else REL_OF[key]
 
+
 WHY = (
     "Losses of the tiny config's whole default run. A change that moves these numbers changes what "
     "training computes: it must rewrite this file (the command below) and say why in its commit "

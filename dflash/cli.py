@@ -313,7 +313,22 @@ def _eval_table(records: list[dict]) -> str:
 @click.option("--target", "target_path", type=click.Path(path_type=Path),
               help="--format gguf: the target's GGUF file or Hugging Face folder, whose vocabulary the drafter "
                    "borrows (default: the run's target)")  # fmt: skip
-def export_cmd(checkpoint: Path, out: Path, fmt: str, gguf_type: str, target_path: Path | None) -> None:
+@click.option("--draft-max", type=click.IntRange(min=1), default=None,
+              help="--format gguf: the printed llama-server command's --spec-draft-n-max (default: every slot a "
+                   "block drafts)")  # fmt: skip
+@click.option("--draft-p-min", type=click.FloatRange(0, 1), default=None,
+              help="--format gguf: the printed command's --spec-draft-p-min, the least probability a drafted "
+                   "token needs (default: llama.cpp's); where acceptance is low, drafting every slot wastes "
+                   "verification (bench/llamacpp_sweep.py measures the fastest)")  # fmt: skip
+def export_cmd(
+    checkpoint: Path,
+    out: Path,
+    fmt: str,
+    gguf_type: str,
+    target_path: Path | None,
+    draft_max: int | None,
+    draft_p_min: float | None,
+) -> None:
     """Turn a checkpoint folder (mid-run, emergency or final), or a run folder's latest
     complete checkpoint, into an exported drafter in OUT (a folder; --format gguf: a .gguf
     file, from an export folder too)."""
@@ -330,7 +345,7 @@ def export_cmd(checkpoint: Path, out: Path, fmt: str, gguf_type: str, target_pat
     from dflash import logs
 
     if fmt == "gguf":
-        _export_gguf(source, checkpoint, out, gguf_type, target_path)
+        _export_gguf(source, checkpoint, out, gguf_type, target_path, (draft_max, draft_p_min))
         return
     from dflash.model.export import load_drafter, speculative_config
 
@@ -341,9 +356,17 @@ def export_cmd(checkpoint: Path, out: Path, fmt: str, gguf_type: str, target_pat
     logs.human(f"dflash export: {source} -> {out}; in vLLM: speculative_config = {json.dumps(spec_cfg)}")
 
 
-def _export_gguf(source: Path, given: Path, out: Path, gtype: str, target_path: Path | None) -> None:
+def _export_gguf(
+    source: Path,
+    given: Path,
+    out: Path,
+    gtype: str,
+    target_path: Path | None,
+    drafting: tuple[int | None, float | None],
+) -> None:
     """`dflash export --format gguf`: the drafter (a checkpoint or an export folder) as one
-    GGUF file, its vocabulary the target's (--target, else the run's own target)."""
+    GGUF file, its vocabulary the target's (--target, else the run's own target); `drafting`:
+    the printed command's draft count and minimum probability (None: the defaults)."""
     from dflash import logs
     from dflash.model.export import load_drafter, run_target
     from dflash.model.export_gguf import read_target_gguf, write_gguf
@@ -365,10 +388,13 @@ def _export_gguf(source: Path, given: Path, out: Path, gtype: str, target_path: 
     vocab = read_target_gguf(llamacpp.vocab_gguf(target_path, cache_root(cache)), target_path)
     write_gguf(drafter.spec, drafter.state_dict(), vocab, out, gtype, name=f"dflash {drafter.spec.family} drafter")
     served = target_path if target_path.is_file() else "TARGET.gguf"  # an HF target: its GGUF, once converted
-    serve = llamacpp.serve_command(served, out, drafter.spec.family, drafter.spec.drafts)
+    draft_max, p_min = drafting
+    serve = llamacpp.serve_command(
+        served, out, drafter.spec.family, min(draft_max or 1 << 30, drafter.spec.drafts), p_min
+    )
     click.echo(logs.render({"event": "export", "checkpoint": str(source), "path": str(out), "format": "gguf",
                             "gguf_type": gtype, "llama_server": serve}))  # fmt: skip
-    built = "" if llamacpp.server_binary().is_file() else " (make llamacpp builds llama-server)"
+    built = "" if llamacpp.server_binary().is_file() else " (its llama-server once built: make llamacpp)"
     logs.human(f"dflash export: {source} -> {out} (GGUF, {gtype}); in llama.cpp{built}: {serve}")
 
 

@@ -210,3 +210,15 @@ def test_a_drafter_for_another_target_is_refused_before_writing(tiny_llama, tmp_
     assert proc.returncode == 2 and "give the target with --target" in proc.stderr
     proc = dflash("export", str(export), str(tmp_path / "d"), "--format", "gguf", "--target", str(tiny_llama))
     assert proc.returncode == 2 and "ending in .gguf" in proc.stderr
+
+
+def test_the_printed_llama_server_command_names_the_built_binary_and_its_draft_settings(tmp_path, monkeypatch):
+    """The command runs as printed: `make llamacpp`'s llama-server by its path (built or not
+    yet), the drafter's flags, and the draft count and minimum probability asked for."""
+    monkeypatch.chdir(tmp_path)
+    command = llamacpp.serve_command("t.gguf", "d.gguf", "dspark", 2, 0.75)
+    binary, rest = command.split(" ", 1)
+    assert Path(binary) == llamacpp.server_binary() and binary.endswith("bin/llama-server")
+    assert rest == "-m t.gguf -md d.gguf --spec-type draft-dspark --spec-draft-n-max 2 --spec-draft-p-min 0.75"
+    plain = llamacpp.serve_command("t.gguf", "d.gguf", "dflash", 3)
+    assert plain.endswith("--spec-type draft-dflash --spec-draft-n-max 3")

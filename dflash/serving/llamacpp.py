@@ -160,15 +160,19 @@ def spec_args(drafter_gguf: Path, family: str, drafts: int, confidence: float = 
     return args
 
 
-def serve_command(target_gguf: Path | str, drafter_gguf: Path | str, family: str, drafts: int) -> str:
-    """The llama-server command that serves the target with this drafter (`make llamacpp`'s
-    server where it is built, relative to here when below)."""
+def serve_command(
+    target_gguf: Path | str, drafter_gguf: Path | str, family: str, drafts: int, p_min: float | None = None
+) -> str:
+    """The llama-server command that serves the target with this drafter: `make llamacpp`'s
+    server (where it is or will be built; relative to here when below), at most `drafts` drafted
+    tokens a step, each with at least `p_min` probability (None: llama.cpp's default)."""
     binary = server_binary()
-    if binary.is_file():
-        with contextlib.suppress(ValueError):
-            binary = binary.relative_to(Path.cwd())
-    flags = " ".join(spec_args(Path(drafter_gguf), family, drafts))
-    return f"{binary if binary.is_file() else 'llama-server'} -m {target_gguf} {flags}"
+    with contextlib.suppress(ValueError):
+        binary = binary.relative_to(Path.cwd())
+    flags = spec_args(Path(drafter_gguf), family, drafts)
+    if p_min is not None:
+        flags += ["--spec-draft-p-min", f"{p_min:g}"]
+    return f"{binary} -m {target_gguf} {' '.join(flags)}"
 
 
 def _prctl() -> Any:

@@ -40,14 +40,15 @@ $(DEMO_STAMP): $(STAMP)
 
 # Regenerate replies with the target (5 min budget: chatterbot prompts and ShareGPT conversations by weight, every turn; resumes; keeps the target features), train (3.75 min budget), evaluate:
 # prints τ on the 32 held-out prompts (decoded 32 at a time) and on the first 5 MT-Bench questions (both turns);
-# then writes the drafter as GGUF (runs/demo/final.gguf) and prints the llama-server command that drafts with it.
+# then writes the drafter as GGUF (runs/demo/final.gguf) and prints the llama-server command that drafts with it,
+# with the draft settings measured fastest on the demo's drafter (bench/llamacpp_sweep.py, BENCHMARKS.md).
 demo: $(DEMO_STAMP)
 	@mkdir -p runs/demo
 	bin/dflash regen configs/demo.toml > runs/demo/regen.log.jsonl
 	bin/dflash run configs/demo.toml > runs/demo/train.log.jsonl
 	bin/dflash eval configs/demo.toml --drafter runs/demo/final --prompts heldout > runs/demo/eval.log.jsonl
 	bin/dflash eval configs/demo.toml --drafter runs/demo/final --prompts mtbench --num-prompts 5 >> runs/demo/eval.log.jsonl
-	@bin/dflash export runs/demo runs/demo/final.gguf --format gguf > runs/demo/export.log.jsonl
+	@bin/dflash export runs/demo runs/demo/final.gguf --format gguf --draft-max 1 --draft-p-min 0.9 > runs/demo/export.log.jsonl
 
 tiny: $(STAMP)
 	bin/dflash run configs/tiny.toml

@@ -397,8 +397,8 @@ BAD_LINES: dict[str, tuple[bytes, str]] = {
     ),
     "role_not_a_string": (b'{"conversations": [{"from": null, "value": "hi"}]}', "'conversations'[0].from must be"),
     "unknown_role": (
-        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "ok"}]}',
-        "unknown role 'tool'",
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "ok"}]}',
+        "unknown role 'robot'",
     ),
     "not_utf8": (b'{"messages": [{"role": "user", "content": "\xff"}]}', "not UTF-8"),
     "no_assistant_turn": (b'{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),

@@ -19,7 +19,7 @@ M=$(ls -dt ~/.cache/dflash/models/SmolLM2-135M-Instruct.Q4_1-* 2>/dev/null | hea
 [ -n "$M" ] || { echo "engines_e2e: no converted demo target in ~/.cache/dflash/models: run make demo first" >&2; exit 1; }
 [ -x .venv-engines/bin/dflash ] || { echo "engines_e2e: no .venv-engines: run make engines first" >&2; exit 1; }
 mkdir -p "$OUT"
-.venv/bin/python -c "import json; from dflash.data.prompts import chatterbot_prompts as c; print(*(json.dumps({'messages': p}) for p in c()), sep='\n')" > "$OUT/chatterbot.jsonl"
+.venv/bin/python -c "import json; from dflash.data.prompts import chatterbot_prompts as c; print(*(json.dumps({'messages': p[0]}) for p in c()), sep='\n')" > "$OUT/chatterbot.jsonl"
 DATA="$OUT/runs/e2e/regen.jsonl"
 S=(--set 'target.kind="hf"' --set "target.path=\"$M\"" --set 'target.dtype="float32"'
    --set "run.output_dir=\"$OUT/runs\"" --set 'run.name="e2e"' --set "regen.prompts=\"$OUT/chatterbot.jsonl\""

@@ -264,7 +264,8 @@ def _eval_table(records: list[dict]) -> str:
         same = lambda r: "-" if r["identical_to_dflash_greedy"] is None else r["identical_to_dflash_greedy"]  # noqa: E731
         rows += [
             f"{r['prompt_set']:<14}{r['prompts']:>8}{r['tau']:>15.3f}{ours(r):>12}  "
-            f"{r[f'identical_to_{engine}_greedy']}/{r['prompts']} / {same(r)}/{r['prompts']}"
+            f"{r[f'identical_to_{engine}_greedy']}/{r.get('generations', r['prompts'])} / "
+            f"{same(r)}/{r.get('generations', r['prompts'])}"
             + (f"  {r['llamacpp_tokens_per_s']} tok/s ({r['llamacpp_plain_tokens_per_s']} plain)"
                if engine == "llamacpp" else "")
             for r in records

@@ -237,6 +237,23 @@ def test_a_prefix_stable_conversation_stays_one_sample_and_its_earlier_turns_rec
     assert text.split() == ["hello", "there", "<|im_end|>", "ok", "<|im_end|>"]
 
 
+def test_a_continuing_record_dropped_as_too_long_keeps_the_records_it_continues(env, tmp_path):
+    """data.overlong = "drop": turn 2's record is over max_seq_len and goes, so turn 1's record,
+    which it would have continued, is learnt itself."""
+    turn1 = [_user("hi"), {"role": "assistant", "content": "hello there"}]
+    turn2 = [*turn1, _user("bye " * 40), {"role": "assistant", "content": "ok"}]
+    path = tmp_path / "r.jsonl"
+    path.write_text(
+        "".join(json.dumps({"id": 0, "turn": k, "messages": m}) + "\n" for k, m in ((1, turn1), (2, turn2)))
+    )
+    got, stats = load_samples(
+        DataConfig(source="files", files=[{"path": str(path)}], max_seq_len=32, overlong="drop",
+                   chat_template_kwargs={"enable_thinking": False}),
+        env.tokenizer, cache_dir=tmp_path / "cache", progress=False,
+    )  # fmt: skip
+    assert (len(got), stats["dropped_overlong"], stats["continued"]) == (1, 1, 0)
+
+
 # -- regen, every turn ---------------------------------------------------------------------------
 
 

@@ -591,7 +591,7 @@ class RegenConfig(_Section):
     max_context_tokens: int = Field(
         0, ge=0, description="skip a later turn (2, 3, ...) whose prompt — the conversation so far with the chat "
         "template — is longer than this many tokens, and the conversation's turns after it (they need its reply); "
-        "counted per set as turns_too_long (0 = none). The first turn's cap is max_prompt_tokens",
+        "counted per set in the regen record's per_set too_long (0 = none). The first turn's cap is max_prompt_tokens",
     )  # fmt: skip
     output: str = Field("regen.jsonl", min_length=1, description="JSONL written (relative: in the run folder)")
     max_prompts: int = Field(0, ge=0, description="use at most this many prompts (0 = all)")

@@ -118,8 +118,10 @@ class _FileTokens:
             if key in self.continued:  # a record read earlier continues it: already learnt there
                 self.counts["continued"] += 1
                 continue
-            self._continues(conv.messages)
-            self.parts_of[key] = [p for ids, mask in got if (p := self._keep(conv, ids, mask)) is not None]
+            kept = [p for ids, mask in got if (p := self._keep(conv, ids, mask)) is not None]
+            if len(kept) == len(got):  # whole: the records it continues go (one dropped keeps them)
+                self._continues(conv.messages)
+            self.parts_of[key] = kept
         self.pending.clear()
 
     def _continues(self, messages: list[Message]) -> None:

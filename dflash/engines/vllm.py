@@ -199,10 +199,12 @@ def open_engine(
     max_len: int,
     tensor_parallel: int = 1,
     seqs: int = MAX_SEQS,
+    total_tokens: int | None = None,
 ) -> Any:
     """vLLM's offline engine for the target folder (token ids in and out: no tokenizer), with the
     export at `drafter` as its DFlash drafter when given, over `tensor_parallel` devices, its KV
-    cache sized for `seqs` sequences of `max_len` tokens (`kv_cache_bytes`)."""
+    cache sized for `seqs` sequences of `max_len` tokens, at most `total_tokens` in all
+    (`kv_cache_bytes`)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -213,7 +215,7 @@ def open_engine(
     if share is not None:
         kwargs["gpu_memory_utilization"] = share
     drafted = spec if drafter is not None else None
-    kv = kv_cache_bytes(target, dtype, seqs, max_len, drafted, tensor_parallel)
+    kv = kv_cache_bytes(target, dtype, seqs, max_len, drafted, tensor_parallel, total_tokens)
     if kv is not None:
         kwargs["kv_cache_memory_bytes"] = kv
     if drafter is not None and spec is not None:

@@ -357,8 +357,8 @@ class _Rounds:
                 queue = self._queue(batch, drawn)
                 asked = [(self.out.slots[i], self.out.slots[i].k) for i, _ in batch]
                 self.replier.answer_all(queue, self.out, left if not first else max(left, 0.0))
-                if queue:  # the budget ran out inside the round
-                    return
+                if queue or budget_s - (time.perf_counter() - t0 - self.replier.start_s) <= 0:
+                    return  # the budget ran out inside the round: what was not answered is asked later
                 for chat, k in asked:
                     chat.left |= chat.k == k
                 first = drawn = False

@@ -160,7 +160,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
 class ReplyEngine:
     """One vLLM engine over the target folder, answering token-id prompts."""
 
-    def __init__(self, folder: Path, dtype: str, max_len: int, settings: ReplySettings, seqs: int = 256) -> None:
+    def __init__(
+        self, folder: Path, dtype: str, max_len: int, settings: ReplySettings, seqs: int = 256, total: int | None = None
+    ) -> None:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -169,7 +171,7 @@ class ReplyEngine:
         self._params = lambda i: SamplingParams(
             **sampling_options(settings, i), output_kind=RequestOutputKind.FINAL_ONLY
         )
-        self.llm = open_engine(folder, None, None, dtype, max_len, seqs=seqs)  # KV cache for `seqs` at once
+        self.llm = open_engine(folder, None, None, dtype, max_len, seqs=seqs, total_tokens=total)  # KV: `seqs` at once
         self.slots = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
         self.running: set[str] = set()
         self.added = 0
@@ -244,16 +246,19 @@ class VllmReplier:
         self.start_s = 0.0
         self._engine: ReplyEngine | None = None
         self.max_len = 0
-        # the longest prompt a later round may ask: the config's cap, else the target's positions
-        later = r.max_context_tokens or (position_limit(self.folder) - r.max_new_tokens)
-        self.longest = later if r.turns == "all" else 0
+        # the longest prompt a later call may ask (later windows, later turns): the config's caps,
+        # else the target's positions (the KV cache is sized by the first call's work, not by this)
+        whole = position_limit(self.folder) - r.max_new_tokens
+        first, later = r.max_prompt_tokens or whole, r.max_context_tokens or whole
+        self.longest = min(whole, max(first, later) if r.turns == "all" else first)
 
     def answer_all(self, queue: collections.deque[Todo], out: Output, budget_s: float) -> None:
         """The queued prompts, until they are answered or `budget_s` seconds after the call (the
         engine's start, on the first call, not counted). The engine stays up for regen's later
         rounds (`close` ends it), sized on its first call for the longest prompt regen may ask
-        (`regen.max_context_tokens`, else the target's positions); a prompt longer than that
-        is refused (asked again by a later regen)."""
+        (`regen.max_prompt_tokens` / `max_context_tokens`, else the target's positions), its KV
+        cache for the first call's prompts; a prompt longer than that is refused (asked again by
+        a later regen)."""
         items = [item for batch in queue for item in batch]
         queue.clear()
         if not items:
@@ -261,9 +266,12 @@ class VllmReplier:
         with sigterm_as_interrupt():
             if self._engine is None:
                 t0 = time.perf_counter()
-                longest = max(max(len(ids) for _, ids in items), self.longest)
-                self.max_len = model_len(self.folder, longest, self.max_new)
-                self._engine = ReplyEngine(self.folder, self.target_dtype, self.max_len, self.settings, len(items))
+                first = max(len(ids) for _, ids in items)
+                self.max_len = model_len(self.folder, max(first, self.longest), self.max_new)
+                total = len(items) * (first + self.max_new)  # the KV cache: what this round holds at once
+                self._engine = ReplyEngine(
+                    self.folder, self.target_dtype, self.max_len, self.settings, len(items), total
+                )
                 self.start_s = time.perf_counter() - t0
             fits = [(i, ids) for i, ids in items if len(ids) + self.max_new <= self.max_len]
             self.refused += len(items) - len(fits)

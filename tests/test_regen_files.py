@@ -97,7 +97,9 @@ class Env:
         return load_config(self.config, [f'run.name="{name}"', *overrides])
 
 
-def _tokenizer() -> Any:
+def _tokenizer(words: str = WORDS, template: str = CHATML, more_specials: tuple[str, ...] = ()) -> Any:
+    """A word-level tokenizer over `words` (one token per word or newline) with ChatML's special
+    tokens (and `more_specials`) and the chat `template`."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -105,15 +107,15 @@ def _tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split(Regex("\n"), "isolated")]
     )
-    tok.train_from_iterator([WORDS, "\n"], trainers.WordLevelTrainer(special_tokens=SPECIALS))
+    tok.train_from_iterator([words, "\n"], trainers.WordLevelTrainer(special_tokens=[*SPECIALS, *more_specials]))
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|mask|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|mask|>", *more_specials],
     )
-    hf.chat_template = CHATML
+    hf.chat_template = template
     return hf
 
 

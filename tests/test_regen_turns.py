@@ -26,6 +26,7 @@ from dflash.data.tokenize import load_samples
 from dflash.regen import command as regen
 from dflash.regen import regenerate
 from tests.conftest import run_records
+from tests.test_regen_files import _tokenizer as word_tokenizer
 
 THINKING = (
     "{%- set ns = namespace(last=-1) -%}"
@@ -43,7 +44,6 @@ THINKING = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
     "{%- if enable_thinking -%}{{ '<think>\n' }}{%- endif -%}{%- endif -%}"
 )
-SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|mask|>", "<think>", "</think>"]
 WORDS = (
     "system user assistant tool you are terse hi hello there how is it going fine thanks bye ok call weather "
     "tell me about the cat dog sun moon sea sky tree red blue green one two three what why please sure yes no"
@@ -53,20 +53,7 @@ THINK = {"enable_thinking": True}
 
 
 def _tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split(Regex("\n"), "isolated")]
-    )
-    tok.train_from_iterator([WORDS, "\n"], trainers.WordLevelTrainer(special_tokens=SPECIALS))
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|mask|>", "<think>", "</think>"],
-    )  # fmt: skip
-    hf.chat_template = THINKING
-    return hf
+    return word_tokenizer(WORDS, THINKING, ("<think>", "</think>"))
 
 
 def _user(text: str) -> dict[str, str]:

@@ -229,3 +229,18 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
     resumed = _stats(again.stdout)
     assert (resumed["generated"], resumed["resumed_from"], resumed["engine_start_s"]) == (0, turns, 0.0)
     assert len(vllm_cfg.regen_output.read_text().splitlines()) == turns
+
+    # stopped mid-conversation (regen.max_minutes spent after the first turns), then resumed: the
+    # local loop's records, each turn once
+    cut = [str(env.config), "--set", 'run.name="vllm_cut"', "--set", 'regen.engine="vllm"', "--set", over]
+    for extra in (["--set", "regen.max_minutes=0.0001"], []):
+        proc = subprocess.run([str(ENGINES_PY), "-m", "dflash", "regen", *cut, *extra],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, env=run_env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if extra:
+            part = _stats(proc.stdout)
+            assert 0 < part["generated"] < turns and part["unanswered"] > 0, part
+    cut_cfg = env.cfg("vllm_cut", 'regen.engine="vllm"', over)
+    assert _stats(proc.stdout)["resumed_from"] == part["generated"]
+    assert _records(cut_cfg.regen_output) == _records(local.regen_output)
+    assert len(cut_cfg.regen_output.read_text().splitlines()) == turns

@@ -19,7 +19,7 @@ from dflash.data.prompts import Messages
 if TYPE_CHECKING:
     from dflash.features.files import Entry
 
-__all__ = ["Output", "Replier", "Todo", "until_eos"]
+__all__ = ["Output", "Replier", "Todo", "seed_number", "until_eos"]
 
 Todo = list[tuple[int, list[int]]]  # prompts to answer: (its number in this regen, its token ids)
 
@@ -81,3 +81,13 @@ class Replier(Protocol):
 def until_eos(ids: list[int], eos: int) -> list[int]:
     """A reply's token ids up to (not including) the first eos."""
     return ids[: ids.index(eos)] if eos in ids else ids
+
+
+_TURN_STRIDE = 1_000_003  # seed numbers of a conversation's later turns: apart from every first turn's
+
+
+def seed_number(out: Output, i: int) -> int:
+    """Prompt i's number for a sampled reply's seed (regen.seed + it): its conversation's index,
+    offset per turn, so that a resumed regen draws what an uninterrupted one would."""
+    conversation, turn = out.where(i)
+    return conversation + _TURN_STRIDE * (turn - 1)

@@ -36,7 +36,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from dflash.config import Config
 from dflash.data.prompts import Messages
 from dflash.errors import DFlashError
-from dflash.regen.replier import Output, Todo
+from dflash.regen.replier import Output, Todo, seed_number
 
 __all__ = ["ChatServer", "RequestPool", "ServerError", "ServerReplier"]
 
@@ -282,8 +282,8 @@ class ServerReplier:
     template, as any chat file); its token count is the server's usage.completion_tokens, else
     the text re-tokenized. Greedy is asked as the local loop's raw argmax: temperature 0,
     repetition_penalty 1 (a server would otherwise apply the model's generation config); each
-    request's seed is regen.seed + the prompt's index, so sampled replies do not depend on the
-    requests in flight. A prompt the server refuses (a 4xx about it, e.g. longer than its
+    request's seed is regen.seed + its conversation's index (offset per turn: `seed_number`), so
+    sampled replies depend neither on the requests in flight nor on a resume. A prompt the server refuses (a 4xx about it, e.g. longer than its
     context) is skipped with a `warning` record; a later regen asks it again."""
 
     engine = "server"
@@ -350,7 +350,8 @@ class ServerReplier:
         """Prompt i's request options: regen's, its seed, and its conversation's tools (the
         server renders them as the template does here; tool_choice none: a text reply)."""
         tools = out.tools(i)
-        return {**self.options, "seed": self.seed + i, **({"tools": tools, "tool_choice": "none"} if tools else {})}
+        seed = self.seed + seed_number(out, i)
+        return {**self.options, "seed": seed, **({"tools": tools, "tool_choice": "none"} if tools else {})}
 
     def _take(self, out: Output, i: int, reply: Asked) -> None:
         """Training prompt i's reply written, or its refusal a warning record."""

@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from typing import Any
 from dflash.config import Config
 from dflash.engines.vllm import engine_device, open_engine, require_vllm, shut_down
 from dflash.errors import ConfigError
-from dflash.regen.replier import Output, Todo, until_eos
+from dflash.regen.replier import Output, Todo, seed_number, until_eos
 
 __all__ = [
     "ReplyEngine",
@@ -185,13 +185,14 @@ class ReplyEngine:
             return 0
         return max(0, self.slots - len(self.running))
 
-    def add(self, prompts: Iterable[tuple[int, list[int]]]) -> None:
-        """Training prompts (index, token ids), each a request named by its index."""
+    def add(self, prompts: Iterable[tuple[int, list[int]]], number: Callable[[int], int] = lambda i: i) -> None:
+        """Prompts (index, token ids), each a request named by its index, sampled (if at all)
+        with the seed of `number(index)`."""
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
         for i, ids in prompts:
-            engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(ids)), self._params(i))
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(ids)), self._params(number(i)))
             self.running.add(str(i))
             self.added += 1
 
@@ -291,7 +292,7 @@ class VllmReplier:
     def _answer(self, engine: ReplyEngine, feed: Iterator[tuple[int, list[int]]], out: Output, deadline: float) -> None:
         """The engine's steps until what `feed` holds and the engine takes by `deadline` is answered."""
         while True:
-            engine.add(itertools.islice(feed, engine.room(deadline)))
+            engine.add(itertools.islice(feed, engine.room(deadline)), lambda i: seed_number(out, i))
             if not engine.running:
                 return
             finished = engine.step()

@@ -423,7 +423,7 @@ def _regenerate(
         "generated_per_set": {src: s["turns"] for src, s in out.per_set.items()},
         "per_set": out.per_set,
         "resumed_from": already,
-        "unanswered": sum(c.open_turns for c in chats) - replier.refused,
+        "unanswered": sum(c.open_turns for c in chats if not c.left),  # the budget's: refused ones apart
         "refused": replier.refused,
         "too_long": too_long,
         "engine": replier.engine,

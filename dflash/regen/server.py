@@ -283,8 +283,9 @@ class ServerReplier:
     the text re-tokenized. Greedy is asked as the local loop's raw argmax: temperature 0,
     repetition_penalty 1 (a server would otherwise apply the model's generation config); each
     request's seed is regen.seed + its conversation's index (offset per turn: `seed_number`), so
-    sampled replies depend neither on the requests in flight nor on a resume. A prompt the server refuses (a 4xx about it, e.g. longer than its
-    context) is skipped with a `warning` record; a later regen asks it again."""
+    sampled replies depend neither on the requests in flight nor on a resume. A prompt the server
+    refuses (a 4xx about it, e.g. longer than its context) is skipped with a `warning` record; a
+    later regen asks it again."""
 
     engine = "server"
     target_dtype = None

@@ -246,6 +246,7 @@ class VllmReplier:
         self.settings = ReplySettings(r.max_new_tokens, self.eos, r.temperature, r.seed, sampling)
         self.start_s = 0.0
         self._engine: ReplyEngine | None = None
+        self._signals = contextlib.ExitStack()  # SIGTERM's handler while the engine is up
         self.max_len = 0
         # the longest prompt a later call may ask (later windows, later turns): the config's caps,
         # else the target's positions (the KV cache is sized by the first call's work, not by this)
@@ -264,8 +265,11 @@ class VllmReplier:
         queue.clear()
         if not items:
             return
-        with sigterm_as_interrupt():
+        try:
             if self._engine is None:
+                # SIGTERM as Ctrl-C from the engine's start to `close`, between rounds too: the
+                # engine's process never outlives this one
+                self._signals.enter_context(sigterm_as_interrupt())
                 t0 = time.perf_counter()
                 first = max(len(ids) for _, ids in items)
                 self.max_len = model_len(self.folder, max(first, self.longest), self.max_new)
@@ -276,18 +280,20 @@ class VllmReplier:
                 self.start_s = time.perf_counter() - t0
             fits = [(i, ids) for i, ids in items if len(ids) + self.max_new <= self.max_len]
             self.refused += len(items) - len(fits)
-            try:
-                self._answer(self._engine, iter(fits), out, time.perf_counter() + budget_s)
-            except BaseException:
-                self.close()
-                raise
-            finally:
-                out.flush()
+            self._answer(self._engine, iter(fits), out, time.perf_counter() + budget_s)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            out.flush()
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine, engine = None, self._engine
-            engine.close()
+        try:
+            if self._engine is not None:
+                self._engine, engine = None, self._engine
+                engine.close()
+        finally:
+            self._signals.close()
 
     def _answer(self, engine: ReplyEngine, feed: Iterator[tuple[int, list[int]]], out: Output, deadline: float) -> None:
         """The engine's steps until what `feed` holds and the engine takes by `deadline` is answered."""

@@ -72,8 +72,10 @@ def test_profile_records_and_report_carry_mfu_per_stage(tmp_path):
 
     for name in ("target.model_forward", "drafter.forward", "drafter.backward"):
         assert last(name)["tflops"] > 0 and 0 < last(name)["mfu"] < 1, last(name)
-    roof = profiles[-1]["roofline"]
-    assert roof["peaks"]["cpu"]["source"] == "probe" and roof["furthest_below"] in profiles[-1]["stages"]
+    # the verdict of a window where a matmul stage ran (the last window may hold the optimizer's alone)
+    judged = next(p for p in reversed(profiles) if "furthest_below" in p["roofline"])
+    roof = judged["roofline"]
+    assert roof["peaks"]["cpu"]["source"] == "probe" and roof["furthest_below"] in judged["stages"]
     assert "mfu" not in last("drafter.optimizer_step")  # elementwise: no matmul roofline
     report = dflash("report", str(log))
     assert report.returncode == 0 and "MFU: furthest below its device's peak" in report.stdout, report.stdout

@@ -349,3 +349,17 @@ def test_a_stopped_regen_has_answered_each_set_in_its_share(env, tmp_path):
     for n in range(100, 250):
         share = order[:n].count(a) / n
         assert abs(share - 0.3) <= 0.05, (n, share)
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [('{source = "chatterbot", weight = 0}', "entry 0 ({'source': 'chatterbot', 'weight': 0}): weight:"),
+     ('{source = "chatterbot", wieght = 1}', "wieght: Extra inputs are not permitted"),
+     ('"chatterbot", {source = "chatterbot"}', "a prompt set is named twice")],
+)  # fmt: skip
+def test_a_bad_prompt_set_entry_is_one_line_naming_it(env, entry, says):
+    from dflash.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        env.cfg("bad", f"regen.prompts=[{entry}]")
+    assert says in str(err.value) and "\n" not in str(err.value)

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -611,6 +611,26 @@ class RegenConfig(_Section):
         "max_minutes a cap buys more replies; held-out prompts are never skipped; with max_prompts, of those "
         "prompts",
     )  # fmt: skip
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompt_entries(cls, v: Any) -> Any:
+        """Each {source, weight} entry checked on its own: one line naming the entry and its fault
+        (the union of a name and an entry would report every way it is neither)."""
+        if not isinstance(v, list):
+            return v
+        out = []
+        for i, entry in enumerate(v):
+            if isinstance(entry, dict):
+                try:
+                    entry = PromptSource(**entry)
+                except ValidationError as err:
+                    first = err.errors()[0]
+                    where = ".".join(str(x) for x in first["loc"])
+                    msg = f"entry {i} ({entry}): {where}: {first['msg']}"
+                    raise ValueError(msg) from None
+            out.append(entry)
+        return out
 
     @field_validator("prompts")
     @classmethod

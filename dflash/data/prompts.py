@@ -26,6 +26,7 @@ __all__ = [
     "interleave",
     "jsonl_prompts",
     "load_prompts",
+    "next_due",
     "prompt_key",
     "turns_of",
 ]
@@ -184,14 +185,20 @@ def file_prompts(source: str, skip_invalid: bool = False) -> list[Chat]:
     return out
 
 
+def next_due(taken: list[int], weights: list[float], live: list[int]) -> int:
+    """Of the sets `live` (indices), the one whose next prompt is due soonest by weight:
+    (n + 1/2) / weight, n its prompts taken so far; ties to the earlier set."""
+    return min(live, key=lambda j: ((taken[j] + 0.5) / weights[j], j))
+
+
 def interleave(sizes: list[int], weights: list[float]) -> list[tuple[int, int]]:
     """(set, index in it) in the order regen answers them: at every point each set's count is
-    as close to its weight's share as whole prompts allow (the set whose next prompt is due
-    soonest, (n + 1/2) / weight, goes next); a set that runs out leaves the rest to the others."""
+    as close to its weight's share as whole prompts allow (`next_due`); a set that runs out
+    leaves the rest to the others."""
     taken = [0] * len(sizes)
     order = []
     for _ in range(sum(sizes)):
-        j = min((j for j in range(len(sizes)) if taken[j] < sizes[j]), key=lambda j: ((taken[j] + 0.5) / weights[j], j))
+        j = next_due(taken, weights, [j for j in range(len(sizes)) if taken[j] < sizes[j]])
         order.append((j, taken[j]))
         taken[j] += 1
     return order

@@ -34,7 +34,7 @@ from typing import IO, Any
 from dflash import logs
 from dflash.config import Config
 from dflash.data.chat_template import prompt_ids
-from dflash.data.prompts import Messages, Prompts, load_prompts, prompt_key
+from dflash.data.prompts import Messages, Prompts, load_prompts, next_due, prompt_key
 from dflash.errors import DataError
 from dflash.features.files import Entry, FeatureMeta, folder_for, next_part_index, read_meta, write_part
 from dflash.regen.replier import Replier, Todo
@@ -332,16 +332,15 @@ class _Rounds:
         answered ones of an earlier regen included); a first turn over its cap is skipped
         (`too_long`) and does not count, so the set's next one takes its place."""
         r = self.cfg.regen
-        weight = dict(zip(r.prompt_sources, r.prompt_weights, strict=True))
-        left = {src: collections.deque(c for c in chats if c.source == src) for src in r.prompt_sources}
-        taken = dict.fromkeys(left, 0)
-        while live := [src for src in left if left[src]]:
-            src = min(live, key=lambda s: ((taken[s] + 0.5) / weight[s], r.prompt_sources.index(s)))
-            chat = left[src].popleft()
+        left = [collections.deque(c for c in chats if c.source == src) for src in r.prompt_sources]
+        taken, weights = [0] * len(left), r.prompt_weights
+        while live := [j for j, chats_left in enumerate(left) if chats_left]:
+            j = next_due(taken, weights, live)
+            chat = left[j].popleft()
             if chat.k == 0 and not chat.ended and len(self._ids(chat)) > self.caps[0]:
                 self.out.too_long(chat)
                 continue
-            taken[src] += 1
+            taken[j] += 1
             if not chat.ended:
                 yield chat
 

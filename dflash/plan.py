@@ -111,7 +111,12 @@ def _drafter_spec(cfg: Config, hf: Any, layers: int) -> Any:
 
     layer_ids = cfg.target.layer_ids or default_target_layers(layers, cfg.drafter.num_layers)
     info = TargetInfo(hf, list(layer_ids), int(hf.vocab_size), "target")
-    return drafter_spec(cfg, info, cfg.drafter.mask_token_id or 0)
+    draft_vocab = cfg.drafter.draft_vocab_size
+    if cfg.drafter.vocab_mapping:
+        from dflash.model.vocab import DraftVocab
+
+        draft_vocab = DraftVocab.load(cfg.drafter.vocab_mapping, int(hf.vocab_size)).size
+    return drafter_spec(cfg, info, cfg.drafter.mask_token_id or 0, draft_vocab if draft_vocab < hf.vocab_size else 0)
 
 
 def _bucket_fill(buckets: int, pack: bool) -> float:
@@ -205,7 +210,7 @@ def _batch(
     length, fill, fill_from = _length_fill(cfg, measured, row_length, fill)
     rows = float(cfg.data.batch_size if not cfg.data.token_budget else max(1, cfg.data.token_budget // length))
     anchors = max(1, min(cfg.drafter.max_anchors, int(length * fill) - 1))
-    head_rows = spec.vocab_size
+    head_rows = spec.draft_vocab_size or spec.vocab_size  # the drafter's head: a draft vocabulary's rows
     if cfg.loss.vocab == "data":  # the data's tokens are not known here: at most the vocabulary
         head_rows = min(spec.vocab_size, cfg.loss.negatives + spec.vocab_size // 8)
     return _Batch(rows, length, fill, fill_from, anchors, int(rows * anchors * spec.drafts), head_rows,
@@ -342,7 +347,7 @@ def _memory(
     dense_attn = 2 * rows * spec.num_heads * q_tokens / rows * (length + q_tokens / rows) if on_cpu else 0.0
     drafter_mem = {
         "weights_grads_adamw": 16 * work.drafter_params / GIB,
-        "frozen_head": shape.vocab * shape.hidden * 2 * 2 / GIB,
+        "frozen_head": (shape.vocab + (spec.draft_vocab_size or shape.vocab)) * shape.hidden * 2 / GIB,
         "activations": (spec.num_layers * (per_layer_act + dense_attn) + rows * length * spec.hidden_size * 2) / GIB,
         "loss_chunk": 3 * min(cfg.loss.chunk, batch.supervised) * batch.head_rows * 4 / GIB,
         "features": 2 * rows * length * n_layers * shape.hidden * 2 / GIB,

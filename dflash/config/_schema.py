@@ -275,6 +275,16 @@ class DrafterConfig(_Section):
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="auto: flex attention on CUDA, dense-mask SDPA on CPU"
     )
+    draft_vocab_size: int = Field(
+        0, ge=0, le=1_000_000,
+        description="rows of the drafter's LM head: the tokens most often supervised in the training data (counted "
+        "once, kept in <run>/draft_vocab.safetensors), the end-of-turn and mask tokens always among them; "
+        "0 = the whole vocabulary",
+    )  # fmt: skip
+    vocab_mapping: str | None = Field(
+        None, description="a draft vocabulary made elsewhere: ours (draft_vocab.safetensors) or speculators' d2t-N.npy "
+        "(t2d-N.npy beside it); sets draft_vocab_size",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _layers(self) -> DrafterConfig:
@@ -781,6 +791,12 @@ class Config(_Section):
             msg = (
                 "loss.noise_reveal_start / noise_reveal_end with drafter.family 'dspark': a revealed slot would "
                 "show the label of the slot before it (every DSpark slot predicts the next position)"
+            )
+            raise ValueError(msg)
+        if self.loss.vocab == "data" and (self.drafter.draft_vocab_size or self.drafter.vocab_mapping):
+            msg = (
+                "loss.vocab = 'data' with a draft vocabulary (drafter.draft_vocab_size / vocab_mapping): the draft "
+                "vocabulary already bounds the loss's softmax; set one back"
             )
             raise ValueError(msg)
         if self.checkpoint.export_gguf and self.target.kind == "tiny":

@@ -54,9 +54,11 @@ def walk(
     anchor: torch.Tensor,  # (R,) the block's anchor token
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    ids: torch.Tensor | None = None,  # (V',) a draft vocabulary's target id of each logit column
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # no-sync: decoding (eval), off the training path
     """The drafted tokens (R, n), slot by slot from the anchor; sampled (temperature > 0),
-    also the distributions they were drawn from (R, n, V): zero outside the candidates."""
+    also the distributions they were drawn from (R, n, V): zero outside the candidates. With
+    `ids`, candidates are draft rows, the tokens target ids and the distributions over the rows."""
     R, n, V = logits.shape
     prev, out, qs = anchor, [], []
     for slot in range(n):
@@ -70,6 +72,7 @@ def walk(
             drawn = torch.multinomial(probs, 1, generator=generator).to(cands.device)
             pick = cands.gather(1, drawn).squeeze(1)
             qs.append(torch.zeros(R, V).scatter(1, cands.cpu(), probs))
+        pick = pick if ids is None else ids[pick]  # the predecessor is a target id
         out.append(pick)
         prev = pick
     return torch.stack(out, dim=1), torch.stack(qs, dim=1) if qs else None

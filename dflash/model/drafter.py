@@ -85,6 +85,7 @@ class DrafterSpec:
     markov_rank: int = 0  # dspark: the Markov head's rank
     confidence_head: bool = False  # dspark: with a confidence head ...
     confidence_with_markov: bool = False  # ... that also reads W1[prev]
+    draft_vocab_size: int = 0  # V' rows of a draft vocabulary (drafter.draft_vocab_size); 0: the whole one
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -262,16 +263,40 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(spec, layer_type) for layer_type in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        V, H = spec.vocab_size, spec.hidden_size
+        V, H, Vd = spec.vocab_size, spec.hidden_size, spec.draft_vocab_size
+        if Vd:  # a draft vocabulary: the target's rows of its tokens (frozen) and the maps
+            self.lm_head = _FrozenRows(Vd, H)
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # target id = row + d2t[row]
+            self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         if spec.family == "dflash2":
-            self.candidate_selector = CandidateSelector(V, H, spec.selector_rank, spec.selector_top_k)
+            self.candidate_selector = CandidateSelector(V, H, spec.selector_rank, spec.selector_top_k, Vd)
         if spec.family == "dspark":
-            self.markov_head = MarkovHead(V, spec.markov_rank)
+            self.markov_head = MarkovHead(V, spec.markov_rank, Vd)
             if spec.confidence_head:
                 self.confidence_head = ConfidenceHead(H, spec.markov_rank if spec.confidence_with_markov else 0)
         # Not a buffer: `.to(bfloat16)` would round the frequencies. Kept in fp32 and moved to
         # the device where it is first needed (once per device).
         self._scaled = scaled_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """A draft vocabulary's maps and head: the target ids `ids` (V',) ascending, their rows
+        of the target's LM head (V, H)."""
+        assert self.spec.draft_vocab_size == len(ids), "the spec's draft_vocab_size is the map's"
+        self.lm_head.weight.copy_(target_lm_head[ids.to(target_lm_head.device)].to(self.lm_head.weight))
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """(V',) the target id of each draft row, on the drafter's device; None without a draft vocabulary."""
+        if not self.spec.draft_vocab_size:
+            return None
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def head(self, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """The LM head drafting reads: the draft vocabulary's rows (V', H), or the target's (V, H)."""
+        return self.lm_head.weight if self.spec.draft_vocab_size else target_lm_head
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self._scaled
@@ -389,6 +414,15 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
+class _FrozenRows(nn.Module):
+    """A draft vocabulary's LM head: the target's rows, a buffer (`lm_head.weight` in the state
+    and exports, as vLLM and speculators name it), never a parameter: frozen like the whole head."""
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(rows, hidden))
+
+
 class DrafterCache:
     """Per-layer context keys/values for speculative decoding (batch of one sequence)."""
 
@@ -402,7 +436,8 @@ class DrafterCache:
 
 
 class FrozenHead:
-    """The target's embedding and LM head on one drafter device: frozen, shared, unsaved."""
+    """The target's embedding and LM head on one drafter device: frozen, shared, unsaved. With a
+    draft vocabulary (`pruned`) the head is its rows (V', H); the embedding stays whole."""
 
     def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         self.embed = embed.detach().requires_grad_(False)  # (V, H)
@@ -412,6 +447,10 @@ class FrozenHead:
         e = self.embed.to(device=device, dtype=dtype)
         h = e if self.lm_head is self.embed else self.lm_head.to(device=device, dtype=dtype)
         return FrozenHead(e, h)
+
+    def pruned(self, rows: torch.Tensor) -> FrozenHead:  # no-sync: set-up
+        """The same embedding, the head's `rows` only (a draft vocabulary's)."""
+        return FrozenHead(self.embed, self.lm_head[rows.to(self.lm_head.device)].contiguous())
 
     def norm_of_row(self, token_id: int) -> float:  # no-sync: set-up
         return float(self.embed[token_id].float().norm())

@@ -61,9 +61,11 @@ def draft(
     anchor: torch.Tensor,  # (R,)
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    ids: torch.Tensor | None = None,  # (V',) a draft vocabulary's target id of each logit column
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # no-sync: decoding (eval), off the training path
     """The drafted tokens (R, n), left to right from the anchor; sampled (temperature > 0),
-    also the distributions they were drawn from (R, n, V), on the host."""
+    also the distributions they were drawn from (R, n, V), on the host. With `ids`, the logits
+    are a draft vocabulary's rows: the tokens are target ids, the distributions over the rows."""
     prev, out, qs = anchor, [], []
     for slot in range(logits.shape[1]):
         z = logits[:, slot].float() + markov.bias(prev).float()
@@ -73,6 +75,7 @@ def draft(
             q = torch.softmax(z.cpu() / temperature, dim=-1)
             pick = torch.multinomial(q, 1, generator=generator).squeeze(1).to(z.device)
             qs.append(q)
+        pick = pick if ids is None else ids[pick]  # W1 reads target ids
         out.append(pick)
         prev = pick
     return torch.stack(out, dim=1), torch.stack(qs, dim=1) if qs else None

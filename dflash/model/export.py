@@ -65,6 +65,7 @@ def drafter_config_json(spec: DrafterSpec) -> dict[str, Any]:
         "sliding_window": spec.sliding_window,
         "use_sliding_window": "sliding_attention" in spec.layer_types,
         "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
+        **({"draft_vocab_size": spec.draft_vocab_size} if spec.draft_vocab_size else {}),
         "dflash_config": {
             "mask_token_id": spec.mask_token_id,
             "target_layer_ids": list(spec.target_layer_ids),
@@ -110,8 +111,11 @@ def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, 
             "causal flag for all layers); export it in the default format"
         )
         raise CheckpointError(msg)
+    if spec.family == "dflash2" and spec.draft_vocab_size:
+        msg = "--format speculators: speculators' DFlash2 has no draft vocabulary; export it in the default format"
+        raise CheckpointError(msg)
     family = _dflash2_keys(spec) | _dspark_keys(spec)
-    ours_only = ("dflash_config", "auto_map", "architectures", *family)
+    ours_only = ("dflash_config", "auto_map", "architectures", "draft_vocab_size", *family)
     layers = {k: v for k, v in drafter_config_json(spec).items() if k not in ours_only}
     return {
         "architectures": [_SPECULATORS_ARCH[spec.family]],
@@ -125,7 +129,7 @@ def speculators_config_json(spec: DrafterSpec, verifier: str = "") -> dict[str, 
         "transformer_layer_config": layers,
         "mask_token_id": spec.mask_token_id,
         "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
-        "draft_vocab_size": spec.vocab_size,
+        "draft_vocab_size": spec.draft_vocab_size or spec.vocab_size,
         "sliding_window_non_causal": True,
         "block_size": spec.block_size,
         "sample_from_anchor": spec.family == "dspark",
@@ -158,16 +162,28 @@ def export_drafter(
     config = drafter_config_json(model.spec) if fmt == "dflash" else speculators_config_json(model.spec, verifier)
     layers = config if fmt == "dflash" else config["transformer_layer_config"]
     layers["torch_dtype"] = str(dtype).removeprefix("torch.")  # the weights': what AutoModel loads by default
-    tensors = {  # DSpark's confidence head stays float32 (vLLM loads it so)
-        k: v.detach().to("cpu", torch.float32 if k.startswith("confidence_head.") else dtype).contiguous()
-        for k, v in model.state_dict().items()
-    }
+    tensors = {k: _stored(k, v, dtype) for k, v in model.state_dict().items()}
     with atomic_path(out, folder=True) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # the self-contained modeling file AutoModel(..., trust_remote_code=True) loads
         shutil.copyfile(_MODELING, tmp / "modeling_dflash.py")
     return out
+
+
+def _stored(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as exports store it: in `dtype`, but DSpark's confidence head in float32 (vLLM
+    loads it so) and a draft vocabulary's maps as they are (`d2t` int64, `t2d` bool)."""
+    t = tensor.detach().to("cpu")
+    if not t.is_floating_point():
+        return t.contiguous()
+    return t.to(torch.float32 if name.startswith("confidence_head.") else dtype).contiguous()
+
+
+def _draft_vocab_size(cfg: dict[str, Any]) -> int:
+    """A config's draft vocabulary rows; 0 for the whole vocabulary."""
+    size = int(cfg.get("draft_vocab_size") or 0)
+    return size if 0 < size < int(cfg["vocab_size"]) else 0
 
 
 def _family_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +231,7 @@ def _spec_from_config(cfg: dict[str, Any]) -> DrafterSpec:
             sliding_causal_block=bool(d.get("sliding_causal_block", True)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             rope_scaling=dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None,
+            draft_vocab_size=_draft_vocab_size(cfg),
             **_family_fields(cfg),
         )
     except (KeyError, TypeError, ValueError) as err:
@@ -231,6 +248,7 @@ def _from_speculators(cfg: dict[str, Any]) -> dict[str, Any]:
         sliding = "sliding_attention" in (flat.get("layer_types") or [])
         family = str(cfg["speculators_model_type"])
         flat["architectures"] = [ARCHITECTURES[family]]
+        flat["draft_vocab_size"] = cfg.get("draft_vocab_size")
         flat["dflash_config"] = {
             "mask_token_id": cfg["mask_token_id"],
             "target_layer_ids": [int(i) - 1 for i in cfg["aux_hidden_state_layer_ids"]],
@@ -293,7 +311,7 @@ def _load_weights(model: DFlashDrafter, state: dict[str, torch.Tensor], where: P
     if wrong:
         msg = f"{where}: weights do not match the drafter's config ({model.spec.family}): {'; '.join(wrong)}"
         raise CheckpointError(msg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    model.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
 
 
 def is_export(path: Path) -> bool:

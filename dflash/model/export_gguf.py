@@ -9,7 +9,9 @@ reference-format export; tests/test_gguf.py compares the two):
   `dflash.block_size`; DFlash2's `conv_kernel_size`, `conv_group_size`, `selector_rank`,
   `selector_top_k`; DSpark's `sample_from_anchor` (true: the block is [anchor, mask × (B−1)])
   and `has_confidence_head`; the Qwen3 backbone's usual keys.
-- No token embedding and no LM head: the target's are borrowed. The tokenizer metadata is the
+- No token embedding and no LM head: the target's are borrowed; but a drafter with a draft
+  vocabulary writes its own head (`output.weight`, V' rows) and `d2t` (int64 target ids), which
+  llama.cpp scatters the draft logits through (DFlash2's successor codebook over every id). The tokenizer metadata is the
   target's own (`tokenizer.*` from its GGUF), with `tokenizer.ggml.mask_token_id` ours;
   llama.cpp refuses a draft whose vocabulary differs from the target's.
 - llama.cpp hooks the inputs of decoder layers 0 … n_layer − 1 only, and only in the
@@ -75,6 +77,8 @@ _TOP = {
     "markov_head.markov_w2.weight": "markov_w2.weight",
     "confidence_head.proj.weight": "conf_proj.weight",
     "confidence_head.proj.bias": "conf_proj.bias",
+    "lm_head.weight": "output.weight",  # a draft vocabulary's own head
+    "d2t": "d2t",  # ... and its rows' target ids (absolute, int64, as llama.cpp reads them)
 }
 
 
@@ -225,12 +229,31 @@ def _arch_keys(spec: DrafterSpec) -> dict[str, Any]:
     return {f"dflash.{k}": v for k, v in keys.items()}
 
 
+def _for_llamacpp(spec: DrafterSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights as llama.cpp reads a draft vocabulary: `d2t` as target ids, no `t2d`, and
+    DFlash2's successor codebook over the whole vocabulary (its selector walks the logits after
+    they are scattered to the target's ids; rows outside the draft vocabulary are zero and never
+    a candidate, as their logits are -inf)."""
+    if not spec.draft_vocab_size:
+        return dict(state)
+    out = {k: v for k, v in state.items() if k != "t2d"}
+    ids = state["d2t"].to("cpu", torch.int64) + torch.arange(spec.draft_vocab_size)
+    out["d2t"] = ids
+    succ = "candidate_selector.successor_codebook"
+    if succ in out:
+        rows = out[succ].detach().to("cpu", torch.float32)
+        out[succ] = torch.zeros(spec.vocab_size, rows.shape[1]).index_copy_(0, ids, rows)
+    return out
+
+
 def _tensor(gguf_key: str, t: torch.Tensor, gtype: str) -> tuple[np.ndarray, Any]:
     """(data, raw type or None) by llama.cpp's converter's rules: 1-D tensors, norms and the
     convolutions' base kernels stay float32; q8_0 where a row is a whole number of 32-blocks,
-    else float16."""
+    else float16; a draft vocabulary's `d2t` is int64."""
     from gguf import GGMLQuantizationType, quants
 
+    if not t.is_floating_point():
+        return t.detach().to("cpu", torch.int64).numpy(), GGMLQuantizationType.I64
     data = t.detach().to("cpu", torch.float32).numpy()
     keep_f32 = data.ndim <= 1 or gguf_key.endswith(("_norm.weight", "_conv_base"))
     if gtype == "f32" or keep_f32:
@@ -261,7 +284,7 @@ def write_gguf(
     if why is not None:
         raise CheckpointError(f"GGUF export: {why}")
     arch_keys = _arch_keys(spec)
-    tensors = [(gguf_name(k), v) for k, v in state.items()]
+    tensors = [(gguf_name(k), v) for k, v in _for_llamacpp(spec, state).items()]
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

@@ -28,6 +28,7 @@ from dflash.model.drafter import family_shift
 
 __all__ = [
     "BlockTargets", "FamilyTerms", "LossParts", "LossSpec", "LossVocab", "block_loss", "block_targets", "dpace_weights",
+    "draft_rows",
     "gamma_weights", "reveal_slots",
 ]  # fmt: skip
 
@@ -158,6 +159,31 @@ class LossVocab:
             return buf, None
         buf[n:] = full.index_select(0, self.outside.index_select(0, drawn))
         return buf, self.bias
+
+
+def draft_rows(
+    index: torch.Tensor,  # (V,) each target id's draft row, -1 outside the draft vocabulary
+    labels: torch.Tensor,  # (M,) target ids
+    weights: torch.Tensor,  # (M,)
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,  # (M, k) the target's top-k logits and ids
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Supervision over a draft vocabulary (`drafter.draft_vocab_size`): labels as its rows; a
+    label outside gets weight 0 and -100 (cross_entropy's ignore_index): it still counts as a
+    slot, never as drafted right (`tau_sim` stays honest), and Σ w is unchanged, so its share
+    lowers the loss's scale by that much. The teacher's top-k is restricted to the draft
+    vocabulary and renormalised (the ids outside get -inf, speculators' restricted target
+    distribution); a row whose top-k lies wholly outside gets weight 0 too."""
+    at = index[labels]
+    inside = at >= 0
+    if teacher is not None:
+        vals, ids = teacher
+        rows = index[ids]
+        kept = rows >= 0
+        inside = inside & kept.any(dim=-1)
+        vals = torch.where(kept, vals.float(), float("-inf"))
+        vals = torch.where(kept.any(dim=-1, keepdim=True), vals, 0.0)  # a wholly-outside row: weight 0, finite
+        teacher = (vals, rows.clamp(min=0))
+    return torch.where(at >= 0, at, -100), weights * inside, teacher
 
 
 def gamma_weights(block_size: int, gamma: float, shift: int = 0) -> torch.Tensor:

@@ -9,6 +9,10 @@ the parameter names are the export's, so the trained weights load into it.
     hidden = model(position_ids=pos, noise_embedding=emb, target_hidden=feats)  # (B, Q, H)
     logits = hidden @ target_lm_head.T
 
+A drafter with a draft vocabulary (`draft_vocab_size` below `vocab_size`) carries its own head
+over those target tokens (`model.lm_head`, the target's rows) and the maps: draft row r is
+target token `r + model.d2t[r]`; `model.t2d` marks the target ids it can emit.
+
 `position_ids` (B, S+Q) are the absolute positions of the S context features, then of the
 Q block slots (one block per row, or whole blocks of `block_size`). `attention_mask` is
 optional: a boolean (B, 1, Q, S+Q) tensor (True = attend) for the block attending to
@@ -149,16 +153,19 @@ class CandidateSelector(nn.Module):
     """DFlash2's low-rank scorer of a slot's candidates given the token before it:
     score[c] = unary[c] + Σ_r predecessor[prev, r]·(W_h h)[r]·successor[c, r]."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, draft_vocab_size: int = 0) -> None:
+        """`draft_vocab_size`: candidates are rows of a draft vocabulary (0: the whole one);
+        predecessors are always target ids."""
         super().__init__()
         self.top_k = top_k
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(draft_vocab_size or vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     def scores(self, unary: torch.Tensor, h: torch.Tensor, prev: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
-        """Edge scores (..., K) of candidate ids `cands` (..., K) with unary scores `unary`
-        (..., K), states `h` (..., H) and predecessor ids `prev` (...)."""
+        """Edge scores (..., K) of candidates `cands` (..., K: ids, or draft rows with a draft
+        vocabulary) with unary scores `unary` (..., K), states `h` (..., H) and predecessor
+        (target) ids `prev` (...)."""
         pred = self.predecessor_codebook[prev]
         ctx = pred * self.hidden_projection(h).to(pred.dtype)
         edge = (ctx.unsqueeze(-2) * self.successor_codebook[cands]).sum(-1)
@@ -166,15 +173,16 @@ class CandidateSelector(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """DSpark's logit bias from the previous token: W2·W1[prev] (rank r)."""
+    """DSpark's logit bias from the previous token: W2·W1[prev] (rank r). W1 reads target ids;
+    W2 writes the drafter's logits: a draft vocabulary's rows when it has one."""
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int = 0) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size or vocab_size, bias=False)
 
     def bias(self, prev: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., V) for predecessor ids `prev` (...); `rows`: only these vocabulary rows."""
+        """(..., V') for predecessor ids `prev` (...); `rows`: only these rows of W2."""
         w2 = self.markov_w2.weight if rows is None else self.markov_w2.weight[rows]
         return self.markov_w1(prev) @ w2.t()
 
@@ -310,12 +318,18 @@ class DFlashDraftModel(PreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         V, H = config.vocab_size, config.hidden_size
+        Vd = int(getattr(config, "draft_vocab_size", None) or V)  # no-sync: a config value
+        Vd = 0 if Vd >= V else Vd
+        if Vd:  # a draft vocabulary: its own head (the target's rows) and the maps
+            self.lm_head = nn.Linear(H, Vd, bias=False)
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # target id = row + d2t[row]
+            self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         if dflash.get("selector_rank"):  # DFlash2
             rank, top_k = int(dflash["selector_rank"]), int(dflash["selector_top_k"])  # no-sync: config values
-            self.candidate_selector = CandidateSelector(V, H, rank, top_k)
+            self.candidate_selector = CandidateSelector(V, H, rank, top_k, Vd)
         if getattr(config, "markov_rank", None):  # DSpark
             rank = int(config.markov_rank)  # no-sync: a config value
-            self.markov_head = MarkovHead(V, rank)
+            self.markov_head = MarkovHead(V, rank, Vd)
             if getattr(config, "enable_confidence_head", False):
                 extra = rank if getattr(config, "confidence_head_with_markov", False) else 0
                 self.confidence_head = ConfidenceHead(H, extra)

@@ -46,6 +46,11 @@ def serve_command(target: str | Path, drafter: str | Path, spec: DrafterSpec) ->
 def problem(spec: DrafterSpec, target_head_dim: int, on_cpu: bool) -> str | None:
     """Why vLLM cannot run this drafter (with a target of this head dim), and what to change;
     None when it can."""
+    if spec.family == "dflash2" and spec.draft_vocab_size:
+        return (
+            "vLLM's DFlash2 has no draft vocabulary (its selector walks the whole one): train it with "
+            "drafter.draft_vocab_size = 0, or serve it in llama.cpp"
+        )
     if on_cpu and spec.family != "dflash":
         return (
             f"vLLM on CPU cannot run a {spec.family} drafter (its V1 runner refuses it, the V2 runner needs "

@@ -35,6 +35,7 @@ from dflash.features.files import FeatureMeta, FeatureStore, folder_for
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.loss import LossSpec, LossVocab
+from dflash.model.vocab import DraftVocab, check_same, for_run
 from dflash.model.target import Target, TargetInfo, load_target, resolve_dtype
 from dflash.model.target_head import load_target_head
 from dflash.runtime import faults
@@ -222,8 +223,9 @@ def _samples(
     return samples, stats
 
 
-def drafter_spec(cfg: Config, t0: TargetInfo, mask_id: int) -> DrafterSpec:
+def drafter_spec(cfg: Config, t0: TargetInfo, mask_id: int, draft_vocab_size: int = 0) -> DrafterSpec:
     return DrafterSpec(
+        draft_vocab_size=draft_vocab_size,
         hidden_size=t0.hidden_size,
         num_layers=cfg.drafter.num_layers,
         num_heads=t0.num_heads,
@@ -359,11 +361,37 @@ def _replicas(
     t0: TargetInfo,
     devices: list[torch.device],
     lr: Callable[[float], float],
+    vocab: DraftVocab | None = None,
 ) -> list[DrafterReplica]:
     """One drafter replica a device (`build_replicas`), from the target's layers with
-    drafter.init_from_target; `lr`: the LR schedule."""
+    drafter.init_from_target; `lr`: the LR schedule; `vocab`: a draft vocabulary."""
     init_from = t0.model if cfg.drafter.init_from_target else None
-    return build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from)
+    return build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from, vocab)
+
+
+def _restore(loaded: Loaded, replicas: list[DrafterReplica], cfg: Config, vocab: DraftVocab | None) -> None:
+    """The checkpoint into the replicas; its draft vocabulary must be this run's."""
+    restore(loaded, replicas, cfg)
+    if vocab is not None:
+        check_same(replicas[0].model.d2t, vocab, loaded.path)
+
+
+def _draft_vocab(
+    cfg: Config, t0: TargetInfo, tokenizer: Any, samples: list[Sample], mask_id: int, stats: dict[str, Any],
+    world: World | None,
+) -> DraftVocab | None:  # fmt: skip
+    """The run's draft vocabulary (`vocab.for_run`: the end-of-turn and mask tokens always in);
+    its size and the share of supervised tokens it holds go in the data stats."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    keep = [mask_id, *([int(eos)] if eos is not None else [])]
+    vocab = for_run(cfg, t0.vocab_size, samples, keep, write=world is None or world.is_writer)
+    top_k = cfg.drafter.dflash2.selector_top_k
+    if vocab is not None and cfg.drafter.family == "dflash2" and top_k > vocab.size:
+        msg = f"drafter.dflash2.selector_top_k ({top_k}) exceeds the draft vocabulary's {vocab.size} tokens"
+        raise ConfigError(msg)
+    if vocab is not None:
+        stats["draft_vocab"] = {"size": vocab.size, "coverage": round(vocab.coverage(), 4)}
+    return vocab
 
 
 def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, world: World | None = None) -> Training:
@@ -391,13 +419,14 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
             samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
         )
         total = cfg.train.max_steps or _total_steps(plan, batch, loaded.step if loaded else 0)
-        spec = drafter_spec(cfg, t0, mask_id)
+        vocab = _draft_vocab(cfg, t0, tokenizer, samples, mask_id, stats, world)
+        spec = drafter_spec(cfg, t0, mask_id, 0 if vocab is None else vocab.size)
         budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
-        replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget))
+        replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget), vocab)
         if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
             stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
         if loaded is not None:
-            restore(loaded, replicas, cfg)
+            _restore(loaded, replicas, cfg, vocab)
         micro = _micro_step(cfg, loss, d_devs[0], total)
         update = functools.partial(apply_step, replicas, grad_clip=cfg.optimizer.grad_clip, world=world, budget=budget)
         writer = world is None or world.is_writer

@@ -13,6 +13,7 @@ import torch
 from dflash.config import OptimizerConfig
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 from dflash.model.loss import LossVocab
+from dflash.model.vocab import DraftVocab
 
 __all__ = ["DrafterReplica", "build_replicas"]
 
@@ -26,6 +27,7 @@ class DrafterReplica:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_vocab: LossVocab | None = None  # the loss's softmax over these tokens (loss.vocab = "data"); None: all
+    draft_index: torch.Tensor | None = None  # (V,) each target id's draft row, -1 outside (a draft vocabulary)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -45,14 +47,19 @@ def build_replicas(
     lr_factor: Callable[[float], float],
     seed: int,
     init_from: torch.nn.Module | None = None,
+    vocab: DraftVocab | None = None,
 ) -> list[DrafterReplica]:
     """One replica per device, all with the same initial weights (from `seed`, or the target's
     layers with `init_from`), AdamW from `[optimizer]`, and `lr_factor` (the LR schedule,
-    `schedule.lr_schedule`) times the peak LR."""
+    `schedule.lr_schedule`) times the peak LR. With a draft `vocab`, the drafter's head is the
+    target's rows of its tokens, and so is each replica's frozen head."""
     base = DFlashDrafter(spec)
     base.init_weights(torch.Generator().manual_seed(seed + 104729))
     if init_from is not None:
         base.init_from_target(init_from, spec.target_layer_ids)
+    if vocab is not None:
+        base.set_draft_vocab(vocab.ids, head.lm_head)
+        head = head.pruned(vocab.ids)
     state = base.state_dict()
     out = []
     for i, dev in enumerate(devices):
@@ -72,5 +79,6 @@ def build_replicas(
             fused=True if dev.type == "cpu" else None,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-        out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched))
+        index = None if vocab is None else vocab.index().to(dev)
+        out.append(DrafterReplica(i, dev, model, head.to(dev, dtype), opt, sched, draft_index=index))
     return out

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.families import family_terms
-from dflash.model.loss import BlockTargets, LossParts, LossSpec, block_loss, block_targets, reveal_slots
+from dflash.model.loss import (
+    BlockTargets, LossParts, LossSpec, block_loss, block_targets, draft_rows, reveal_slots,
+)  # fmt: skip
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.roofline import flops
 from dflash.runtime import faults
@@ -155,6 +157,8 @@ def _device_targets(
         b = feats.batch
         g = torch.Generator().manual_seed(sample_seed(micro.seed, b.index, b.epoch) ^ 0x4E6)
         negatives = upload(rep.loss_vocab.draw(g), dev)
+    if rep.draft_index is not None:  # a draft vocabulary: labels and the teacher's top-k as its rows
+        labels, weights, teacher = draft_rows(rep.draft_index, labels, weights, teacher)
     prev = None if host.prev is None else upload(host.prev, dev)
     targets = dataclasses.replace(
         host, sel=upload(host.sel, dev), labels=labels,

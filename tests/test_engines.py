@@ -201,7 +201,7 @@ def test_the_speculators_verifier_is_the_targets_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a training run and four vLLM engines: ~110 s on two cores, ~150 s beside another test
+@pytest.mark.timeout(600)  # two training runs and six vLLM engines: ~150 s on two cores, ~200 s beside another test
 def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     if not ENGINES_PY.exists():
         pytest.fail(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
@@ -244,6 +244,14 @@ def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     assert again["speculative_config"]["model"] == str((tmp_path / "spec").resolve())
     same = ("tau", "verify_steps", "accepted_tokens", "accept_per_position", "identical_to_vllm_greedy", "lossless")
     assert {k: again[k] for k in same} == {k: record[k] for k in same}
+    # a draft vocabulary (256 of 512): vLLM loads its head and d2t and drafts what dflash drafts
+    pruned = [*sets, "--set", "drafter.draft_vocab_size=256", "--set", 'run.name="pruned"']
+    trained = dflash("run", str(ROOT / "configs" / "tiny.toml"), *pruned)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    end = next(r for r in json_lines(trained.stdout) if r["event"] == "run_end")
+    small = in_vllm(Path(end["export_dir"]))
+    assert small["identical_to_vllm_greedy"] == 6 and small["identical_to_dflash_greedy"] == 6 and small["lossless"]
+    assert small["tau"] > 1.0 and abs(small["verify_steps"] - small["dflash_verify_steps"]) <= small["prompts"], small
 
 
 def test_a_head_only_target_is_checked_by_vllm_alone(tmp_path, monkeypatch):

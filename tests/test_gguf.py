@@ -94,6 +94,36 @@ def test_the_gguf_is_what_llamacpps_converter_writes(family, tiny_llama, target_
     assert keys["tokenizer.ggml.mask_token_id"] == 0 and "token_embd.weight" not in tensors
 
 
+def test_a_draft_vocabulary_is_written_as_llamacpp_reads_it(tiny_llama, target_vocab, tmp_path):
+    """DSpark with 256 of 512 rows: every key and tensor as llama.cpp's converter writes them from
+    our export (`output.weight` the head's rows, `d2t` absolute I64 ids, no `t2d`); DFlash2's
+    successor codebook over every id, the draft rows at their ids (its converter has no d2t)."""
+    from gguf import GGUFReader
+
+    ids = torch.arange(0, 512, 2)
+    for family in ("dspark", "dflash2"):
+        spec = dataclasses.replace(SPEC, **FAMILIES[family], draft_vocab_size=256)
+        model = DFlashDrafter(spec)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.1)
+        model.set_draft_vocab(ids, torch.randn(512, 64))
+        ours = write_gguf(model.spec, model.state_dict(), target_vocab, tmp_path / f"{family}.gguf", "q8_0")
+        tensors = {t.name: t for t in GGUFReader(ours).tensors}
+        assert "t2d" not in tensors and tensors["d2t"].tensor_type.name == "I64"
+        assert np.asarray(tensors["d2t"].data).tolist() == ids.tolist()
+        assert list(tensors["output.weight"].shape) == [64, 256]
+        if family == "dflash2":
+            succ = np.asarray(tensors["selector_successor.weight"].data, dtype=np.float32).reshape(512, -1)
+            want = model.candidate_selector.successor_codebook.detach().half().float().numpy()
+            assert np.array_equal(succ[ids.numpy()], want) and not succ[1::2].any()
+            continue
+        export = export_drafter(model, tmp_path / "export", dtype=torch.float32)
+        ref = llamacpp.convert_hf(export, tmp_path / "ref.gguf", "q8_0", target_dir=tiny_llama)
+        (keys, got), (ref_keys, want_tensors) = _contents(ours), _contents(ref)
+        assert keys == ref_keys and got == want_tensors
+
+
 def test_refusals_name_the_problem_in_one_line(target_vocab, tmp_path):
     ok = dataclasses.replace(target_vocab, arch="llama")
     assert gguf_problem(SPEC, ok) is None
@@ -165,7 +195,9 @@ def _servers_of(target: Path) -> list[str]:
 def test_trained_drafters_of_each_family_draft_losslessly_in_llamacpp(tiny_llama, tmp_path):
     _built()
     dspark = {"drafter.dspark.markov_rank": 32, "checkpoint.export_gguf": '"q8_0"'}  # and its end-of-run GGUF
-    for family, extra in (("dflash", {}), ("dflash2", {"drafter.dflash2.selector_top_k": 4}), ("dspark", dspark)):
+    pruned = {"drafter.draft_vocab_size": 256}  # DFlash2 and DSpark with a draft vocabulary: its head and d2t
+    dflash2 = {"drafter.dflash2.selector_top_k": 4, **pruned}
+    for family, extra in (("dflash", {}), ("dflash2", dflash2), ("dspark", {**dspark, **pruned})):
         shape = {
             "target.kind": '"hf"', "target.path": f'"{tiny_llama}"', "target.layer_ids": "[1, 2]",
             "drafter.mask_token_id": 0, "drafter.block_size": 4, "drafter.family": f'"{family}"',

@@ -219,3 +219,33 @@ def test_plan_counts_the_head_at_the_draft_size():
     whole, pruned = plan(), plan("--set", "drafter.draft_vocab_size=128")
     assert whole["batch"]["loss_head_rows"] == 512 and pruned["batch"]["loss_head_rows"] == 128
     assert pruned["drafter"]["gflop_per_batch"]["forward"] < whole["drafter"]["gflop_per_batch"]["forward"]
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_a_drafter_cut_to_a_draft_vocabulary_drafts_what_it_drafted_inside_it(family):
+    """`restricted`: the same weights at the kept rows; where every draft of the whole-vocabulary
+    drafter lies inside the draft vocabulary, the cut one drafts the same target ids."""
+    from dflash.model.families import propose
+    from tests.test_families import _spec
+
+    d = _random_drafter(_spec(family))
+    head = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    h = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(6))
+    anchor = torch.tensor([1, 2, 3])
+    full, _ = propose(d, h, head, anchor)
+    ids = torch.unique(torch.cat([full.flatten(), torch.arange(0, 64, 3)]))
+    cut = d.restricted(ids, head)
+    assert cut.spec.draft_vocab_size == len(ids) and torch.equal(cut.lm_head.weight, head[ids])
+    again, _ = propose(cut, h, head, anchor)
+    assert torch.equal(again, full)
+
+
+def _random_drafter(spec):
+    from dflash.model.drafter import DFlashDrafter
+
+    d = DFlashDrafter(spec)
+    d.init_weights(torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+    return d

@@ -288,6 +288,26 @@ class DFlashDrafter(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    @torch.no_grad()
+    def restricted(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> DFlashDrafter:
+        """This drafter (whole vocabulary) cut to the draft vocabulary of target ids `ids`: the
+        same weights, the head, DSpark's W2 and DFlash2's successor codebook at those rows. It
+        drafts what this one drafts wherever that lies inside (benchmarks: one trained drafter
+        at several draft sizes)."""
+        assert not self.spec.draft_vocab_size, "already a draft vocabulary"
+        import dataclasses
+
+        out = DFlashDrafter(dataclasses.replace(self.spec, draft_vocab_size=len(ids)))
+        state = dict(self.state_dict())
+        for name in ("markov_head.markov_w2.weight", "candidate_selector.successor_codebook"):
+            if name in state:
+                state[name] = state[name][ids.to(state[name].device)]
+        ref = next(iter(state.values()))
+        out = out.to(device=ref.device, dtype=ref.dtype)
+        out.load_state_dict(state, strict=False)
+        out.set_draft_vocab(ids.to(ref.device), target_lm_head)
+        return out
+
     def draft_ids(self) -> torch.Tensor | None:
         """(V',) the target id of each draft row, on the drafter's device; None without a draft vocabulary."""
         if not self.spec.draft_vocab_size:

@@ -249,3 +249,14 @@ def _random_drafter(spec):
         for p in d.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
     return d
+
+
+def test_a_draft_vocabulary_cut_again_keeps_its_rows():
+    from tests.test_families import _spec
+
+    d = _random_drafter(_spec("dspark"))
+    head = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    wide = d.restricted(torch.arange(0, 64, 2), head)
+    narrow = wide.restricted(torch.arange(0, 64, 4))
+    direct = d.restricted(torch.arange(0, 64, 4), head)
+    assert all(torch.equal(narrow.state_dict()[k], v) for k, v in direct.state_dict().items())

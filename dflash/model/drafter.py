@@ -280,32 +280,41 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def set_draft_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
-        """A draft vocabulary's maps and head: the target ids `ids` (V',) ascending, their rows
-        of the target's LM head (V, H)."""
+        """A draft vocabulary's maps and head: the target ids `ids` (V',) ascending, and the
+        target's LM head (V, H) or already its rows of those ids (V', H)."""
         assert self.spec.draft_vocab_size == len(ids), "the spec's draft_vocab_size is the map's"
-        self.lm_head.weight.copy_(target_lm_head[ids.to(target_lm_head.device)].to(self.lm_head.weight))
+        rows = target_lm_head if len(target_lm_head) == len(ids) else target_lm_head[ids.to(target_lm_head.device)]
+        self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
         self.d2t.copy_(ids - torch.arange(len(ids)))
         self.t2d.zero_()
         self.t2d[ids] = True
 
     @torch.no_grad()
-    def restricted(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> DFlashDrafter:
-        """This drafter (whole vocabulary) cut to the draft vocabulary of target ids `ids`: the
-        same weights, the head, DSpark's W2 and DFlash2's successor codebook at those rows. It
-        drafts what this one drafts wherever that lies inside (benchmarks: one trained drafter
-        at several draft sizes)."""
-        assert not self.spec.draft_vocab_size, "already a draft vocabulary"
+    def restricted(self, ids: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> DFlashDrafter:
+        """This drafter cut to the draft vocabulary of target ids `ids` (ascending; with a draft
+        vocabulary already, a subset of it): the same weights, the head, DSpark's W2 and DFlash2's
+        successor codebook at those rows (`target_lm_head`: the target's, for a drafter over the
+        whole vocabulary). It drafts what this one drafts wherever that lies inside (benchmarks:
+        one trained drafter at several draft sizes)."""
         import dataclasses
 
+        have = self.draft_ids()
+        if have is None:
+            assert target_lm_head is not None, "a whole-vocabulary drafter is cut with the target's head"
+            rows, head = ids, target_lm_head[ids.to(target_lm_head.device)]
+        else:
+            rows = torch.searchsorted(have.cpu(), ids.cpu())
+            assert torch.equal(have.cpu()[rows.clamp(max=len(have) - 1)], ids.cpu()), "not a subset of the draft vocabulary"
+            head = self.lm_head.weight[rows.to(self.lm_head.weight.device)]
         out = DFlashDrafter(dataclasses.replace(self.spec, draft_vocab_size=len(ids)))
-        state = dict(self.state_dict())
+        state = {k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
         for name in ("markov_head.markov_w2.weight", "candidate_selector.successor_codebook"):
             if name in state:
-                state[name] = state[name][ids.to(state[name].device)]
+                state[name] = state[name][rows.to(state[name].device)]
         ref = next(iter(state.values()))
         out = out.to(device=ref.device, dtype=ref.dtype)
         out.load_state_dict(state, strict=False)
-        out.set_draft_vocab(ids.to(ref.device), target_lm_head)
+        out.set_draft_vocab(ids.to(ref.device), head)
         return out
 
     def draft_ids(self) -> torch.Tensor | None:

@@ -7,7 +7,9 @@ a 1-layer DSpark drafter) and at a Qwen3-8B-shaped one (4,096 × 151,936, 1 DFla
     .venv/bin/python bench/draft_vocab_step.py --shape qwen3-8b --sizes 0,32768,8192 --steps 3
     .venv/bin/python bench/draft_vocab_step.py --device cuda         # on a GPU: peak = max_memory_allocated
 
-Each (shape, size) runs in its own process (its peak RSS is its own); the labels are drawn from
+Each (shape, size) runs in its own process; its peak is the process's RSS high-water mark over the
+timed steps (reset after set-up), and how far that lies above the RSS before them (the step's own
+memory: activations, logits, gradients, AdamW's state). The labels are drawn from
 a Zipf law over the vocabulary, so a draft vocabulary of the most frequent tokens holds most of
 them, as on real replies. The first step (allocation, warm-up) is not timed. Prints a table,
 then one JSON line.
@@ -29,8 +31,24 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocabulary, family, rows, row length, anchors, block
     "demo": dict(H=576, heads=9, kv=3, hd=64, inter=1536, V=49152, family="dspark", R=8, T=256, N=8, B=4),
+    "tiny": dict(H=64, heads=4, kv=2, hd=16, inter=128, V=512, family="dspark", R=2, T=64, N=4, B=4),  # the tests'
     "qwen3-8b": dict(H=4096, heads=32, kv=8, hd=128, inter=12288, V=151936, family="dflash", R=1, T=512, N=16, B=16),
 }
+
+
+def _status_gib(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 2**20  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _rss_gib() -> float:
+    return _status_gib("VmRSS")
+
+
+def _hwm_gib() -> float:
+    return _status_gib("VmHWM")
 
 
 def one(shape: str, size: int, steps: int, device: str) -> dict:
@@ -72,8 +90,11 @@ def one(shape: str, size: int, steps: int, device: str) -> dict:
     micro = MicroStep(LossSpec(block_size=B, shift=1 if s["family"] == "dspark" else 0), max_anchors=s["N"])
     device = Device(device, "d")
     times, losses = [], []
+    before = _rss_gib()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    else:  # the peak RSS from here on (Linux: the high-water mark reset)
+        Path("/proc/self/clear_refs").write_text("5")
     for step in range(steps + 1):
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -87,10 +108,10 @@ def one(shape: str, size: int, steps: int, device: str) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(loss)
     device.close()
-    peak = (torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else _hwm_gib()
     covered = 1.0 if vocab is None else float(vocab.t2d[ids[mask]].float().mean())
     return {"shape": shape, "draft_vocab_size": size or V, "step_s": statistics.median(times), "peak_gib": peak,
+            "steps_above_gib": peak - (0.0 if dev.type == "cuda" else before),
             "head_rows": size or V, "labels_covered": covered, "supervised_slots": int(prepared.targets.sel.numel()),
             "loss": losses[-1]}  # fmt: skip
 
@@ -117,8 +138,10 @@ def main() -> None:
             rows.append(json.loads(out.strip().splitlines()[-1]))
             r = rows[-1]
             whole = next(x for x in rows if x["shape"] == shape)
-            print(f"{shape:9} V'={r['draft_vocab_size']:>7}  step {r['step_s']:7.3f} s ({whole['step_s'] / r['step_s']:4.2f}×)"
-                  f"  peak {r['peak_gib']:6.2f} GiB  labels in V' {r['labels_covered']:.3f}"
+            speedup = whole["step_s"] / r["step_s"]
+            print(f"{shape:9} V'={r['draft_vocab_size']:>7}  step {r['step_s']:7.3f} s ({speedup:4.2f}×)"
+                  f"  peak {r['peak_gib']:6.2f} GiB ({r['steps_above_gib']:5.2f} for the steps)"
+                  f"  labels in V' {r['labels_covered']:.3f}"
                   f"  slots {r['supervised_slots']}", flush=True)  # fmt: skip
     print(json.dumps({"device": a.device, "rows": rows}))
 

@@ -277,3 +277,15 @@ def test_ablation_script_trains_variants_and_writes_a_table(
     assert rows[0]["final_loss"] != rows[1]["final_loss"], rows  # the variant's override reached its run
     assert lines[0].startswith("| variant |") and sum(line.startswith("| baseline") for line in lines) == 1
     assert f"{rows[0]['heldout_tau']:.3f}" in next(line for line in lines if line.startswith("| baseline"))
+
+
+def test_draft_vocab_step_bench_runs_a_step_at_each_size() -> None:
+    """bench/draft_vocab_step.py's one setting, at the tiny shape: a step with the whole
+    vocabulary and with a draft vocabulary, the labels it holds counted."""
+    spec = importlib.util.spec_from_file_location("draft_vocab_step", ROOT / "bench" / "draft_vocab_step.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    whole, pruned = bench.one("tiny", 0, 1, "cpu"), bench.one("tiny", 64, 1, "cpu")
+    assert whole["head_rows"] == 512 and pruned["head_rows"] == 64 and pruned["labels_covered"] < 1.0
+    assert whole["step_s"] > 0 and pruned["supervised_slots"] == whole["supervised_slots"]

@@ -303,8 +303,9 @@ class DFlashDrafter(nn.Module):
             assert target_lm_head is not None, "a whole-vocabulary drafter is cut with the target's head"
             rows, head = ids, target_lm_head[ids.to(target_lm_head.device)]
         else:
-            rows = torch.searchsorted(have.cpu(), ids.cpu())
-            assert torch.equal(have.cpu()[rows.clamp(max=len(have) - 1)], ids.cpu()), "not a subset of the draft vocabulary"
+            have, ids = have.cpu(), ids.cpu()
+            rows = torch.searchsorted(have, ids)
+            assert torch.equal(have[rows.clamp(max=len(have) - 1)], ids), "not a subset of the draft vocabulary"
             head = self.lm_head.weight[rows.to(self.lm_head.weight.device)]
         out = DFlashDrafter(dataclasses.replace(self.spec, draft_vocab_size=len(ids)))
         state = {k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}

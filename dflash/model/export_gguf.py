@@ -11,8 +11,9 @@ reference-format export; tests/test_gguf.py compares the two):
   and `has_confidence_head`; the Qwen3 backbone's usual keys.
 - No token embedding and no LM head: the target's are borrowed; but a drafter with a draft
   vocabulary writes its own head (`output.weight`, V' rows) and `d2t` (int64 target ids), which
-  llama.cpp scatters the draft logits through (DFlash2's successor codebook over every id). The tokenizer metadata is the
-  target's own (`tokenizer.*` from its GGUF), with `tokenizer.ggml.mask_token_id` ours;
+  llama.cpp scatters the draft logits through (DFlash2's successor codebook over every id).
+  The tokenizer metadata is the target's own (`tokenizer.*` from its GGUF), with
+  `tokenizer.ggml.mask_token_id` ours;
   llama.cpp refuses a draft whose vocabulary differs from the target's.
 - llama.cpp hooks the inputs of decoder layers 0 … n_layer − 1 only, and only in the
   architectures listed in `HOOKED_ARCHS`: a drafter reading the target's last layer (our id

@@ -174,7 +174,10 @@ def for_run(
     if d.vocab_mapping:
         vocab = DraftVocab.load(d.vocab_mapping, vocab_size)
         if d.draft_vocab_size and d.draft_vocab_size != vocab.size:
-            msg = f"drafter.draft_vocab_size ({d.draft_vocab_size}) differs from drafter.vocab_mapping's {vocab.size} rows"
+            msg = (
+                f"drafter.draft_vocab_size ({d.draft_vocab_size}) differs from drafter.vocab_mapping's "
+                f"{vocab.size} rows"
+            )
             raise ConfigError(msg)
         return vocab
     if not d.draft_vocab_size:

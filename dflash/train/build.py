@@ -35,9 +35,9 @@ from dflash.features.files import FeatureMeta, FeatureStore, folder_for
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.loss import LossSpec, LossVocab
-from dflash.model.vocab import DraftVocab, check_same, for_run
 from dflash.model.target import Target, TargetInfo, load_target, resolve_dtype
 from dflash.model.target_head import load_target_head
+from dflash.model.vocab import DraftVocab, check_same, for_run
 from dflash.runtime import faults
 from dflash.runtime.devices import check_device
 from dflash.runtime.distributed import World

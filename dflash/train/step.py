@@ -22,8 +22,14 @@ import torch.nn.functional as F
 from dflash.model.anchors import sample_anchors, sample_seed
 from dflash.model.families import family_terms
 from dflash.model.loss import (
-    BlockTargets, LossParts, LossSpec, block_loss, block_targets, draft_rows, reveal_slots,
-)  # fmt: skip
+    BlockTargets,
+    LossParts,
+    LossSpec,
+    block_loss,
+    block_targets,
+    draft_rows,
+    reveal_slots,
+)
 from dflash.model.masks import BlockLayout, layer_masks
 from dflash.roofline import flops
 from dflash.runtime import faults

@@ -96,7 +96,7 @@ def main() -> None:
         tokens = sum(len(o.tokens) for o in outs)
         # the head alone at the drafted positions, timed apart
         n, H = d.spec.drafts, d.spec.hidden_size
-        h, w = torch.randn(1, n, H), d.head(head.lm_head)
+        h, w = torch.randn(1, n, H), d.drafting_head(head.lm_head)
         torch.nn.functional.linear(h, w)
         reps = 50
         t1 = time.perf_counter()

@@ -50,6 +50,7 @@ def _drafters(run: Path, sizes: list[int], out: Path, gtype: str) -> dict[int, P
     from dflash.config import load_config
     from dflash.model.export import load_drafter
     from dflash.model.export_gguf import read_target_gguf, write_gguf
+    from dflash.model.loading import load_tokenizer
     from dflash.model.vocab import FILE, DraftVocab, count_supervised
     from dflash.serving import llamacpp
 
@@ -57,21 +58,20 @@ def _drafters(run: Path, sizes: list[int], out: Path, gtype: str) -> dict[int, P
     drafter = load_drafter(run / "final")
     V = drafter.spec.vocab_size
     vocab_gguf = read_target_gguf(llamacpp.target_vocab(cfg.target.kind, cfg.target.path, cfg.data.cache_dir))
+    tok = load_tokenizer(cfg.target, cfg.data.cache_dir)
     head = None
     if (run / FILE).is_file():
         freqs = DraftVocab.load(run / FILE, V).freqs
     else:  # a drafter over the whole vocabulary: count the replies, cut with the target's head
-        from dflash.model.loading import load_tokenizer
         from dflash.model.target_head import load_target_head
         from dflash.train.build import _samples  # the run's samples, as training read them
 
         target = load_target_head(cfg.target, torch.device("cpu"), cfg.drafter.num_layers, cfg.data.cache_dir)
         head = target.lm_head_weight.float()
-        samples, _ = _samples(cfg, target, load_tokenizer(cfg.target, cfg.data.cache_dir), drafter.spec.mask_token_id,
-                              lambda _: None)  # fmt: skip
+        samples, _ = _samples(cfg, target, tok, drafter.spec.mask_token_id, lambda _: None)
         freqs = count_supervised(samples, V)
     assert freqs is not None
-    keep = [drafter.spec.mask_token_id]
+    keep = [drafter.spec.mask_token_id, *([tok.eos_token_id] if tok.eos_token_id is not None else [])]  # as training
     paths = {}
     for size in sizes:
         cut = drafter if size in (0, drafter.spec.draft_vocab_size or V) else drafter.restricted(

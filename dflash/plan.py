@@ -347,7 +347,9 @@ def _memory(
     dense_attn = 2 * rows * spec.num_heads * q_tokens / rows * (length + q_tokens / rows) if on_cpu else 0.0
     drafter_mem = {
         "weights_grads_adamw": 16 * work.drafter_params / GIB,
-        "frozen_head": (shape.vocab + (spec.draft_vocab_size or shape.vocab)) * shape.hidden * 2 / GIB,
+        # the embedding and head in bf16; a draft vocabulary's rows also kept by the drafter in fp32
+        "frozen_head": (shape.vocab * 2 + spec.draft_vocab_size * 4 + (spec.draft_vocab_size or shape.vocab) * 2)
+        * shape.hidden / GIB,
         "activations": (spec.num_layers * (per_layer_act + dense_attn) + rows * length * spec.hidden_size * 2) / GIB,
         "loss_chunk": 3 * min(cfg.loss.chunk, batch.supervised) * batch.head_rows * 4 / GIB,
         "features": 2 * rows * length * n_layers * shape.hidden * 2 / GIB,

@@ -7,6 +7,7 @@ the engines that cannot serve one say so in one line; `dflash plan` counts its h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -64,6 +65,10 @@ def test_maps_round_trip_ours_and_speculators_and_bad_ones_are_one_line(tmp_path
         with pytest.raises(ConfigError, match=says) as err:
             DraftVocab.load(bad, 12 if "d2t" in bad.name else 16)
         assert "\n" not in str(err.value)
+    np.save(tmp_path / "d2t-wide.npy", np.zeros((3, 2), dtype=np.int64))  # not one row
+    with pytest.raises(ConfigError, match="one non-empty row") as err:
+        DraftVocab.load(tmp_path / "d2t-wide.npy", 16)
+    assert "\n" not in str(err.value)
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ConfigError, match="not a draft vocabulary map"):
         DraftVocab.load(tmp_path / "junk.safetensors", 16)
@@ -89,12 +94,49 @@ def _losses(records: list[dict]) -> list[float]:
 
 
 def test_the_whole_vocabulary_as_a_draft_vocabulary_gives_the_same_losses_bit_for_bit(tiny_config):
+    """`draft_vocab_size` = the vocabulary is no draft vocabulary (the engines load such an export
+    as a whole-vocabulary one): the same run, bit for bit, and no map written."""
     common = {"eval.at_end": "false", "train.max_steps": "6"}
     plain = _losses(run_records(tiny_config(**common, **{"run.name": '"plain"'}), timeout_s=120))
     cfg = tiny_config(**common, **{"run.name": '"whole"', "drafter.draft_vocab_size": "512"})
     whole = _losses(run_records(cfg, timeout_s=120))
     assert len(plain) >= 4 and whole == plain
-    assert DraftVocab.load(cfg.run_dir / FILE, 512).size == 512
+    assert not (cfg.run_dir / FILE).exists()
+
+
+def test_the_pruned_path_over_every_row_computes_the_same_step(tiny_config):
+    """The draft-vocabulary machinery itself (head rows, labels as rows, `d2t`) over an identity
+    map: one micro-step's loss, accuracy and gradients equal the whole-vocabulary step's, bit for bit."""
+
+
+    from dflash.model.drafter import FrozenHead
+    from dflash.runtime.devices import Device
+    from dflash.runtime.messages import HostFeatures
+    from dflash.stages import target_forward
+    from dflash.stages.prefetch import next_batch
+    from dflash.train.build import build_training
+    from dflash.train.replicas import build_replicas
+
+    cfg = tiny_config(**{"eval.at_end": "false"})
+    t = build_training(cfg)
+    rep = t.replicas[0]
+    spec = dataclasses.replace(t.spec, draft_vocab_size=512)
+    head = FrozenHead(t.targets[0].embed_weight, t.targets[0].lm_head_weight)
+    same = build_replicas(spec, head, [torch.device("cpu")], cfg.optimizer, lambda _: 1.0, cfg.run.seed, None,
+                          DraftVocab.identity(512))[0]  # fmt: skip
+    batch = next_batch(iter(t.plan), False)
+    layers, teacher = target_forward.forward(t.targets[0], batch, t.targets[0].teacher_topk)
+    feats = HostFeatures(batch, torch.cat(layers, -1), 0, teacher=teacher)
+    dev = Device("cpu", "d")
+    try:
+        parts = [t.micro.compute(r, dev, t.micro.prepare(r, dev, feats, 0)) for r in (rep, same)]
+    finally:
+        dev.close()
+    assert torch.equal(parts[0].loss_sum, parts[1].loss_sum)
+    assert torch.equal(parts[0].correct_per_slot, parts[1].correct_per_slot)
+    grads = [[p.grad for p in r.model.parameters()] for r in (rep, same)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
@@ -120,11 +162,10 @@ def test_a_pruned_run_trains_resumes_exports_and_decodes_losslessly(tiny_config,
     assert end["eval_lossless"] is True
     vocab = DraftVocab.load(cfg.run_dir / FILE, 512)
     assert vocab.size == 256 and vocab.t2d[cfg.drafter.mask_token_id or 511]
-    # resumed from step 2 in another folder holding the same map: the same later losses
+    # resumed from step 2 in another folder: the checkpoint's map, the same later losses
     other = tiny_config(**common, **{"run.output_dir": f'"{tmp_path / "again"}"'})
-    other.run_dir.mkdir(parents=True)
-    vocab.save(other.run_dir / FILE)
     b = run_records(other, timeout_s=240, resume=cfg.run_dir / "checkpoints" / "step_000002")
+    assert torch.equal(DraftVocab.load(other.run_dir / FILE, 512).ids, vocab.ids)
     la = {r["step"]: r["loss"] for r in a if r["event"] == "train_step"}
     lb = {r["step"]: r["loss"] for r in b if r["event"] == "train_step"}
     assert sorted(lb) == [s for s in sorted(la) if s > 2] and all(abs(la[s] - lb[s]) <= 1e-6 * abs(la[s]) for s in lb)
@@ -157,16 +198,21 @@ def test_a_pruned_run_trains_resumes_exports_and_decodes_losslessly(tiny_config,
 
 
 def test_a_checkpoint_of_another_draft_vocabulary_is_refused(tiny_config, tmp_path):
+    """Resuming with `drafter.vocab_mapping` naming another map than the checkpoint's: one line.
+    A map that leaves out the end-of-turn token is a warning; its coverage is counted."""
     common = {"drafter.draft_vocab_size": "256", "train.max_steps": "2", "checkpoint.every_steps": "2",
               "eval.at_end": "false"}  # fmt: skip
     cfg = tiny_config(**common)
     run_records(cfg, timeout_s=120)
-    other = tiny_config(**common, **{"run.output_dir": f'"{tmp_path / "other"}"'})
-    other.run_dir.mkdir(parents=True)
-    DraftVocab(torch.arange(256) * 2, 512).save(other.run_dir / FILE)  # the even ids: another map
+    even = DraftVocab(torch.arange(256) * 2, 512).save(tmp_path / "even.safetensors")  # another map
+    other = tiny_config(**common, **{"run.output_dir": f'"{tmp_path / "other"}"', "drafter.vocab_mapping": f'"{even}"'})
     with pytest.raises(CheckpointError, match="draft vocabulary differs") as err:
         run_records(other, timeout_s=120, resume=cfg.run_dir / "checkpoints" / "step_000002")
     assert "\n" not in str(err.value)
+    fresh = tiny_config(**{**common, "drafter.vocab_mapping": f'"{even}"', "run.output_dir": f'"{tmp_path / "f"}"'})
+    records = run_records(fresh, timeout_s=120)
+    stats = next(r for r in records if r.get("data", {}).get("draft_vocab"))["data"]["draft_vocab"]
+    assert stats["size"] == 256 and 0 < stats["coverage"] < 1
 
 
 @pytest.mark.parametrize(

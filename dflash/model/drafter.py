@@ -5,7 +5,8 @@ is a Qwen3-style decoder layer whose queries come from the block tokens only and
 keys/values are `concat(proj(context), proj(block))` with the same projections (KV
 injection). Parameter names match the reference export (`fc.weight`, `layers.0.self_attn.
 q_proj.weight`, ...). The embedding and LM head are the target's, frozen, held outside
-this module (`FrozenHead`) and never saved with it.
+this module (`FrozenHead`) and never saved with it; a drafter with a draft vocabulary keeps its rows
+of the head (frozen) and the maps as buffers, saved and exported.
 
 Kept whole, like a modeling file: the training path (`forward`) and the cached inference
 path (`forward_block`, `Attention.forward_cached`) must stay the same computation, so they
@@ -279,18 +280,23 @@ class DFlashDrafter(nn.Module):
         self._scaled = scaled_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings)
 
     @torch.no_grad()
-    def set_draft_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+    def set_draft_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:  # no-sync: set-up
         """A draft vocabulary's maps and head: the target ids `ids` (V',) ascending, and the
         target's LM head (V, H) or already its rows of those ids (V', H)."""
         assert self.spec.draft_vocab_size == len(ids), "the spec's draft_vocab_size is the map's"
-        rows = target_lm_head if len(target_lm_head) == len(ids) else target_lm_head[ids.to(target_lm_head.device)]
-        self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
-        self.d2t.copy_(ids - torch.arange(len(ids)))
+        own = self.d2t.device
+        if len(target_lm_head) != len(ids):
+            target_lm_head = target_lm_head[ids.to(target_lm_head.device)]
+        self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight))
+        ids = ids.to(own)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=own))
         self.t2d.zero_()
         self.t2d[ids] = True
 
     @torch.no_grad()
-    def restricted(self, ids: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> DFlashDrafter:
+    def restricted(  # no-sync: set-up (benchmarks)
+        self, ids: torch.Tensor, target_lm_head: torch.Tensor | None = None
+    ) -> DFlashDrafter:
         """This drafter cut to the draft vocabulary of target ids `ids` (ascending; with a draft
         vocabulary already, a subset of it): the same weights, the head, DSpark's W2 and DFlash2's
         successor codebook at those rows (`target_lm_head`: the target's, for a drafter over the
@@ -298,25 +304,24 @@ class DFlashDrafter(nn.Module):
         one trained drafter at several draft sizes)."""
         import dataclasses
 
-        have = self.draft_ids()
+        have, ids = self.draft_ids(), ids.cpu()
         if have is None:
             assert target_lm_head is not None, "a whole-vocabulary drafter is cut with the target's head"
-            rows, head = ids, target_lm_head[ids.to(target_lm_head.device)]
+            rows, head = ids, target_lm_head
         else:
-            have, ids = have.cpu(), ids.cpu()
+            have = have.cpu()
             rows = torch.searchsorted(have, ids)
             assert torch.equal(have[rows.clamp(max=len(have) - 1)], ids), "not a subset of the draft vocabulary"
-            head = self.lm_head.weight[rows.to(self.lm_head.weight.device)]
+            head = self.lm_head.weight.cpu()[rows]
         out = DFlashDrafter(dataclasses.replace(self.spec, draft_vocab_size=len(ids)))
-        state = {k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+        state = {k: v.cpu() for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
         for name in ("markov_head.markov_w2.weight", "candidate_selector.successor_codebook"):
             if name in state:
-                state[name] = state[name][rows.to(state[name].device)]
-        ref = next(iter(state.values()))
-        out = out.to(device=ref.device, dtype=ref.dtype)
+                state[name] = state[name][rows]
+        ref = self.fc.weight
         out.load_state_dict(state, strict=False)
-        out.set_draft_vocab(ids.to(ref.device), head)
-        return out
+        out.set_draft_vocab(ids, head.cpu())
+        return out.to(device=ref.device, dtype=ref.dtype)
 
     def draft_ids(self) -> torch.Tensor | None:
         """(V',) the target id of each draft row, on the drafter's device; None without a draft vocabulary."""
@@ -324,7 +329,7 @@ class DFlashDrafter(nn.Module):
             return None
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
 
-    def head(self, target_lm_head: torch.Tensor) -> torch.Tensor:
+    def drafting_head(self, target_lm_head: torch.Tensor) -> torch.Tensor:
         """The LM head drafting reads: the draft vocabulary's rows (V', H), or the target's (V, H)."""
         return self.lm_head.weight if self.spec.draft_vocab_size else target_lm_head
 

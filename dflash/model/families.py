@@ -45,7 +45,7 @@ def propose(
     `family_head` False: drafted as DFlash drafts, from the backbone's logits alone
     (`eval.family_head`: what DFlash2's selector or DSpark's Markov head adds)."""
     R, n, H = h.shape
-    head = model.head(lm_head)  # a draft vocabulary's rows, or the target's whole head
+    head = model.drafting_head(lm_head)  # a draft vocabulary's rows, or the target's whole head
     logits = torch.nn.functional.linear(h.reshape(R * n, H).to(head.dtype), head).view(R, n, -1)
     ids = model.draft_ids()  # row → target id (None: the row is the id)
     family = model.spec.family if family_head else "dflash"

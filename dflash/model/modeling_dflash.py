@@ -322,6 +322,7 @@ class DFlashDraftModel(PreTrainedModel):
         Vd = 0 if Vd >= V else Vd
         if Vd:  # a draft vocabulary: its own head (the target's rows) and the maps
             self.lm_head = nn.Linear(H, Vd, bias=False)
+            self.lm_head.weight.requires_grad_(False)  # the target's rows: frozen, as in training
             self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # target id = row + d2t[row]
             self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         if dflash.get("selector_rank"):  # DFlash2

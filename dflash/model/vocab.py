@@ -12,13 +12,16 @@ The maps are the field's (speculators' `vocab_mapping.py`, vLLM's and llama.cpp'
 as an offset (target id = row + d2t[row]); llama.cpp's GGUF wants the ids themselves
 (`export_gguf`). Inside dflash `DraftVocab.ids` are the ids.
 
-The run folder keeps the counted map (`draft_vocab.safetensors`: `freqs`, `d2t`, `t2d`), reused
-on resume; `drafter.vocab_mapping` takes one made elsewhere: ours, or speculators' `d2t-N.npy`
-(its `t2d-N.npy` beside it is read when present).
+The run folder keeps the run's map (`draft_vocab.safetensors`: `freqs`, `d2t`, `t2d`); a resumed
+run takes its checkpoint's; `drafter.vocab_mapping` takes one made elsewhere: ours, or
+speculators' `d2t-N.npy` (its `t2d-N.npy` beside it is read when present). The counts are of the
+data's tokens where the loss mask is 1 (with `loss.labels = "target"` on regen's replies, the
+target's own greedy tokens: the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ import torch
 from dflash.config import Config
 from dflash.errors import CheckpointError, ConfigError
 
-__all__ = ["FILE", "DraftVocab", "check_same", "count_supervised", "for_run"]
+__all__ = ["FILE", "DraftVocab", "check_same", "count_supervised", "for_run", "missing"]
 
 FILE = "draft_vocab.safetensors"  # in the run folder
 
@@ -53,7 +56,7 @@ class DraftVocab:
 
     @property
     def size(self) -> int:
-        return int(self.ids.numel())
+        return self.ids.numel()
 
     @property
     def t2d(self) -> torch.Tensor:
@@ -73,17 +76,19 @@ class DraftVocab:
         out[self.ids] = torch.arange(self.size)
         return out
 
-    def coverage(self) -> float:
+    def coverage(self) -> float:  # no-sync: host counts
         """The share of counted (supervised) tokens the draft vocabulary holds (1.0 without counts)."""
         if self.freqs is None or int(self.freqs.sum()) == 0:  # no-sync: host counts
             return 1.0
         return float(self.freqs[self.ids].sum() / self.freqs.sum())  # no-sync: host counts
 
     @classmethod
-    def most_frequent(cls, freqs: torch.Tensor, size: int, keep: Iterable[int] = ()) -> DraftVocab:
+    def most_frequent(  # no-sync: host counts
+        cls, freqs: torch.Tensor, size: int, keep: Iterable[int] = ()
+    ) -> DraftVocab:
         """The `size` most frequent ids (ties: the lower id), `keep` always among them; fewer
         counted ids than `size`: the lowest unused ids fill the rest (as speculators does)."""
-        V = int(freqs.numel())
+        V = freqs.numel()
         if not 0 < size <= V:
             msg = f"drafter.draft_vocab_size ({size}) must be between 1 and the vocabulary's {V}"
             raise ConfigError(msg)
@@ -111,12 +116,13 @@ class DraftVocab:
         tensors = {"d2t": self.offsets.contiguous(), "t2d": self.t2d}
         if self.freqs is not None:
             tensors["freqs"] = self.freqs.contiguous()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(Path(path)) as tmp:
             save_file(tensors, str(tmp), metadata={"vocab_size": str(self.vocab_size)})
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | Path, vocab_size: int) -> DraftVocab:
+    def load(cls, path: str | Path, vocab_size: int) -> DraftVocab:  # no-sync: a host file
         """Ours (safetensors: `d2t` offsets, `t2d`, optional `freqs`) or speculators' `d2t-N.npy`
         (with `t2d-N.npy` beside it when there is one). Checked against the target's `vocab_size`."""
         p = Path(path).expanduser()
@@ -128,17 +134,18 @@ class DraftVocab:
         except (OSError, ValueError, KeyError, RuntimeError) as err:
             msg = f"drafter.vocab_mapping: {p} is not a draft vocabulary map ({' '.join(str(err).split())[:160]})"
             raise ConfigError(msg) from None
-        ids = d2t.to(torch.int64) + torch.arange(d2t.numel())
-        if d2t.dim() != 1 or not d2t.numel():
-            msg = f"drafter.vocab_mapping: {p}: d2t must be one non-empty row of ids"
+        if d2t.dim() != 1 or not d2t.numel() or d2t.is_floating_point() or d2t.dtype == torch.bool:
+            msg = f"drafter.vocab_mapping: {p}: d2t must be one non-empty row of integer offsets"
             raise ConfigError(msg)
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:  # no-sync: host map
+        ids = d2t.to(torch.int64) + torch.arange(d2t.numel())
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
             msg = f"drafter.vocab_mapping: {p} maps to ids outside the target's vocabulary of {vocab_size}"
             raise ConfigError(msg)
-        if not bool((ids[1:] > ids[:-1]).all()):  # no-sync: host map
+        if not bool((ids[1:] > ids[:-1]).all()):
             msg = f"drafter.vocab_mapping: {p}: d2t's target ids must be unique and ascending"
             raise ConfigError(msg)
-        if t2d is not None and (t2d.numel() != vocab_size or not torch.equal(t2d.bool().nonzero().flatten(), ids)):
+        if t2d is not None and (t2d.dim() != 1 or t2d.numel() != vocab_size
+                                or not torch.equal(t2d.bool().nonzero().flatten(), ids)):  # fmt: skip
             msg = f"drafter.vocab_mapping: {p}: t2d does not match d2t (or the target's vocabulary of {vocab_size})"
             raise ConfigError(msg)
         if freqs is not None and freqs.numel() != vocab_size:
@@ -164,39 +171,49 @@ def _read(p: Path) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | No
 
 
 def for_run(
-    cfg: Config, vocab_size: int, samples: Iterable[object], keep: Iterable[int], write: bool = True
+    cfg: Config,
+    vocab_size: int,
+    samples: Iterable[object],
+    keep: Iterable[int],
+    write: bool = True,
+    resumed: torch.Tensor | None = None,
 ) -> DraftVocab | None:
-    """The run's draft vocabulary: `drafter.vocab_mapping`'s; else, with `drafter.draft_vocab_size`,
-    the one kept in the run folder when it has that size (a resumed run), else counted from the
-    `samples`' supervised tokens with `keep` (end-of-turn, mask) always in, and written there
-    (`write`: this process writes the run's files). None: the whole vocabulary."""
+    """The run's draft vocabulary, its counts always those of the `samples`' supervised tokens
+    (the share they hold: `coverage`): `drafter.vocab_mapping`'s; else, with
+    `drafter.draft_vocab_size`, a resumed checkpoint's (`resumed`: its `d2t`) when it has that
+    size, else the most frequent with `keep` (end-of-turn, mask) always in, written to the run
+    folder (`write`: this process writes the run's files). None: the whole vocabulary (a size or
+    a map covering every id too)."""
     d = cfg.drafter
+    if not d.vocab_mapping and not d.draft_vocab_size:
+        return None
+    freqs = count_supervised(samples, vocab_size)
     if d.vocab_mapping:
-        vocab = DraftVocab.load(d.vocab_mapping, vocab_size)
+        vocab = dataclasses.replace(DraftVocab.load(d.vocab_mapping, vocab_size), freqs=freqs)
         if d.draft_vocab_size and d.draft_vocab_size != vocab.size:
             msg = (
                 f"drafter.draft_vocab_size ({d.draft_vocab_size}) differs from drafter.vocab_mapping's "
                 f"{vocab.size} rows"
             )
             raise ConfigError(msg)
-        return vocab
-    if not d.draft_vocab_size:
+    elif resumed is not None and resumed.numel() == d.draft_vocab_size:
+        vocab = DraftVocab(resumed.to(torch.int64) + torch.arange(resumed.numel()), vocab_size, freqs)
+    else:
+        vocab = DraftVocab.most_frequent(freqs, d.draft_vocab_size, keep)
+    if vocab.size == vocab_size:
         return None
-    kept = cfg.run_dir / FILE
-    if kept.is_file():
-        try:
-            vocab = DraftVocab.load(kept, vocab_size)
-        except ConfigError:
-            vocab = None  # unreadable or for another target: counted again below
-        if vocab is not None and vocab.size == d.draft_vocab_size:
-            return vocab
-    vocab = DraftVocab.most_frequent(count_supervised(samples, vocab_size), d.draft_vocab_size, keep)
     if write:
-        vocab.save(kept)
+        vocab.save(cfg.run_dir / FILE)
     return vocab
 
 
-def check_same(model_d2t: torch.Tensor, vocab: DraftVocab, where: object) -> None:
+def missing(vocab: DraftVocab, tokens: Iterable[int]) -> list[int]:  # no-sync: set-up
+    """The `tokens` (end-of-turn, mask) a map made elsewhere leaves out: the drafter never drafts them."""
+    t2d = vocab.t2d
+    return sorted(t for t in {int(x) for x in tokens} if 0 <= t < vocab.vocab_size and not t2d[t])
+
+
+def check_same(model_d2t: torch.Tensor, vocab: DraftVocab, where: object) -> None:  # no-sync: set-up
     """A checkpoint's draft vocabulary must be the run's (same rows, same ids)."""
     if not torch.equal(model_d2t.cpu(), vocab.offsets):
         msg = f"{where}: the checkpoint's draft vocabulary differs from this run's ({FILE} or drafter.vocab_mapping)"

@@ -37,7 +37,7 @@ from dflash.model.loading import load_tokenizer
 from dflash.model.loss import LossSpec, LossVocab
 from dflash.model.target import Target, TargetInfo, load_target, resolve_dtype
 from dflash.model.target_head import load_target_head
-from dflash.model.vocab import DraftVocab, check_same, for_run
+from dflash.model.vocab import DraftVocab, check_same, for_run, missing
 from dflash.runtime import faults
 from dflash.runtime.devices import check_device
 from dflash.runtime.distributed import World
@@ -378,19 +378,26 @@ def _restore(loaded: Loaded, replicas: list[DrafterReplica], cfg: Config, vocab:
 
 def _draft_vocab(
     cfg: Config, t0: TargetInfo, tokenizer: Any, samples: list[Sample], mask_id: int, stats: dict[str, Any],
-    world: World | None,
+    world: World | None, loaded: Loaded | None, warned: list[str],
 ) -> DraftVocab | None:  # fmt: skip
-    """The run's draft vocabulary (`vocab.for_run`: the end-of-turn and mask tokens always in);
-    its size and the share of supervised tokens it holds go in the data stats."""
+    """The run's draft vocabulary (`vocab.for_run`: the end-of-turn and mask tokens always in;
+    resumed: the checkpoint's); its size and the share of supervised tokens it holds go in the
+    data stats; a map made elsewhere that leaves out an end-of-turn token is a warning."""
+    from dflash.eval.prompts import stop_ids_of
+
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    keep = [mask_id, *([int(eos)] if eos is not None else [])]
-    vocab = for_run(cfg, t0.vocab_size, samples, keep, write=world is None or world.is_writer)
+    ends = ({int(eos)} if eos is not None else set()) | (stop_ids_of(t0) if hasattr(t0, "model") else set())  # type: ignore[arg-type]
+    resumed = loaded.weights.get("d2t") if loaded is not None else None
+    vocab = for_run(cfg, t0.vocab_size, samples, [mask_id, *ends], world is None or world.is_writer, resumed)
     top_k = cfg.drafter.dflash2.selector_top_k
     if vocab is not None and cfg.drafter.family == "dflash2" and top_k > vocab.size:
         msg = f"drafter.dflash2.selector_top_k ({top_k}) exceeds the draft vocabulary's {vocab.size} tokens"
         raise ConfigError(msg)
     if vocab is not None:
         stats["draft_vocab"] = {"size": vocab.size, "coverage": round(vocab.coverage(), 4)}
+        left_out = missing(vocab, ends)
+        if left_out and cfg.drafter.vocab_mapping:
+            warned.append(f"drafter.vocab_mapping leaves out the end-of-turn token(s) {left_out}: never drafted")
     return vocab
 
 
@@ -419,7 +426,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
             samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
         )
         total = cfg.train.max_steps or _total_steps(plan, batch, loaded.step if loaded else 0)
-        vocab = _draft_vocab(cfg, t0, tokenizer, samples, mask_id, stats, world)
+        vocab = _draft_vocab(cfg, t0, tokenizer, samples, mask_id, stats, world, loaded, found)
         spec = drafter_spec(cfg, t0, mask_id, 0 if vocab is None else vocab.size)
         budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
         replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget), vocab)

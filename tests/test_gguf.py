@@ -191,18 +191,19 @@ def _servers_of(target: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # three tiny trainings, each drafted in llama-server: ~2 min on two cores
+@pytest.mark.timeout(900)  # four tiny trainings, each drafted in llama-server: ~2.5 min on two cores
 def test_trained_drafters_of_each_family_draft_losslessly_in_llamacpp(tiny_llama, tmp_path):
     _built()
     dspark = {"drafter.dspark.markov_rank": 32, "checkpoint.export_gguf": '"q8_0"'}  # and its end-of-run GGUF
     pruned = {"drafter.draft_vocab_size": 256}  # DFlash2 and DSpark with a draft vocabulary: its head and d2t
     dflash2 = {"drafter.dflash2.selector_top_k": 4, **pruned}
-    for family, extra in (("dflash", {}), ("dflash2", dflash2), ("dspark", {**dspark, **pruned})):
+    runs = (("dflash", {}), ("dflash", pruned), ("dflash2", dflash2), ("dspark", {**dspark, **pruned}))
+    for i, (family, extra) in enumerate(runs):
         shape = {
             "target.kind": '"hf"', "target.path": f'"{tiny_llama}"', "target.layer_ids": "[1, 2]",
             "drafter.mask_token_id": 0, "drafter.block_size": 4, "drafter.family": f'"{family}"',
             "data.num_samples": 128, "train.epochs": 2, "eval.at_end": "false", "eval.num_prompts": 6,
-            "data.cache_dir": f'"{tmp_path / "cache"}"', "run.name": f'"{family}"', **extra,
+            "data.cache_dir": f'"{tmp_path / "cache"}"', "run.name": f'"{family}{i}"', **extra,
         }  # fmt: skip
         sets = [a for kv in tiny_overrides(tmp_path, **shape) for a in ("--set", kv)]
         trained = dflash("run", str(ROOT / "configs" / "tiny.toml"), *sets)
@@ -218,7 +219,7 @@ def test_trained_drafters_of_each_family_draft_losslessly_in_llamacpp(tiny_llama
         assert record["lossless"] and record["tau"] > 1.0 and record["dflash_tau"] > 1.0, record
         assert len(record["accept_per_position"]) == (4 if family == "dspark" else 3), record
         # the export command: the run's own target (an hf folder: its vocabulary converted once)
-        out = tmp_path / f"{family}.gguf"
+        out = tmp_path / f"{family}{i}.gguf"
         exported = dflash("export", end["run_dir"], str(out), "--format", "gguf", "--gguf-type", "q8_0")
         assert exported.returncode == 0 and out.is_file(), exported.stderr
         assert "llama-server -m TARGET.gguf -md" in exported.stderr

@@ -278,8 +278,8 @@ class DrafterConfig(_Section):
     draft_vocab_size: int = Field(
         0, ge=0, le=1_000_000,
         description="rows of the drafter's LM head: the tokens most often supervised in the training data (counted "
-        "once, kept in <run>/draft_vocab.safetensors), the end-of-turn and mask tokens always among them; "
-        "0 = the whole vocabulary",
+        "once, written to <run>/draft_vocab.safetensors; a resumed run keeps its checkpoint's), the end-of-turn and "
+        "mask tokens always among them; 0 (or the whole vocabulary's size) = the whole vocabulary",
     )  # fmt: skip
     vocab_mapping: str | None = Field(
         None, description="a draft vocabulary made elsewhere: ours (draft_vocab.safetensors) or speculators' d2t-N.npy "

@@ -272,8 +272,9 @@ class DrafterConfig(_Section):
         description="start draft layers from the target layers after the deepest captured one "
         "(where shapes match), the output norm from the target's; else random",
     )
-    attention: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="auto: flex attention on CUDA, dense-mask SDPA on CPU"
+    attention: Literal["auto", "sdpa", "flex", "grouped"] = Field(
+        "auto", description="auto: flex attention on CUDA, dense-mask SDPA on CPU; grouped: SDPA over groups of "
+        "blocks, each with the context slice it can see, recomputed in backward (memory linear in the row: long rows)",
     )
     draft_vocab_size: int = Field(
         0, ge=0, le=1_000_000,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.model.masks import GroupedMask
 from dflash.model.modeling_dflash import (
     CandidateSelector,
     ConfidenceHead,
@@ -129,12 +130,44 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) ->
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
-    """q (R, h, Q, d), k/v (R, kvh, S, d); `mask` a dense bool (R, 1, Q, S) or a BlockMask.
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    visible = mask.any(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~visible, enable_gqa=True)
+    return out * visible.to(out.dtype)
 
-    Fully masked rows (disabled blocks) give 0, never NaN, on both paths (flex does so by
-    itself; the dense path lets them attend anywhere, then zeroes them).
+
+def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Any, r: int, rows: torch.Tensor,
+           cols: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """One `GroupedMask` group: its small mask from the mask_mod, then SDPA (no grid kept)."""
+    b = torch.full((), r, dtype=torch.long, device=q.device)
+    mask = mod(b, torch.zeros((), dtype=torch.long, device=q.device), rows[:, None], cols[None, :])
+    return _masked_sdpa(q, k, v, mask[None, None])
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: GroupedMask) -> torch.Tensor:
+    """Attention over a `GroupedMask`, group by group; each group recomputed in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    T, dev = mask.ctx_len, q.device
+    rows: list[list[torch.Tensor]] = [[] for _ in range(q.shape[0])]
+    for r, q0, q1, c0, c1 in mask.groups:
+        idx = torch.cat([torch.arange(c0, c1, device=dev), torch.arange(T + q0, T + q1, device=dev)])
+        qs, kv = torch.arange(q0, q1, device=dev), (k[r : r + 1, :, idx], v[r : r + 1, :, idx])
+        args = (q[r : r + 1, :, q0:q1], *kv, mask.mod, r, qs, idx)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        rows[r].append(checkpoint(_group, *args, use_reentrant=False) if grad else _group(*args))
+    return torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+    """q (R, h, Q, d), k/v (R, kvh, S, d); `mask` a dense bool (R, 1, Q, S), a `GroupedMask`
+    (long rows: memory linear in S) or a BlockMask.
+
+    Fully masked rows (disabled blocks) give 0, never NaN, on every path (flex does so by
+    itself; the others let them attend anywhere, then zero them).
     """
+    if isinstance(mask, GroupedMask):
+        return _grouped(q, k, v, mask)
     if isinstance(mask, torch.Tensor):
         visible = mask.any(dim=-1, keepdim=True)  # (R, 1, Q, 1)
         safe = mask | ~visible

@@ -23,7 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["BlockLayout", "LayerSpec", "MaskMod", "dense_mask", "flex_block_mask", "layer_masks", "make_mask_mod"]
+__all__ = [
+    "BlockLayout", "GroupedMask", "LayerSpec", "MaskMod", "dense_mask", "flex_block_mask", "grouped_mask",
+    "layer_masks", "make_mask_mod",
+]  # fmt: skip
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -104,6 +107,60 @@ def flex_block_mask(mask_mod: MaskMod, layout: BlockLayout) -> object:
         return _compiled_block_mask(mask_mod, **kwargs)
 
 
+@dataclass(frozen=True)
+class GroupedMask:
+    """The mask of a long row without the (Q, T + Q) grid: the block queries in groups of
+    consecutive blocks, each group attending to the one context slice that holds every key its
+    blocks may see (from the earliest document start, or window start, to the latest anchor) and
+    to its own blocks' keys. `attend` runs SDPA group by group, each group's small mask from the
+    same `mask_mod` (exact), recomputed in backward (checkpointed): memory O((T + Q)·d) plus one
+    group's scores, not O(Q·T). `groups`: (row, q0, q1, c0, c1) — queries [q0, q1) of the row
+    see context [c0, c1) and block keys T + q0 … T + q1 − 1."""
+
+    mod: MaskMod
+    groups: tuple[tuple[int, int, int, int, int], ...]
+    ctx_len: int
+
+
+GROUP_SCORES = 1 << 22  # scores (queries × keys) one group's SDPA may hold per head
+
+
+def grouped_mask(  # no-sync: host tensors (the batch's anchors and documents)
+    layout: BlockLayout,
+    host_anchors: torch.Tensor,
+    host_valid: torch.Tensor,
+    host_doc: torch.Tensor,
+    window: int | None,
+    causal_in_block: bool,
+    budget: int = GROUP_SCORES,
+) -> GroupedMask:
+    """`GroupedMask` of `layout` (its tensors on the drafter's device), the groups laid out from
+    the same anchors, valid flags and document ids on the host: consecutive blocks while the
+    group's queries × (its context slice + its block keys) stay within `budget`."""
+    R, N = host_anchors.shape
+    B, T = layout.block_size, layout.ctx_len
+    doc = host_doc.tolist()
+    groups = []
+    for r in range(R):
+        starts, row = {}, doc[r]
+        for t in range(T):  # each document's first position
+            starts.setdefault(row[t], t)
+        j = 0
+        while j < N:
+            c0, c1, j1 = T, 0, j
+            while j1 < N:
+                a, ok = int(host_anchors[r, j1]), bool(host_valid[r, j1])
+                lo = max(starts.get(row[a], 0), a - (window - 1) if window is not None else 0) if ok else c0
+                n0, n1 = (min(c0, lo), max(c1, a)) if ok else (c0, c1)
+                span = max(0, n1 - n0) + (j1 + 1 - j) * B
+                if j1 > j and (j1 + 1 - j) * B * span > budget:
+                    break
+                c0, c1, j1 = n0, n1, j1 + 1
+            groups.append((r, j * B, j1 * B, min(c0, c1), c1))
+            j = j1
+    return GroupedMask(make_mask_mod(layout, window, causal_in_block), tuple(groups), T)
+
+
 class LayerSpec(Protocol):
     """What the masks need from a drafter's shape (`DrafterSpec` has it)."""
 
@@ -115,17 +172,21 @@ class LayerSpec(Protocol):
     def sliding_causal_block(self) -> bool: ...
 
 
-def layer_masks(layout: BlockLayout, spec: LayerSpec, use_flex: bool) -> dict[str, Any]:
+def layer_masks(
+    layout: BlockLayout, spec: LayerSpec, use_flex: bool, grouped: tuple[torch.Tensor, ...] | None = None
+) -> dict[str, Any]:
     """One mask per layer type present in `spec.layer_types`, all from the one mask_mod:
-    flex BlockMasks when `use_flex`, else dense (R, 1, Q, T+Q) bool masks. Training and eval
-    both build their masks here."""
+    flex BlockMasks when `use_flex`, `GroupedMask`s when `grouped` gives the host's (anchors,
+    valid, doc ids), else dense (R, 1, Q, T+Q) bool masks. Training and eval both build their
+    masks here."""
     masks: dict[str, Any] = {}
     for lt in dict.fromkeys(spec.layer_types):
         sliding = lt == "sliding_attention"
-        mod = make_mask_mod(
-            layout,
-            window=spec.sliding_window if sliding else None,
-            causal_in_block=spec.sliding_causal_block if sliding else False,
-        )
+        window = spec.sliding_window if sliding else None
+        causal = spec.sliding_causal_block if sliding else False
+        if grouped is not None:
+            masks[lt] = grouped_mask(layout, *grouped, window, causal)
+            continue
+        mod = make_mask_mod(layout, window=window, causal_in_block=causal)
         masks[lt] = flex_block_mask(mod, layout) if use_flex else dense_mask(mod, layout)
     return masks

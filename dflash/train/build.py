@@ -471,7 +471,9 @@ def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
 
 def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and device.type == "cuda")
-    return MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total)
+    grouped = cfg.drafter.attention == "grouped"
+    return MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total,
+                     grouped=grouped)  # fmt: skip
 
 
 def fence(devices: Iterable[torch.device]) -> None:

@@ -70,7 +70,8 @@ class MicroStep:
     loss: LossSpec
     seed: int = 0  # anchors, revealed slots and negatives are drawn from (seed, batch, epoch)
     max_anchors: int = 512  # blocks per document per step (drafter.max_anchors)
-    use_flex: bool = False  # flex attention's BlockMask, else a dense boolean mask
+    use_flex: bool = False  # flex attention's BlockMask, else a dense boolean mask ...
+    grouped: bool = False  # ... or a GroupedMask (drafter.attention = "grouped": memory linear in the row)
     total_steps: int = 1  # the run's planned steps: the noise schedule spans them
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> PreparedBatch:
@@ -99,7 +100,8 @@ def prepare_batch(
         blocks = _blocks(b, micro, spec.mask_token_id, B, reveal_prob(micro.loss, step, micro.total_steps))
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(upload(blocks.anchors, dev), upload(blocks.valid, dev), upload(b.doc_ids, dev), B)
-        masks = layer_masks(layout, spec, micro.use_flex)
+        host = (blocks.anchors, blocks.valid, b.doc_ids) if micro.grouped else None
+        masks = layer_masks(layout, spec, micro.use_flex, host)
     ids, q = upload(blocks.ids, dev), upload(blocks.q_pos, dev)
     targets, negatives = _device_targets(rep, feats, blocks, micro)
     visible = None

@@ -289,3 +289,13 @@ def test_draft_vocab_step_bench_runs_a_step_at_each_size() -> None:
     whole, pruned = bench.one("tiny", 0, 1, "cpu"), bench.one("tiny", 64, 1, "cpu")
     assert whole["head_rows"] == 512 and pruned["head_rows"] == 64 and pruned["labels_covered"] < 1.0
     assert whole["step_s"] > 0 and pruned["supervised_slots"] == whole["supervised_slots"]
+
+
+def test_long_context_bench_runs_a_step_on_each_path() -> None:
+    """bench/long_context.py's one point at a short row: both paths, the same loss."""
+    spec = importlib.util.spec_from_file_location("long_context", ROOT / "bench" / "long_context.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    grouped, dense = bench.one(1024, "grouped"), bench.one(1024, "dense")
+    assert grouped["anchors"] == 16 and abs(grouped["loss"] - dense["loss"]) <= 1e-5 * abs(dense["loss"])

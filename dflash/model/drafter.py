@@ -136,26 +136,29 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out * visible.to(out.dtype)
 
 
-def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Any, r: int, rows: torch.Tensor,
-           cols: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """One `GroupedMask` group: its small mask from the mask_mod, then SDPA (no grid kept)."""
-    b = torch.full((), r, dtype=torch.long, device=q.device)
-    mask = mod(b, torch.zeros((), dtype=torch.long, device=q.device), rows[:, None], cols[None, :])
-    return _masked_sdpa(q, k, v, mask[None, None])
+def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Any, where: tuple[int, ...]) -> torch.Tensor:
+    """One `GroupedMask` group (`where`: row, q0, q1, c0, c1, T): its keys and values cut from
+    the whole row's here, inside the checkpoint (so backward keeps the row's tensors, not a copy
+    per group), its small mask from the mask_mod, then SDPA."""
+    r, q0, q1, c0, c1, T = where
+    dev = q.device
+    kk = torch.cat([k[r : r + 1, :, c0:c1], k[r : r + 1, :, T + q0 : T + q1]], dim=2)
+    vv = torch.cat([v[r : r + 1, :, c0:c1], v[r : r + 1, :, T + q0 : T + q1]], dim=2)
+    cols = torch.cat([torch.arange(c0, c1, device=dev), torch.arange(T + q0, T + q1, device=dev)])
+    b, h = torch.full((), r, dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
+    mask = mod(b, h, torch.arange(q0, q1, device=dev)[:, None], cols[None, :])
+    return _masked_sdpa(q[r : r + 1, :, q0:q1], kk, vv, mask[None, None])
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: GroupedMask) -> torch.Tensor:
     """Attention over a `GroupedMask`, group by group; each group recomputed in backward."""
     from torch.utils.checkpoint import checkpoint
 
-    T, dev = mask.ctx_len, q.device
     rows: list[list[torch.Tensor]] = [[] for _ in range(q.shape[0])]
-    for r, q0, q1, c0, c1 in mask.groups:
-        idx = torch.cat([torch.arange(c0, c1, device=dev), torch.arange(T + q0, T + q1, device=dev)])
-        qs, kv = torch.arange(q0, q1, device=dev), (k[r : r + 1, :, idx], v[r : r + 1, :, idx])
-        args = (q[r : r + 1, :, q0:q1], *kv, mask.mod, r, qs, idx)
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        rows[r].append(checkpoint(_group, *args, use_reentrant=False) if grad else _group(*args))
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    for group in mask.groups:
+        args = (q, k, v, mask.mod, (*group, mask.ctx_len))
+        rows[group[0]].append(checkpoint(_group, *args, use_reentrant=False) if grad else _group(*args))
     return torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
 
 

@@ -1,0 +1,113 @@
+"""A drafter's training step on long rows: 16K, 32K and 64K tokens, anchors growing with the row
+(`drafter.max_anchors = T / 64`, block 16), the grouped attention path (`drafter.attention =
+"grouped"`: memory linear in the row) against the dense mask, one fresh process per point.
+Random weights at the demo's shape (576 wide, 9 heads, 1 layer, a draft vocabulary of 8,192).
+
+    .venv/bin/python bench/long_context.py                 # 16K, 32K, 64K; both paths
+    .venv/bin/python bench/long_context.py --rows 16384,32768 --paths grouped
+
+Memory is the process's peak RSS over one step (the high-water mark reset after set-up) minus
+its RSS before it: what the step itself needs. A point that fails (out of memory, killed) is
+printed as such. Sequence parallelism (several ranks sharing a row) is not measured here.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _status_gib(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def one(T: int, path: str) -> dict:
+    import torch
+
+    from dflash.config import OptimizerConfig
+    from dflash.model.drafter import DrafterSpec, FrozenHead
+    from dflash.model.loss import LossSpec
+    from dflash.model.vocab import DraftVocab
+    from dflash.runtime.devices import Device
+    from dflash.runtime.messages import Batch, HostFeatures
+    from dflash.train.replicas import build_replicas
+    from dflash.train.step import MicroStep
+
+    H, V, B = 576, 49152, 16
+    spec = DrafterSpec(
+        hidden_size=H, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=V,
+        rms_norm_eps=1e-6, rope_theta=1e5, target_layer_ids=[1], num_target_layers=4, block_size=B,
+        mask_token_id=V - 1, layer_types=["full_attention"], sliding_window=T, draft_vocab_size=8192,
+        max_position_embeddings=T + B,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(V, H, generator=g) * 0.02
+    vocab = DraftVocab(torch.arange(8192), V)
+    rep = build_replicas(spec, FrozenHead(w, w), [torch.device("cpu")], OptimizerConfig(), lambda _: 1.0, 0, None,
+                         vocab)[0]  # fmt: skip
+    ids = torch.randint(0, 8192, (1, T), generator=g)
+    mask = torch.ones(1, T, dtype=torch.bool)
+    mask[:, : T // 8] = False  # a prompt, then the reply
+    batch = Batch(0, 0, ids, mask, torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None], T, 1, False)
+    feats = HostFeatures(batch, torch.randn(1, T, H, generator=g), 0)
+    micro = MicroStep(LossSpec(block_size=B, gamma=7.0), max_anchors=T // 64, grouped=path == "grouped")
+    device = Device("cpu", "d")
+    before = _status_gib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    t0 = time.perf_counter()
+    prepared = micro.prepare(rep, device, feats, 0)
+    parts = micro.compute(rep, device, prepared)
+    rep.optimizer.step()
+    seconds = time.perf_counter() - t0
+    device.close()
+    return {"row_tokens": T, "path": path, "anchors": T // 64, "step_s": seconds,
+            "step_gib": _status_gib("VmHWM") - before, "loss": float(parts.loss_sum) / parts.weight_sum}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="16384,32768,65536")
+    p.add_argument("--paths", default="grouped,dense")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        T, path = a.one.split(":")
+        print(json.dumps(one(int(T), path)))
+        return
+    rows = []
+    for path in a.paths.split(","):
+        for T in map(int, a.rows.split(",")):
+            proc = subprocess.run([sys.executable, __file__, "--one", f"{T}:{path}"], capture_output=True, text=True)
+            if proc.returncode == 0:
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(f"{path:8} {T:>6} tokens, {r['anchors']:>5} anchors: step {r['step_s']:7.2f} s, "
+                      f"{r['step_gib']:6.2f} GiB", flush=True)  # fmt: skip
+            else:
+                why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:120]
+                r = {"row_tokens": T, "path": path, "failed": why}
+                print(f"{path:8} {T:>6} tokens: failed ({why})", flush=True)
+            rows.append(r)
+
+    def growth(path: str) -> float | None:
+        got = {r["row_tokens"]: r.get("step_gib") for r in rows if r["path"] == path}
+        lo, hi = got.get(16384), got.get(65536)
+        return round(hi / lo, 2) if lo and hi else None
+
+    print(json.dumps({"bench": "long_context", "row_tokens": max(r["row_tokens"] for r in rows),
+                      "memory_growth_16k_to_64k": growth("grouped"), "dense_growth_16k_to_64k": growth("dense"),
+                      "sp2_over_sp1_peak": None, "rows": rows}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

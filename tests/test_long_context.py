@@ -14,7 +14,7 @@ from tests.conftest import run_records
 
 
 def _layout() -> tuple[BlockLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-    R, T, N, B = 2, 40, 6, 4
+    N, B = 6, 4
     doc = torch.tensor([[0] * 15 + [1] * 25, [2] * 30 + [-1] * 10])  # packed; padding
     anchors = torch.tensor([[3, 8, 14, 17, 25, 33], [2, 9, 12, 20, 27, 0]])
     valid = torch.tensor([[True, True, True, True, False, True], [True, True, True, True, True, False]])

@@ -64,3 +64,21 @@ def test_a_run_on_the_grouped_path_has_the_dense_runs_losses(tiny_config, layers
     lb = [r["loss"] for r in grouped if r["event"] == "train_step"]
     assert len(la) >= 4 and len(la) == len(lb)
     assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(la, lb, strict=True)), (la, lb)
+
+
+def test_auto_on_a_cpu_takes_the_grouped_path_past_the_dense_masks_size(tiny_config, monkeypatch):
+    """`drafter.attention = "auto"` on a CPU: the dense mask for batches up to `GROUPED_ABOVE`
+    entries, the grouped path beyond (here every batch, the bound set to 1): the same losses."""
+    import dflash.model.masks as masks
+    import dflash.train.build as build
+
+    common = {"eval.at_end": "false", "train.max_steps": "4"}
+    dense = run_records(tiny_config(**common, **{"run.name": '"dense"', "drafter.attention": '"sdpa"'}), timeout_s=120)
+    made: list[int] = []
+    grouped_mask = masks.grouped_mask
+    monkeypatch.setattr(masks, "grouped_mask", lambda *a, **k: made.append(1) or grouped_mask(*a, **k))
+    monkeypatch.setattr(build, "GROUPED_ABOVE", 1)
+    auto = run_records(tiny_config(**common, **{"run.name": '"auto"'}), timeout_s=120)
+    la = [r["loss"] for r in dense if r["event"] == "train_step"]
+    lb = [r["loss"] for r in auto if r["event"] == "train_step"]
+    assert made and len(la) == len(lb) and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(la, lb, strict=True))

@@ -273,8 +273,9 @@ class DrafterConfig(_Section):
         "(where shapes match), the output norm from the target's; else random",
     )
     attention: Literal["auto", "sdpa", "flex", "grouped"] = Field(
-        "auto", description="auto: flex attention on CUDA, dense-mask SDPA on CPU; grouped: SDPA over groups of "
-        "blocks, each with the context slice it can see, recomputed in backward (memory linear in the row: long rows)",
+        "auto", description="auto: flex attention on CUDA; on CPU dense-mask SDPA, or grouped for a batch whose "
+        "dense mask would pass 2^26 entries; grouped: SDPA over groups of blocks, each with the context slice it "
+        "can see, recomputed in backward (memory linear in the row: long rows); sdpa: the dense mask always",
     )
     draft_vocab_size: int = Field(
         0, ge=0, le=1_000_000,

@@ -469,11 +469,17 @@ def _total_steps(plan: BatchPlan, batch: GlobalBatch, done: int) -> int:
     return max(1, done + math.ceil((len(plan) - plan.start_index - len(plan.done_ahead)) / batch.per_step))
 
 
+# `drafter.attention = "auto"` without flex: the dense mask up to this many entries (rows × block
+# queries × keys) a batch, the grouped path beyond (a 16K-token row with 256 anchors of 16 is ~8e7)
+GROUPED_ABOVE = 1 << 26
+
+
 def _micro_step(cfg: Config, loss: LossSpec, device: torch.device, total: int) -> MicroStep:
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and device.type == "cuda")
     grouped = cfg.drafter.attention == "grouped"
+    above = GROUPED_ABOVE if cfg.drafter.attention == "auto" and not flex else 0  # long rows on a CPU: grouped
     return MicroStep(loss, seed=cfg.run.seed, max_anchors=cfg.drafter.max_anchors, use_flex=flex, total_steps=total,
-                     grouped=grouped)  # fmt: skip
+                     grouped=grouped, grouped_above=above)  # fmt: skip
 
 
 def fence(devices: Iterable[torch.device]) -> None:

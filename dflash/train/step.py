@@ -72,6 +72,7 @@ class MicroStep:
     max_anchors: int = 512  # blocks per document per step (drafter.max_anchors)
     use_flex: bool = False  # flex attention's BlockMask, else a dense boolean mask ...
     grouped: bool = False  # ... or a GroupedMask (drafter.attention = "grouped": memory linear in the row)
+    grouped_above: int = 0  # > 0: a GroupedMask for a batch whose dense mask would exceed this many entries
     total_steps: int = 1  # the run's planned steps: the noise schedule spans them
 
     def prepare(self, rep: DrafterReplica, device: Device, feats: HostFeatures, step: int) -> PreparedBatch:
@@ -100,7 +101,9 @@ def prepare_batch(
         blocks = _blocks(b, micro, spec.mask_token_id, B, reveal_prob(micro.loss, step, micro.total_steps))
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(upload(blocks.anchors, dev), upload(blocks.valid, dev), upload(b.doc_ids, dev), B)
-        host = (blocks.anchors, blocks.valid, b.doc_ids) if micro.grouped else None
+        R, T, Q = b.input_ids.shape[0], b.input_ids.shape[1], blocks.ids.shape[1]
+        long = 0 < micro.grouped_above < R * Q * (T + Q)
+        host = (blocks.anchors, blocks.valid, b.doc_ids) if micro.grouped or long else None
         masks = layer_masks(layout, spec, micro.use_flex, host)
     ids, q = upload(blocks.ids, dev), upload(blocks.q_pos, dev)
     targets, negatives = _device_targets(rep, feats, blocks, micro)

@@ -110,6 +110,9 @@ def prepare_batch(
     visible = None
     if micro.use_flex:  # a block query sees the context before its anchor and its block
         visible = float(blocks.anchors.float().mean()) + B  # no-sync: a host tensor
+    elif host is not None:  # grouped: the keys each group's queries score (its slice and its blocks)
+        groups = next(iter(masks.values())).groups
+        visible = sum((q1 - q0) * (c1 - c0 + q1 - q0) for _, q0, q1, c0, c1 in groups) / max(1, R * Q)
     return PreparedBatch(b, context, positions, ids, q, masks, targets, negatives, visible)
 
 

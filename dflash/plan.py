@@ -240,14 +240,24 @@ class _Work:
         }  # fmt: skip
 
 
+def _grouped(cfg: Config, spec: Any, batch: _Batch) -> bool:
+    """Whether a CPU step takes the grouped attention path (`train/build.py`'s rule)."""
+    from dflash.train.build import GROUPED_ABOVE
+
+    q = batch.anchors * spec.block_size
+    auto = cfg.drafter.attention == "auto" and batch.rows * q * (batch.length + q) > GROUPED_ABOVE
+    return cfg.drafter.attention == "grouped" or auto
+
+
 def _work(cfg: Config, shape: flops.DecoderShape, name: str, spec: Any, batch: _Batch, on_cpu: bool) -> _Work:
     """FLOPs of the target stage and of a drafter step on `batch` (dense attention on a CPU)."""
     teacher = cfg.loss.labels == "target" or cfg.loss.distill > 0
     layer_ids = list(spec.target_layer_ids)
     f_target = flops.target_forward(shape, batch.rows, batch.length, max(layer_ids) + 1, teacher)
-    visible = None if on_cpu else batch.length * batch.fill / 2 + spec.block_size  # flex: what the mask lets through
+    dense = on_cpu and not _grouped(cfg, spec, batch)
+    visible = None if dense else batch.length * batch.fill / 2 + spec.block_size  # flex / grouped: what is scored
     f_drafter = flops.drafter_step(spec, batch.rows, batch.length, batch.anchors, batch.supervised, batch.head_rows,
-                                   chunk=cfg.loss.chunk, dense=on_cpu, visible=visible)  # fmt: skip
+                                   chunk=cfg.loss.chunk, dense=dense, visible=visible)  # fmt: skip
     d_params = flops.DecoderShape.of_spec(spec).params() + len(layer_ids) * spec.hidden_size**2
     t_params = shape.params() + shape.vocab * shape.hidden * 2
     return _Work(name, t_params, d_params, max(layer_ids) + 1, teacher, f_target, f_drafter)
@@ -345,6 +355,10 @@ def _memory(
         + (rows * length + q_tokens) * (kv_width + spec.hidden_size)
     )
     dense_attn = 2 * rows * spec.num_heads * q_tokens / rows * (length + q_tokens / rows) if on_cpu else 0.0
+    if on_cpu and _grouped(cfg, spec, batch):  # one group's scores at a time (masks.GROUP_SCORES a head)
+        from dflash.model.masks import GROUP_SCORES
+
+        dense_attn = 3 * spec.num_heads * GROUP_SCORES * 4 / spec.num_layers
     drafter_mem = {
         "weights_grads_adamw": 16 * work.drafter_params / GIB,
         # the embedding and head in bf16; a draft vocabulary's rows also kept by the drafter in fp32

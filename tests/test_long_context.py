@@ -82,3 +82,27 @@ def test_auto_on_a_cpu_takes_the_grouped_path_past_the_dense_masks_size(tiny_con
     la = [r["loss"] for r in dense if r["event"] == "train_step"]
     lb = [r["loss"] for r in auto if r["event"] == "train_step"]
     assert made and len(la) == len(lb) and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(la, lb, strict=True))
+
+
+def test_plan_counts_the_grouped_path_for_long_rows_on_a_cpu():
+    """`dflash plan --gpu cpu`: a long row on the grouped path needs a fraction of the dense
+    mask's activations and scores only the keys it sees."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+    from tests.conftest import ROOT
+
+    def plan(attention: str) -> dict:
+        args = ["plan", str(ROOT / "configs" / "tiny.toml"), "--gpu", "cpu", "--json",
+                "--set", f'drafter.attention="{attention}"', "--set", "data.max_seq_len=16384",
+                "--set", "drafter.max_anchors=256", "--set", "drafter.block_size=16"]  # fmt: skip
+        got = CliRunner().invoke(main, args)
+        assert got.exit_code == 0, got.output
+        return json.loads(got.output.strip().splitlines()[-1])
+
+    dense, grouped, auto = plan("sdpa"), plan("grouped"), plan("auto")
+    assert grouped["memory_gib"]["drafter"]["activations"] < dense["memory_gib"]["drafter"]["activations"] / 5
+    assert grouped["drafter"]["gflop_per_batch"]["forward"] < dense["drafter"]["gflop_per_batch"]["forward"]
+    assert auto["memory_gib"] == grouped["memory_gib"]  # past GROUPED_ABOVE, auto is grouped

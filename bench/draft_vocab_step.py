@@ -36,19 +36,12 @@ SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocabulary, famil
 }
 
 
-def _status_gib(key: str) -> float:
+def status_gib(key: str) -> float:
+    """This process's `VmRSS` (now) or `VmHWM` (its peak since the last reset), GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 2**20  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _rss_gib() -> float:
-    return _status_gib("VmRSS")
-
-
-def _hwm_gib() -> float:
-    return _status_gib("VmHWM")
 
 
 def one(shape: str, size: int, steps: int, device: str) -> dict:
@@ -90,7 +83,7 @@ def one(shape: str, size: int, steps: int, device: str) -> dict:
     micro = MicroStep(LossSpec(block_size=B, shift=1 if s["family"] == "dspark" else 0), max_anchors=s["N"])
     device = Device(device, "d")
     times, losses = [], []
-    before = _rss_gib()
+    before = status_gib("VmRSS")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:  # the peak RSS from here on (Linux: the high-water mark reset)
@@ -108,7 +101,7 @@ def one(shape: str, size: int, steps: int, device: str) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(loss)
     device.close()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else _hwm_gib()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else status_gib("VmHWM")
     covered = 1.0 if vocab is None else float(vocab.t2d[ids[mask]].float().mean())
     return {"shape": shape, "draft_vocab_size": size or V, "step_s": statistics.median(times), "peak_gib": peak,
             "steps_above_gib": peak - (0.0 if dev.type == "cuda" else before),

@@ -23,13 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def _status_gib(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
+from draft_vocab_step import status_gib  # noqa: E402
 
 
 def one(T: int, path: str) -> dict:
@@ -63,7 +59,7 @@ def one(T: int, path: str) -> dict:
     feats = HostFeatures(batch, torch.randn(1, T, H, generator=g), 0)
     micro = MicroStep(LossSpec(block_size=B, gamma=7.0), max_anchors=T // 64, grouped=path == "grouped")
     device = Device("cpu", "d")
-    before = _status_gib("VmRSS")
+    before = status_gib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     t0 = time.perf_counter()
     prepared = micro.prepare(rep, device, feats, 0)
@@ -72,7 +68,7 @@ def one(T: int, path: str) -> dict:
     seconds = time.perf_counter() - t0
     device.close()
     return {"row_tokens": T, "path": path, "anchors": T // 64, "step_s": seconds,
-            "step_gib": _status_gib("VmHWM") - before, "loss": float(parts.loss_sum) / parts.weight_sum}  # fmt: skip
+            "step_gib": status_gib("VmHWM") - before, "loss": float(parts.loss_sum) / parts.weight_sum}  # fmt: skip
 
 
 def main() -> None:

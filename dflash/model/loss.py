@@ -27,9 +27,8 @@ from dflash.config import Config
 from dflash.model.drafter import family_shift
 
 __all__ = [
-    "BlockTargets", "FamilyTerms", "LossParts", "LossSpec", "LossVocab", "block_loss", "block_targets", "dpace_weights",
-    "draft_rows",
-    "gamma_weights", "reveal_slots",
+    "BlockTargets", "FamilyTerms", "LossParts", "LossSpec", "LossVocab", "as_rows", "block_loss", "block_targets",
+    "dpace_weights", "draft_rows", "gamma_weights", "reveal_slots",
 ]  # fmt: skip
 
 
@@ -134,8 +133,7 @@ class LossVocab:
     def labels(self, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token labels as rows of the loss's head; a label outside the data's tokens gets
         weight 0 and -100 (cross_entropy's ignore_index: loss 0, never "correct")."""
-        at = self.index[labels]
-        return torch.where(at >= 0, at, -100), weights * (at >= 0)
+        return as_rows(self.index, labels, weights)
 
     def head(
         self, full: torch.Tensor, drawn: torch.Tensor, dtype: torch.dtype | None = None
@@ -161,6 +159,16 @@ class LossVocab:
         return buf, self.bias
 
 
+def as_rows(
+    index: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token labels as rows of a head over some of the tokens (`index` (V,): each token's row, -1
+    outside); a label outside gets weight 0 and -100 (cross_entropy's ignore_index: loss 0,
+    never "correct")."""
+    at = index[labels]
+    return torch.where(at >= 0, at, -100), weights * (at >= 0)
+
+
 def draft_rows(
     index: torch.Tensor,  # (V,) each target id's draft row, -1 outside the draft vocabulary
     labels: torch.Tensor,  # (M,) target ids
@@ -173,17 +181,16 @@ def draft_rows(
     lowers the loss's scale by that much. The teacher's top-k is restricted to the draft
     vocabulary and renormalised (the ids outside get -inf, speculators' restricted target
     distribution); a row whose top-k lies wholly outside gets weight 0 too."""
-    at = index[labels]
-    inside = at >= 0
+    labels, weights = as_rows(index, labels, weights)
     if teacher is not None:
         vals, ids = teacher
         rows = index[ids]
         kept = rows >= 0
-        inside = inside & kept.any(dim=-1)
+        weights = weights * kept.any(dim=-1)
         vals = torch.where(kept, vals.float(), float("-inf"))
         vals = torch.where(kept.any(dim=-1, keepdim=True), vals, 0.0)  # a wholly-outside row: weight 0, finite
         teacher = (vals, rows.clamp(min=0))
-    return torch.where(at >= 0, at, -100), weights * inside, teacher
+    return labels, weights, teacher
 
 
 def gamma_weights(block_size: int, gamma: float, shift: int = 0) -> torch.Tensor:

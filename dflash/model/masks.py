@@ -139,7 +139,7 @@ def grouped_mask(  # no-sync: host tensors (the batch's anchors and documents)
     group's queries × (its context slice + its block keys) stay within `budget`."""
     R, N = host_anchors.shape
     B, T = layout.block_size, layout.ctx_len
-    doc = host_doc.tolist()
+    doc, anchors, valid = host_doc.tolist(), host_anchors.tolist(), host_valid.tolist()
     groups = []
     for r in range(R):
         starts, row = {}, doc[r]
@@ -149,7 +149,7 @@ def grouped_mask(  # no-sync: host tensors (the batch's anchors and documents)
         while j < N:
             c0, c1, j1 = T, 0, j
             while j1 < N:
-                a, ok = int(host_anchors[r, j1]), bool(host_valid[r, j1])
+                a, ok = anchors[r][j1], valid[r][j1]
                 lo = max(starts.get(row[a], 0), a - (window - 1) if window is not None else 0) if ok else c0
                 n0, n1 = (min(c0, lo), max(c1, a)) if ok else (c0, c1)
                 span = max(0, n1 - n0) + (j1 + 1 - j) * B

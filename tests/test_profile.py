@@ -49,10 +49,15 @@ def test_percentiles_interpolate_linearly():
 
 def test_host_rss_is_this_process_resident_memory():
     """host_rss_mb is the current resident set (MiB), and grows with memory the process touches."""
+    import mmap
+
     before = _rss_mb()
-    block = b"x" * (64 * 2**20)  # written, so every page is resident
+    # fresh pages from the kernel (malloc could hand back memory already resident), each written
+    block = mmap.mmap(-1, 64 * 2**20)
+    for i in range(0, len(block), mmap.PAGESIZE):
+        block[i] = 1
     assert 0 < before < _rss_mb() and _rss_mb() - before > 32
-    del block
+    block.close()
 
 
 def test_warmup_flag_until_marked():

@@ -171,6 +171,8 @@ class SyntheticReplica:
     index: int
     device: torch.device
     params: tuple[()] = ()
+    seq_group: None = None  # never in a sequence-parallel group
+    seq_rank: int = 0
 
 
 class SimDevice(Device):

@@ -525,7 +525,7 @@ def features_cmd(config: Path, overrides: tuple[str, ...], engine: str, tensor_p
 @click.option("--fill", type=click.FloatRange(min=0.01, max=1.0), default=None,
               help="real tokens over the token budget  [default: modelled from data.num_buckets]")  # fmt: skip
 @click.option("--row-length", type=click.IntRange(min=1), default=None,
-              help="a batch's padded row length  [default: data.max_seq_len]")  # fmt: skip
+              help="a batch's padded row length, may pass data.max_seq_len  [default: data.max_seq_len]")  # fmt: skip
 @click.option("--target-s", type=click.FloatRange(min=1e-6), default=None,
               help="a measured target forward (seconds a batch): every stage's MFU fitted to it")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")

@@ -41,6 +41,8 @@ GIB = 2**30
 # Published HBM bandwidth (TB/s) of the table's GPUs, for the optimizer's elementwise pass.
 BANDWIDTH_TBS = {"a100": 2.04, "h100": 3.35, "h200": 4.8, "b200": 8.0, "mi300x": 5.3}
 PCIE_GBS = 25.0  # a PCIe 4/5 x16 link in practice, for the features' copies
+NVLINK_GBS = 300.0  # an all-to-all between the GPUs of one NVLink node, per GPU, in practice (assumed)
+SP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # pipeline.sequence_parallel tried for the row length
 DEFAULT_MFU = {"gpu": 0.35, "cpu": 0.1}
 
 
@@ -196,7 +198,7 @@ def _length_fill(
         if fill is None:
             return length, measured["real_tokens"] / (measured["rows"] * length), "calibration run"
         return length, fill, "--fill"
-    length = float(min(row_length or cfg.data.max_seq_len, cfg.data.max_seq_len))
+    length = float(row_length or cfg.data.max_seq_len)  # --row-length may pass data.max_seq_len (long rows)
     if fill is None:
         return length, _bucket_fill(cfg.data.num_buckets, cfg.data.pack), f"{cfg.data.num_buckets} length buckets"
     return length, fill, "--fill"
@@ -371,6 +373,38 @@ def _memory(
     return target_mem, drafter_mem
 
 
+def _sequence_parallel(
+    cfg: Config, spec: Any, batch: _Batch, drafter_mem: dict[str, float], usable: float, on_cpu: bool
+) -> dict[str, Any]:
+    """A drafter replica's memory at each sequence-parallel degree N (its share of the row's
+    context, blocks, features and activations, plus the keys/values it gathers for its heads),
+    the smallest N that fits, and the all-to-all a rank sends per layer (forward and backward)
+    with its time over NVLink."""
+    rows, length, kvh, hd = batch.rows, batch.length, spec.num_kv_heads, spec.head_dim
+    q_tokens = rows * batch.anchors * spec.block_size
+    shared = drafter_mem["weights_grads_adamw"] + drafter_mem["frozen_head"]
+    per_n: dict[str, float] = {}
+    a2a: dict[str, float] = {}
+    for n in SP_DEGREES:
+        if spec.num_heads % n or (kvh % n and n % kvh):
+            continue
+        gathered = spec.num_layers * 2 * (rows * length + q_tokens) * 2 * max(1.0, kvh / n) * hd * 2 / GIB
+        rank = (drafter_mem["activations"] + drafter_mem["features"] + drafter_mem["loss_chunk"]) / n
+        per_n[str(n)] = round(shared + rank + (gathered if n > 1 else 0.0), 3)
+        # a rank's q, its k and v, and the output back: (N-1)/N of each leaves it, in bf16; twice (backward)
+        sent = (2 * q_tokens * spec.num_heads * hd + 2 * (rows * length + q_tokens) * max(kvh, n) * hd) / n
+        a2a[str(n)] = 2 * 2 * sent * (n - 1) / n
+    fits = next((int(n) for n, gib in per_n.items() if gib <= usable), None)
+    return {
+        "memory_per_rank_gib": per_n,
+        "degree_needed": fits,
+        "all_to_all_mb_per_layer": {n: round(b / 1e6, 3) for n, b in a2a.items() if n != "1"},
+        "all_to_all_ms_per_layer": None if on_cpu else {
+            n: round(b / (NVLINK_GBS * 1e9) * 1e3, 4) for n, b in a2a.items() if n != "1"},
+        "features_per_row_gib": round(length * len(spec.target_layer_ids) * spec.hidden_size * 2 / GIB, 4),
+    }  # fmt: skip
+
+
 def _splits(
     cfg: Config, dev: Device, gpus: int, sec: _Seconds, real: float, nodes: int
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None]:
@@ -410,7 +444,9 @@ def _best_devices(
     return devices
 
 
-def _advice(dev: Device, target_params: float, fits_target: bool, fits_drafter: bool) -> str | None:
+def _advice(
+    dev: Device, target_params: float, fits_target: bool, fits_drafter: bool, sp_needed: int | None = None
+) -> str | None:
     """What to change when a side does not fit its device."""
     if not fits_target:
         need = target_params * 2 / GIB / (0.8 * dev.memory_gib)
@@ -419,6 +455,11 @@ def _advice(dev: Device, target_params: float, fits_target: bool, fits_drafter: 
             f"the target's weights ({target_params * 2 / GIB:.0f} GiB) and activations do not fit one {dev.name} "
             f"({dev.memory_gib:.0f} GiB): serve it with target.engine = 'vllm' (or 'remote' with "
             f"`dflash serve-target`) and target.engine_tensor_parallel = {tp}, target.load = 'head'"
+        )
+    if not fits_drafter and sp_needed:
+        return (
+            f"a drafter replica does not fit a row: pipeline.sequence_parallel = {sp_needed} (a group of "
+            f"{sp_needed} replicas a row), or lower data.token_budget, drafter.max_anchors or loss.chunk"
         )
     if not fits_drafter:
         return "a drafter replica does not fit: lower data.token_budget, drafter.max_anchors or loss.chunk"
@@ -456,7 +497,9 @@ def plan(
     target_mem, drafter_mem = _memory(cfg, shape, spec, batch, work, on_cpu)
     splits, best, current = _splits(cfg, dev, gpus, sec, batch.real, nodes)
     usable = dev.memory_gib - (0 if dev.shared else 2.0)  # a CUDA context and the allocator's slack
-    fits_target, fits_drafter = (sum(mem.values()) <= usable for mem in (target_mem, drafter_mem))
+    sp = _sequence_parallel(cfg, spec, batch, drafter_mem, usable, on_cpu)  # a replica's memory at each N
+    fits_target = sum(target_mem.values()) <= usable
+    fits_drafter = sp["memory_per_rank_gib"].get(str(cfg.pipeline.sequence_parallel), math.inf) <= usable
     batches_per_step = cfg.train.fresh_grad_accum
     out: dict[str, Any] = {
         **work.record(spec.family),
@@ -475,12 +518,12 @@ def plan(
                        "drafter": {k: round(v, 3) for k, v in drafter_mem.items()},
                        "host_pinned": round(cfg.pipeline.hs_queue_depth * feature_bytes / GIB, 3)},
         "devices": _best_devices(dev, best, target_mem, drafter_mem),
+        "sequence_parallel": sp,
         "fits": fits_target and fits_drafter,
         "not_modelled": ["host work without --calibrate", "the GIL", "the all-reduce between nodes",
                          "kernel launch gaps", "data loading", "copies overlapping compute (shown, not added)"],
     }  # fmt: skip
-    advice = _advice(dev, work.target_params, fits_target, fits_drafter)
-    if advice is not None:
+    if (advice := _advice(dev, work.target_params, fits_target, fits_drafter, sp["degree_needed"])) is not None:
         out["advice"] = advice
     return out
 
@@ -520,6 +563,7 @@ def format_plan(p: dict[str, Any]) -> str:
         + "; drafter " + ", ".join(f"{k} {v:.2f}" for k, v in mem["drafter"].items())
         + f"; host pinned {mem['host_pinned']:.2f}",
         f"fits: {'yes' if p['fits'] else 'no'}" + (f" — {p['advice']}" if p.get("advice") else ""),
+        _format_sp(p["sequence_parallel"]),
         *([f"the config's split {c['target']} + {c['drafter']}: {c['tokens_per_s']:,.0f} tokens/s, bottleneck "
            f"{c['bottleneck']}"] if (c := p.get("current")) and c != p["best"] else []),
         f"predicted: {p['tokens_per_s']:,.0f} tokens/s, bottleneck {p['bottleneck']}"
@@ -527,3 +571,16 @@ def format_plan(p: dict[str, Any]) -> str:
         "not modelled: " + "; ".join(p["not_modelled"]),
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _format_sp(sp: dict[str, Any]) -> str:
+    need = sp["degree_needed"]
+    head = f"sequence parallel N = {need} fits a row" if need else "sequence parallel: no N up to 64 fits a row"
+    at = str(max(2, need or 2))  # the all-to-all of the degree needed, or of the first one that has it
+    if at not in sp["all_to_all_mb_per_layer"]:
+        return f"{head} (the drafter's heads do not split further)"
+    cost = f"{sp['all_to_all_mb_per_layer'][at]:,.1f} MB a rank a layer at N={at}"
+    if sp["all_to_all_ms_per_layer"] is not None:
+        cost += f" (~{sp['all_to_all_ms_per_layer'][at]:.3g} ms over NVLink, forward and backward)"
+    mem = ", ".join(f"N={n} {g:.1f}" for n, g in sp["memory_per_rank_gib"].items())
+    return f"{head}; all-to-all {cost}; GiB a rank: {mem}; features {sp['features_per_row_gib']:.2f} GiB a row"

@@ -501,6 +501,14 @@ class PipelineConfig(_Section):
     )
     target_devices: list[str] = Field(["cpu"], min_length=1, description="one target chain each")
     drafter_devices: list[str] = Field(["cpu"], min_length=1, description="one replica each")
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="drafter replicas that train one batch of rows together (sequence parallelism: each holds 1/N "
+        "of the context and of the blocks, an all-to-all by heads around each attention); drafter_devices is cut "
+        "into groups of N in order",
+    )
     batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")
     hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")
     hs_min_ready: int = Field(1, ge=1, description="drafters take only when this many are ready")
@@ -546,6 +554,12 @@ class PipelineConfig(_Section):
             msg = (
                 f"hs_min_ready ({self.hs_min_ready}) exceeds hs_queue_depth "
                 f"({self.hs_queue_depth}); drafters would wait forever"
+            )
+            raise ValueError(msg)
+        if len(self.drafter_devices) % self.sequence_parallel:
+            msg = (
+                f"sequence_parallel = {self.sequence_parallel} does not divide the {len(self.drafter_devices)} "
+                "drafter_devices into groups"
             )
             raise ValueError(msg)
         if self.prepare_ahead and len(self.drafter_devices) > 1:

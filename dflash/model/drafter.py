@@ -35,6 +35,7 @@ from dflash.model.modeling_dflash import (
     around,
     scaled_rope,
 )
+from dflash.model.sequence_parallel import SeqShard
 
 __all__ = ["DFlashDrafter", "DrafterCache", "DrafterSpec", "FrozenHead", "default_target_layers", "family_shift"]
 
@@ -201,9 +202,12 @@ class Attention(nn.Module):
         rope_k: tuple[torch.Tensor, torch.Tensor],
         mask: Any,
         xq: torch.Tensor | None = None,
+        sp: SeqShard | None = None,
     ) -> torch.Tensor:
         """`xq` (R, Q', H): the block states that ask (default: all of `x`; `rope_q` and
-        `mask` then cover those Q' queries); keys and values always come from all of `x`."""
+        `mask` then cover those Q' queries); keys and values always come from all of `x`.
+        `sp`: this rank's share of a sequence-parallel group (`x`, `ctx` its blocks and context;
+        `mask` the whole row's)."""
         R, Q, _ = x.shape
         T = ctx.shape[1]
         hd = self.head_dim
@@ -215,7 +219,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(R, T + Q, self.num_kv_heads, hd).transpose(1, 2)
         q = _apply_rope(q, *rope_q)
         k = _apply_rope(k, *rope_k)
-        out = attend(q, k, v, mask)  # (R, h, Q', hd)
+        out = attend(q, k, v, mask) if sp is None else sp.attention(q, k, v, attend, mask)  # (R, h, Q', hd)
         return self.o_proj(out.transpose(1, 2).reshape(R, Qq, self.num_heads * hd))
 
     def context_kv(
@@ -260,9 +264,11 @@ class DecoderLayer(nn.Module):
             args = (spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size, spec.block_size)
             self.attention_conv, self.mlp_conv = DynamicConv(*args), DynamicConv(*args)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any, sp: SeqShard | None = None
+    ) -> torch.Tensor:
         x = x + around(self.attention_conv, self.input_layernorm(x),
-                       lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask))  # fmt: skip
+                       lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask, sp=sp))  # fmt: skip
         return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
 
     def forward_cached(self, x: torch.Tensor, kv: Any, rope_q: Any, mask: torch.Tensor) -> torch.Tensor:
@@ -272,7 +278,8 @@ class DecoderLayer(nn.Module):
         return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
 
     def forward_drafts(
-        self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: torch.Tensor, block_size: int
+        self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: torch.Tensor, block_size: int,
+        sp: SeqShard | None = None,
     ) -> torch.Tensor:
         """`forward` for the draft slots only (every slot but each block's anchor, slot 0):
         the anchors still give keys and values, but ask no query and skip the MLP. Equal to
@@ -282,11 +289,12 @@ class DecoderLayer(nn.Module):
         N, B = x.shape[1] // block_size, block_size
 
         def drafts(tensor: torch.Tensor, dim: int) -> torch.Tensor:  # the slots 1..B-1 of every block along `dim`
-            return tensor.unflatten(dim, (N, B)).narrow(dim + 1, 1, B - 1).flatten(dim, dim + 1)
+            # (the mask's blocks: with sequence parallelism the whole row's, not this rank's N)
+            return tensor.unflatten(dim, (-1, B)).narrow(dim + 1, 1, B - 1).flatten(dim, dim + 1)
 
         h = self.input_layernorm(x)
         rq = tuple(drafts(r, 2) for r in rope_q)  # (R, 1, Q, hd) -> (R, 1, N·(B-1), hd)
-        y = drafts(x, 1) + self.self_attn(h, ctx, rq, rope_k, drafts(mask, 2), xq=drafts(h, 1))
+        y = drafts(x, 1) + self.self_attn(h, ctx, rq, rope_k, drafts(mask, 2), xq=drafts(h, 1), sp=sp)
         y = y + self.mlp(self.post_attention_layernorm(y))
         return torch.cat([x.unflatten(1, (N, B))[:, :, :1], y.unflatten(1, (N, B - 1))], dim=2).flatten(1, 2)
 
@@ -439,11 +447,14 @@ class DFlashDrafter(nn.Module):
         ctx_pos: torch.Tensor,  # (R, T) absolute positions of the context
         masks: dict[str, Any],  # layer type -> mask (dense bool or BlockMask)
         drafts_only: bool = False,
+        sp: SeqShard | None = None,
     ) -> torch.Tensor:
         """`drafts_only`: the rows of the blocks' anchors (slot 0) in the output are not
         computed by the last layer (training: no loss there); the draft slots' are the same.
         With dense masks only (a BlockMask cannot drop queries): ignored with flex, and where
-        the anchor's row counts (`skips_anchors`)."""
+        the anchor's row counts (`skips_anchors`). `sp`: this rank's share of a sequence-parallel
+        group (dflash/model/sequence_parallel.py): the block and context tensors are its share, the
+        masks the whole row's."""
         ctx = self.hidden_norm(self.fc(context))  # (R, T, H): one feature for all layers
         rope_q = self._rope(q_pos)
         rope_k = self._rope(torch.cat([ctx_pos, q_pos], dim=1))
@@ -452,9 +463,9 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             mask = masks[layer.layer_type]
             if drafts_only and i == last and isinstance(mask, torch.Tensor) and self.skips_anchors:
-                x = layer.forward_drafts(x, ctx, rope_q, rope_k, mask, self.spec.block_size)
+                x = layer.forward_drafts(x, ctx, rope_q, rope_k, mask, self.spec.block_size, sp=sp)
             else:
-                x = layer(x, ctx, rope_q, rope_k, mask)
+                x = layer(x, ctx, rope_q, rope_k, mask, sp=sp)
         return self.norm(x)
 
     @property

@@ -49,8 +49,9 @@ async def train(
         step = book.progress.step
         contribs: list[StepGrads] = []
         own = result.updated if result is not None else {}  # a replica on another GPU: its own update
-        for rep, dev in zip(training.replicas, drafters, strict=True):
-            acc, ready = Accumulator(), None
+        for group in drafter_step.groups(training.replicas):  # a sequence-parallel group takes each batch together
+            reps, devs = [training.replicas[i] for i in group], [drafters[i] for i in group]
+            accs, ready = [Accumulator(counts=r.seq_rank == 0) for r in reps], [None] * len(group)
             for _ in range(training.steps.grad_accum):
                 batch, _ = await data.run(Stage.PREFETCH, prefetch.next_batch, plan, training.pin)
                 if batch is None:  # the data is done
@@ -61,12 +62,16 @@ async def train(
                 feats = await target_forward.features(tgt, target, item, profiler, None if reader else cache)
                 packed = await pack.packed(target, feats)
                 host = await transfer.host_features(target, packed, 0, cache)
-                prepared = await drafter_step.prepare(rep, training.micro, dev, host, step)
-                after = [updated, own.get(rep.index)]  # the last update, and on its own GPU this replica's
-                ready = await drafter_step.compute(acc, rep, training.micro, dev, prepared, after)
+                members = list(zip(reps, devs, strict=True))
+                prepared = await drafter_step.together(
+                    reps, [drafter_step.prepare(rep, training.micro, dev, host, step) for rep, dev in members])
+                # after the last update, and on its own GPU each replica's
+                ready = await drafter_step.together(reps, [
+                    drafter_step.compute(acc, rep, training.micro, dev, p, [updated, own.get(rep.index)])
+                    for acc, (rep, dev), p in zip(accs, members, prepared, strict=True)
+                ])  # fmt: skip
                 profiler.count("drafter_tokens", batch.num_tokens)
-            if acc.n:
-                contribs.append(acc.grads(rep.index, step, ready))
+            contribs += [a.grads(r.index, step, done) for a, r, done in zip(accs, reps, ready, strict=True) if a.n]
         if not contribs:
             break
         result, updated = await optimizer_stage.update(training.apply, optimizer, contribs, book)

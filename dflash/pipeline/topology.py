@@ -90,7 +90,8 @@ def _channels(
     # processes, whose cursor is one index) in prefetch's order: the steps of one chain.
     in_order = n_t > 1 and (p.in_order or training.world is not None)
     hs: Channel[HostFeatures] = Channel(
-        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d, min_ready=p.hs_min_ready,
+        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d // p.sequence_parallel,
+        min_ready=p.hs_min_ready,
         order=(lambda f: f.batch.seq) if in_order else None,
     )  # fmt: skip
     grads: Channel[StepGrads] = Channel("grads", n_d, producers=n_d)
@@ -133,9 +134,10 @@ def build(
     n_d = len(training.replicas)
     ahead = p.prepare_ahead if p.prepare_ahead is not None else (n_d == 1 and drafters[0].accelerated)
     work = drafter_step.ReplicaWork(training.micro, training.steps.grad_accum, training.start_step, lookahead=ahead)
-    for r, (rep, dev) in enumerate(zip(training.replicas, drafters, strict=True)):
-        run = drafter_step.run(rep, work, dev, hs, grads, replies[r], profiler)
-        tasks.append((f"{Stage.DRAFTER_FORWARD}[{r}]", run))
+    for g in drafter_step.groups(training.replicas):  # a sequence-parallel group takes each batch together: one task
+        reps, devs, inboxes = [training.replicas[i] for i in g], [drafters[i] for i in g], [replies[i] for i in g]
+        run = drafter_step.run(reps, work, devs, hs, grads, inboxes, profiler)
+        tasks.append((f"{Stage.DRAFTER_FORWARD}[{g[0]}]", run))
     if training.world is not None:
         training.world.cursor = training.plan.start_index - 1  # resumed: the batches before the cursor are done
     tasks.append(

@@ -30,7 +30,7 @@ from dflash.stages._link import linked
 from dflash.train.replicas import DrafterReplica
 from dflash.train.step import Accumulator, MicroStep, PreparedBatch
 
-__all__ = ["Lookahead", "Prepared", "ReplicaWork", "compute", "prepare", "run"]
+__all__ = ["Lookahead", "Prepared", "ReplicaWork", "compute", "groups", "prepare", "run", "together"]
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,12 @@ class Lookahead:
     replica had nothing else to do."""
 
     def __init__(self) -> None:
-        self._task: asyncio.Task[tuple[Prepared | None, float]] | None = None
+        self._task: asyncio.Task[tuple[list[Prepared] | None, float]] | None = None
 
     def start(self, take: Any) -> None:
         self._task = asyncio.ensure_future(take)
 
-    async def take(self, replied: float, profiler: Profiler, worker: str) -> Prepared | None:
+    async def take(self, replied: float, profiler: Profiler, worker: str) -> list[Prepared] | None:
         """The batch taken ahead, once the reply came at `replied` (perf_counter). Cancelled
         meanwhile, the task stays for `drop` to end."""
         assert self._task is not None
@@ -147,58 +147,87 @@ class Lookahead:
             task.exception()  # retrieved: the stage is ending either way
 
 
+def groups(replicas: Sequence[DrafterReplica]) -> list[list[int]]:
+    """The replicas' indices by the batch they take: a sequence-parallel group's together, any
+    other replica alone."""
+    out: list[list[int]] = []
+    for i, rep in enumerate(replicas):
+        if out and rep.seq_group is not None and replicas[out[-1][0]].seq_group is rep.seq_group:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+async def together(group: Sequence[DrafterReplica], work: Sequence[Any]) -> list[Any]:
+    """The group's members' work at once (each in its device's thread); a member that fails
+    aborts the group's exchanges, so the others end instead of waiting for it."""
+    try:
+        return list(await asyncio.gather(*work))
+    except BaseException:
+        for rep in group:
+            if rep.seq_group is not None:
+                rep.seq_group.abort()
+        raise
+
+
 async def run(
-    rep: DrafterReplica,
+    group: Sequence[DrafterReplica],
     work: ReplicaWork,
-    device: Device,
+    devices: Sequence[Device],
     inbox: Channel[HostFeatures],
     outbox: Channel[StepGrads],
-    replies: Channel[StepReply],
+    replies: Sequence[Channel[StepReply]],
     profiler: Profiler,
 ) -> None:
     """Forward and backward of `work.grad_accum` batches a step until the optimizer says
-    stop or the inbox ends."""
-    micro, step = work.micro, work.start_step
-    updated: list[Any] = []  # the last update's event: the next forward reads those weights
-    ahead = Lookahead()
+    stop or the inbox ends. `group`: one replica, or the replicas of a sequence-parallel group
+    (on CPU devices), which take each batch together, each computing its share; the first counts
+    the batch's tokens and samples."""
+    micro, step, lead, ahead = work.micro, work.start_step, devices[0], Lookahead()
+    updated: list[list[Any]] = [[] for _ in group]  # each member's last update's event: its next forward reads them
 
-    async def take(step: int, early: bool = False) -> tuple[Prepared | None, float]:
-        """The next batch, prepared (None at the end of the stream), and when it arrived.
-        `early`: taken while the optimizer steps (`Lookahead` counts its wait)."""
+    async def take(step: int, early: bool = False) -> tuple[list[Prepared] | None, float]:
+        """The next batch prepared by every member (None: the end) and when it came; `early`: see `Lookahead`."""
         try:
             feats, waited = await inbox.get()
         except EndOfStream:
             return None, time.perf_counter()
         arrived = time.perf_counter()
         if not early:  # waited for within the step: starved by the targets
-            profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=device.name)
-        return await prepare(rep, micro, device, feats, step), arrived
+            profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=lead.name)
+        jobs = [prepare(r, micro, d, feats, step) for r, d in zip(group, devices, strict=True)]
+        return await together(group, jobs), arrived
 
-    with linked([inbox, replies], [outbox]):
+    with linked([inbox, *replies], [outbox]):
         try:
-            taken: list[Prepared | None] = []  # the batch taken ahead, when there is one
+            taken: list[list[Prepared] | None] = []  # the batch taken ahead, when there is one
             while True:
-                acc, ready = Accumulator(), None
+                accs, ready = [Accumulator(counts=r.seq_rank == 0) for r in group], [None] * len(group)
                 for _ in range(work.grad_accum):
                     batch = taken.pop() if taken else (await take(step))[0]
                     if batch is None:
                         break
-                    ready = await compute(acc, rep, micro, device, batch, updated)
-                    profiler.count("drafter_tokens", batch.batch.batch.num_tokens)
-                await outbox.put(acc.grads(rep.index, step, ready))
-                if acc.n == 0:
+                    ready = await together(group, [
+                        compute(acc, rep, micro, dev, b, up)
+                        for acc, rep, dev, b, up in zip(accs, group, devices, batch, updated, strict=True)
+                    ])  # fmt: skip
+                    profiler.count("drafter_tokens", batch[0].batch.batch.num_tokens)
+                for acc, rep, done in zip(accs, group, ready, strict=True):
+                    await outbox.put(acc.grads(rep.index, step, done))
+                if accs[0].n == 0:
                     return
                 if work.lookahead:
                     ahead.start(take(step + 1, early=True))
                 try:
-                    reply, waited = await replies.get()
+                    answers = [await r.get() for r in replies]
                 except EndOfStream:
                     return
-                profiler.record(Stage.DRAFTER_STEP_WAIT, waited, worker=device.name)
-                if reply.stop:
+                profiler.record(Stage.DRAFTER_STEP_WAIT, answers[0][1], worker=lead.name)
+                if answers[0][0].stop:
                     return
                 if ahead.pending:
-                    taken.append(await ahead.take(time.perf_counter(), profiler, device.name))
-                updated, step = [reply.ready], reply.step
+                    taken.append(await ahead.take(time.perf_counter(), profiler, lead.name))
+                updated, step = [[reply.ready] for reply, _ in answers], answers[0][0].step
         finally:
             await ahead.drop()

@@ -35,6 +35,7 @@ from dflash.features.files import FeatureMeta, FeatureStore, folder_for
 from dflash.model.drafter import DrafterSpec, FrozenHead
 from dflash.model.loading import load_tokenizer
 from dflash.model.loss import LossSpec, LossVocab
+from dflash.model.sequence_parallel import check_heads
 from dflash.model.target import Target, TargetInfo, load_target, resolve_dtype
 from dflash.model.target_head import load_target_head
 from dflash.model.vocab import DraftVocab, check_same, for_run, missing
@@ -42,6 +43,7 @@ from dflash.runtime import faults
 from dflash.runtime.devices import check_device
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Stage
+from dflash.runtime.sequence import ThreadGroup
 from dflash.store.packages import local_path
 from dflash.train.checkpoint import (
     Loaded,
@@ -144,7 +146,7 @@ def _global_batch(
 ) -> tuple[GlobalBatch, dict[str, Any] | None]:
     """This run's batches per step, and the `resume` record: resumed on another number of
     processes or replicas, `train.grad_accum` keeps the checkpoint's global batch."""
-    replicas = len(cfg.pipeline.drafter_devices)
+    replicas = len(cfg.pipeline.drafter_devices) // cfg.pipeline.sequence_parallel  # a group trains one batch
     if loaded is None:
         batch = GlobalBatch(processes, replicas, cfg.train.fresh_grad_accum)
         if resume is None:
@@ -366,7 +368,29 @@ def _replicas(
     """One drafter replica a device (`build_replicas`), from the target's layers with
     drafter.init_from_target; `lr`: the LR schedule; `vocab`: a draft vocabulary."""
     init_from = t0.model if cfg.drafter.init_from_target else None
-    return build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from, vocab)
+    replicas = build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from, vocab)
+    n = cfg.pipeline.sequence_parallel
+    if n > 1:
+        _check_sequence_parallel(spec, devices, n)
+        for g in range(0, len(replicas), n):  # groups of N in the order of drafter_devices
+            group = ThreadGroup(n)
+            for rank, rep in enumerate(replicas[g : g + n]):
+                rep.seq_group, rep.seq_rank = group, rank
+    return replicas
+
+
+def _check_sequence_parallel(spec: DrafterSpec, devices: list[torch.device], n: int) -> None:  # no-sync: set-up
+    """Whether the drafter's heads split over N ranks, and the group's devices are CPUs (the
+    all-to-all between worker threads moves host tensors)."""
+    why = check_heads(spec.num_heads, spec.num_kv_heads, n)
+    if why is not None:
+        raise ConfigError(f"pipeline.sequence_parallel: {why}")
+    if any(d.type != "cpu" for d in devices):
+        msg = (
+            "pipeline.sequence_parallel: the replicas of a group exchange host tensors between threads; "
+            "CUDA drafter devices are not supported yet"
+        )
+        raise ConfigError(msg)
 
 
 def _restore(loaded: Loaded, replicas: list[DrafterReplica], cfg: Config, vocab: DraftVocab | None) -> None:

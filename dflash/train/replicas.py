@@ -14,6 +14,7 @@ from dflash.config import OptimizerConfig
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 from dflash.model.loss import LossVocab
 from dflash.model.vocab import DraftVocab
+from dflash.runtime.sequence import SequenceGroup
 
 __all__ = ["DrafterReplica", "build_replicas"]
 
@@ -28,6 +29,8 @@ class DrafterReplica:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_vocab: LossVocab | None = None  # the loss's softmax over these tokens (loss.vocab = "data"); None: all
     draft_index: torch.Tensor | None = None  # (V,) each target id's draft row, -1 outside (a draft vocabulary)
+    seq_group: SequenceGroup | None = None  # sequence parallelism: the group this replica trains rows with ...
+    seq_rank: int = 0  # ... and its rank there
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

@@ -31,6 +31,7 @@ from dflash.model.loss import (
     reveal_slots,
 )
 from dflash.model.masks import BlockLayout, layer_masks
+from dflash.model.sequence_parallel import SeqShard, attach, split_bounds
 from dflash.roofline import flops
 from dflash.runtime import faults
 from dflash.runtime.devices import Device, on_device, upload
@@ -58,6 +59,7 @@ class PreparedBatch:
     targets: BlockTargets  # which slots count, their labels and weights (on the device)
     negatives: torch.Tensor | None = None  # loss.vocab = "data": this batch's drawn negatives (device)
     visible: float | None = None  # flex: keys a block query sees on average (its FLOPs count those)
+    shard: SeqShard | None = None  # sequence parallelism: this rank's share (context, blocks, targets)
 
 
 @dataclass(frozen=True)
@@ -92,19 +94,27 @@ def prepare_batch(
     thread). It reads no weights, so it can run while the optimizer updates them."""
     b, spec, dev = feats.batch, rep.model.spec, rep.device
     B = spec.block_size
-    with device.span(Stage.DRAFTER_H2D):
-        context = upload(feats.hidden, dev)  # (R, T, k·H)
-        positions = upload(b.positions, dev)  # (R, T)
     with device.span(Stage.DRAFTER_ANCHORS):
         # Host-side: anchors, labels and which slots count are known before device work,
         # so selecting the supervised slots needs no device sync.
         blocks = _blocks(b, micro, spec.mask_token_id, B, reveal_prob(micro.loss, step, micro.total_steps))
+    shard, hidden, pos = None, feats.hidden, b.positions
+    if rep.seq_group is not None:  # this rank's share of the context and of the blocks
+        n = rep.seq_group.size
+        shard = SeqShard(rep.seq_group, rep.seq_rank, split_bounds(pos.shape[1], n),
+                         split_bounds(blocks.anchors.shape[1], n))  # fmt: skip
+        hidden, pos = hidden[:, slice(*shard.ctx)], pos[:, slice(*shard.ctx)]
+    with device.span(Stage.DRAFTER_H2D):
+        context = upload(hidden, dev)  # (R, T, k·H)
+        positions = upload(pos, dev)  # (R, T)
     with device.span(Stage.DRAFTER_MASK):
         layout = BlockLayout(upload(blocks.anchors, dev), upload(blocks.valid, dev), upload(b.doc_ids, dev), B)
         R, T, Q = b.input_ids.shape[0], b.input_ids.shape[1], blocks.ids.shape[1]
         long = 0 < micro.grouped_above < R * Q * (T + Q)
         host = (blocks.anchors, blocks.valid, b.doc_ids) if micro.grouped or long else None
-        masks = layer_masks(layout, spec, micro.use_flex, host)
+        masks = layer_masks(layout, spec, micro.use_flex, host)  # the whole row's, with sequence parallelism too
+    if shard is not None:
+        blocks = _shard_blocks(blocks, *shard.blocks, B)
     ids, q = upload(blocks.ids, dev), upload(blocks.q_pos, dev)
     targets, negatives = _device_targets(rep, feats, blocks, micro)
     visible = None
@@ -113,7 +123,7 @@ def prepare_batch(
     elif host is not None:  # grouped: the keys each group's queries score (its slice and its blocks)
         groups = next(iter(masks.values())).groups
         visible = sum((q1 - q0) * (c1 - c0 + q1 - q0) for _, q0, q1, c0, c1 in groups) / max(1, R * Q)
-    return PreparedBatch(b, context, positions, ids, q, masks, targets, negatives, visible)
+    return PreparedBatch(b, context, positions, ids, q, masks, targets, negatives, visible, shard)
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,23 @@ def _blocks(b: Batch, micro: MicroStep, mask_id: int, B: int, reveal: float) -> 
     targets = block_targets(b.input_ids, b.loss_mask, b.doc_ids, anchors, valid, B, gamma, shown, micro.loss.shift)
     q_pos = (torch.gather(b.positions, 1, anchors)[:, :, None] + torch.arange(B)).view(R, N * B)
     return _Blocks(anchors, valid, block_ids.view(R, N * B), q_pos, targets)
+
+
+def _shard_blocks(blocks: _Blocks, lo: int, hi: int, B: int) -> _Blocks:
+    """The blocks [lo, hi) of every row, their supervised slots re-indexed into them."""
+    R, N = blocks.anchors.shape
+    n, t = hi - lo, blocks.targets
+    within = t.sel % (N * B)
+    keep = (within >= lo * B) & (within < hi * B)
+    sel = ((t.sel // (N * B)) * (n * B) + within - lo * B)[keep]
+    weights, slot = t.weights[keep], t.slot[keep]
+    targets = dataclasses.replace(
+        t, sel=sel, labels=t.labels[keep], weights=weights, slot=slot,
+        weight_sum=float(weights.sum()),  # no-sync: host tensors
+        count_per_slot=torch.bincount(slot, minlength=B), prev=None if t.prev is None else t.prev[keep],
+    )  # fmt: skip
+    part = lambda x: x.view(R, N, B)[:, lo:hi].reshape(R, n * B)  # noqa: E731
+    return _Blocks(blocks.anchors[:, lo:hi], blocks.valid[:, lo:hi], part(blocks.ids), part(blocks.q_pos), targets)
 
 
 def _device_targets(
@@ -228,7 +255,7 @@ def _forward(rep: DrafterReplica, batch: PreparedBatch) -> torch.Tensor:
     """(R, N·B, H): the drafter's output at the block slots; the anchors' rows (no loss
     there) are not computed by the last layer."""
     emb = F.embedding(batch.block_ids, rep.head.embed)
-    return rep.model(emb, batch.context, batch.q_pos, batch.positions, batch.masks, drafts_only=True)
+    return rep.model(emb, batch.context, batch.q_pos, batch.positions, batch.masks, drafts_only=True, sp=batch.shard)
 
 
 def _loss(
@@ -253,6 +280,8 @@ def compute(rep: DrafterReplica, device: Device, batch: PreparedBatch, spec: Los
     with device.span(Stage.DRAFTER_FORWARD), autocast:
         hidden = _forward(rep, batch)
         parts = _loss(rep, batch, hidden, spec, torch.bfloat16 if low else None)
+        if batch.shard is not None:  # every rank runs every exchange of the backward, with or without loss slots
+            parts.loss_sum = attach(parts.loss_sum, hidden)
     faults.check(Stage.DRAFTER_FORWARD)
     if faults.poison("drafter.nan"):  # drills: a non-finite loss must be skipped, not applied
         parts.loss_sum = parts.loss_sum * float("nan")
@@ -270,7 +299,8 @@ def compute(rep: DrafterReplica, device: Device, batch: PreparedBatch, spec: Los
 class Accumulator:
     """One replica's sums over the micro-batches of a step (updated in its worker thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: bool = True) -> None:
+        self.counts = counts  # counts the batches' tokens and samples (a sequence-parallel group's first rank)
         self.n = self.tokens = self.samples = 0
         self.last_batch = -1
         self.batches: list[int] = []
@@ -283,8 +313,9 @@ class Accumulator:
         self.n += 1
         self.last_batch = max(self.last_batch, batch.index)
         self.batches.append(batch.index)
-        self.tokens += batch.num_tokens
-        self.samples += batch.num_samples
+        if self.counts:
+            self.tokens += batch.num_tokens
+            self.samples += batch.num_samples
         self.weight_sum += parts.weight_sum
         first = self.loss_sum is None
         self.loss_sum = parts.loss_sum if first else self.loss_sum + parts.loss_sum

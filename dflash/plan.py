@@ -380,16 +380,18 @@ def _sequence_parallel(
     context, blocks, features and activations, plus the keys/values it gathers for its heads),
     the smallest N that fits, and the all-to-all a rank sends per layer (forward and backward)
     with its time over NVLink."""
-    rows, length, kvh, hd = batch.rows, batch.length, spec.num_kv_heads, spec.head_dim
-    q_tokens = rows * batch.anchors * spec.block_size
+    length, kvh, hd, budget = batch.length, spec.num_kv_heads, spec.head_dim, cfg.data.token_budget
     shared = drafter_mem["weights_grads_adamw"] + drafter_mem["frozen_head"]
     per_n: dict[str, float] = {}
     a2a: dict[str, float] = {}
-    for n in SP_DEGREES:
+    for n in sorted({*SP_DEGREES, cfg.pipeline.sequence_parallel}):
         if spec.num_heads % n or (kvh % n and n % kvh):
             continue
+        rows = max(1, n * budget // length) if budget else batch.rows  # a group's budget is N replicas'
+        q_tokens = rows * batch.anchors * spec.block_size
         gathered = spec.num_layers * 2 * (rows * length + q_tokens) * 2 * max(1.0, kvh / n) * hd * 2 / GIB
-        rank = (drafter_mem["activations"] + drafter_mem["features"] + drafter_mem["loss_chunk"]) / n
+        own = drafter_mem["activations"] + drafter_mem["features"] + drafter_mem["loss_chunk"]
+        rank = own * rows / batch.rows / n
         per_n[str(n)] = round(shared + rank + (gathered if n > 1 else 0.0), 3)
         # a rank's q, its k and v, and the output back: (N-1)/N of each leaves it, in bf16; twice (backward)
         sent = (2 * q_tokens * spec.num_heads * hd + 2 * (rows * length + q_tokens) * max(kvh, n) * hd) / n
@@ -459,7 +461,8 @@ def _advice(
     if not fits_drafter and sp_needed:
         return (
             f"a drafter replica does not fit a row: pipeline.sequence_parallel = {sp_needed} (a group of "
-            f"{sp_needed} replicas a row), or lower data.token_budget, drafter.max_anchors or loss.chunk"
+            f"{sp_needed} replicas a row; CPU replicas in one process for now), or lower data.token_budget, "
+            "drafter.max_anchors or loss.chunk"
         )
     if not fits_drafter:
         return "a drafter replica does not fit: lower data.token_budget, drafter.max_anchors or loss.chunk"

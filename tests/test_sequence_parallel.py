@@ -139,6 +139,26 @@ def test_a_run_with_sp2_has_the_one_device_runs_losses(tiny_config, family, mode
     assert [x[2] for x in la] == [x[2] for x in lb]  # a group counts its rows once
 
 
+def test_a_group_resumes_on_one_replica_and_back_with_the_same_losses(tiny_config, tmp_path):
+    """A group counts as one replica in the global batch: an SP 2 run's checkpoint resumes on one
+    device, and that run's on a group again, without changing `train.grad_accum`, and each
+    resumed step has the loss of the run never interrupted."""
+    common = {"eval.at_end": "false", "train.log_every": "1", "data.num_samples": "64", "train.epochs": "1",
+              "checkpoint.every_steps": "3", "checkpoint.keep_last": "5"}  # fmt: skip
+    sp = {"pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.sequence_parallel": "2"}
+
+    def run(name: str, resume: object = None, **kw: str) -> tuple[dict[int, float], object]:
+        cfg = tiny_config(**common, **kw, **{"run.output_dir": f'"{tmp_path / name}"'})
+        records = run_records(cfg, resume=resume, timeout_s=120)
+        return {r["step"]: r["loss"] for r in records if r["event"] == "train_step"}, cfg.run_dir / "checkpoints"
+
+    whole, a = run("a", **sp)
+    one, b = run("b", resume=a / "step_000003")
+    again, _ = run("c", resume=b / "step_000006", **sp)
+    assert sorted(whole) == list(range(1, 9)) and sorted(one) == list(range(4, 9)) and sorted(again) == [7, 8]
+    assert all(abs(x[k] - whole[k]) <= 1e-5 * whole[k] for x in (one, again) for k in x), str((whole, one, again))
+
+
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
@@ -154,6 +174,23 @@ def test_bad_sp_settings_are_one_line(tiny_config, overrides, says):
 
     with pytest.raises(ConfigError, match=says):
         build_training(tiny_config(**overrides))
+
+
+def test_a_groups_token_budget_is_n_replicas_budgets(tiny_config):
+    from dflash.train.build import build_training
+
+    one = build_training(tiny_config(**{"data.token_budget": "256"}))
+    two = build_training(tiny_config(**{"data.token_budget": "256", "pipeline.drafter_devices": '["cpu", "cpu"]',
+                                        "pipeline.sequence_parallel": "2"}))  # fmt: skip
+    assert (one.plan.token_budget, two.plan.token_budget) == (256, 512)
+    assert max(b.input_ids.numel() for b in _batches(two)) > 256 >= max(b.input_ids.numel() for b in _batches(one))
+
+
+def _batches(t):
+    from dflash.stages.prefetch import next_batch
+
+    it = iter(t.plan)
+    return [b for b in (next_batch(it, False) for _ in range(8)) if b is not None]
 
 
 def test_plan_names_the_degree_a_long_row_needs():

@@ -62,7 +62,9 @@ class DataConfig(_Section):
     skip_invalid: bool = Field(False, description="skip (and count) malformed records instead of failing")
     batch_size: int = Field(8, ge=1, le=65_536, description="most sequences per batch")
     token_budget: int = Field(
-        0, ge=0, le=16_777_216, description="most tokens per batch (rows x length); 0 = batch_size only"
+        0, ge=0, le=16_777_216,
+        description="most tokens per batch (rows x length) a drafter replica holds (a sequence-parallel group of N: "
+        "N times that); 0 = batch_size only",
     )
     num_buckets: int = Field(1, ge=1, le=64, description="length buckets (sequences of like length batch together)")
     pack: bool = Field(False, description="pack several documents into one row (document ids keep them apart)")

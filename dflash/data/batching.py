@@ -135,17 +135,19 @@ class BatchPlan:
 
     @classmethod
     def from_config(
-        cls, samples: list[Sample], data_cfg: DataConfig, epochs: int, seed: int, *, start: Cursor | None = None
+        cls, samples: list[Sample], data_cfg: DataConfig, epochs: int, seed: int, *, start: Cursor | None = None,
+        shared_by: int = 1,
     ) -> BatchPlan:
         """The plan that `[data]` describes: batch_size, token_budget, num_buckets, pack,
-        shuffle and max_seq_len."""
+        shuffle and max_seq_len. `shared_by`: the replicas that train each batch together
+        (`pipeline.sequence_parallel`): their budget is that many times a replica's."""
         return cls(
             samples,
             data_cfg.batch_size,
             epochs,
             seed,
             data_cfg.shuffle,
-            token_budget=data_cfg.token_budget,
+            token_budget=data_cfg.token_budget * shared_by,
             num_buckets=data_cfg.num_buckets,
             pack=data_cfg.pack,
             max_seq_len=data_cfg.max_seq_len,

@@ -15,6 +15,7 @@ micro-batches).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -196,7 +197,8 @@ async def run(
         arrived = time.perf_counter()
         if not early:  # waited for within the step: starved by the targets
             profiler.record(Stage.DRAFTER_QUEUE_WAIT, waited, worker=lead.name)
-        jobs = [prepare(r, micro, d, feats, step) for r, d in zip(group, devices, strict=True)]
+        shared = feats if len(group) == 1 else dataclasses.replace(feats, release=None)  # a group: CPUs, nothing pooled
+        jobs = [prepare(r, micro, d, shared, step) for r, d in zip(group, devices, strict=True)]
         return await together(group, jobs), arrived
 
     with linked([inbox, *replies], [outbox]):
@@ -213,8 +215,7 @@ async def run(
                         for acc, rep, dev, b, up in zip(accs, group, devices, batch, updated, strict=True)
                     ])  # fmt: skip
                     profiler.count("drafter_tokens", batch[0].batch.batch.num_tokens)
-                for acc, rep, done in zip(accs, group, ready, strict=True):
-                    await outbox.put(acc.grads(rep.index, step, done))
+                [await outbox.put(a.grads(r.index, step, d)) for a, r, d in zip(accs, group, ready, strict=True)]
                 if accs[0].n == 0:
                     return
                 if work.lookahead:

@@ -364,14 +364,16 @@ def _replicas(
     devices: list[torch.device],
     lr: Callable[[float], float],
     vocab: DraftVocab | None = None,
+    world: World | None = None,
 ) -> list[DrafterReplica]:
     """One drafter replica a device (`build_replicas`), from the target's layers with
-    drafter.init_from_target; `lr`: the LR schedule; `vocab`: a draft vocabulary."""
+    drafter.init_from_target; `lr`: the LR schedule; `vocab`: a draft vocabulary; in groups of
+    `pipeline.sequence_parallel`."""
     init_from = t0.model if cfg.drafter.init_from_target else None
     replicas = build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from, vocab)
     n = cfg.pipeline.sequence_parallel
     if n > 1:
-        _check_sequence_parallel(spec, devices, n)
+        _check_sequence_parallel(spec, devices, n, world)
         for g in range(0, len(replicas), n):  # groups of N in the order of drafter_devices
             group = ThreadGroup(n)
             for rank, rep in enumerate(replicas[g : g + n]):
@@ -379,12 +381,17 @@ def _replicas(
     return replicas
 
 
-def _check_sequence_parallel(spec: DrafterSpec, devices: list[torch.device], n: int) -> None:  # no-sync: set-up
-    """Whether the drafter's heads split over N ranks, and the group's devices are CPUs (the
-    all-to-all between worker threads moves host tensors)."""
+def _check_sequence_parallel(  # no-sync: set-up
+    spec: DrafterSpec, devices: list[torch.device], n: int, world: World | None
+) -> None:
+    """Whether the drafter's heads split over N ranks, the group's devices are CPUs (the
+    all-to-all between worker threads moves host tensors) and the run is one process."""
     why = check_heads(spec.num_heads, spec.num_kv_heads, n)
     if why is not None:
         raise ConfigError(f"pipeline.sequence_parallel: {why}")
+    if world is not None:
+        msg = "pipeline.sequence_parallel: not yet under torchrun (groups of replicas in one process only)"
+        raise ConfigError(msg)
     if any(d.type != "cpu" for d in devices):
         msg = (
             "pipeline.sequence_parallel: the replicas of a group exchange host tensors between threads; "
@@ -446,14 +453,13 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
         samples, stats = _samples(cfg, t0, tokenizer, mask_id, found.append)
         store = _feature_store(cfg, t0, samples, stats, found)
         _check_all_stored(cfg, samples, stats, found)
-        plan = BatchPlan.from_config(
-            samples, cfg.data, cfg.train.epochs, cfg.run.seed, start=loaded.cursor if loaded else None
-        )
+        plan = BatchPlan.from_config(samples, cfg.data, cfg.train.epochs, cfg.run.seed,
+                                     start=loaded.cursor if loaded else None, shared_by=cfg.pipeline.sequence_parallel)
         total = cfg.train.max_steps or _total_steps(plan, batch, loaded.step if loaded else 0)
         vocab = _draft_vocab(cfg, t0, tokenizer, samples, mask_id, stats, world, loaded, found)
         spec = drafter_spec(cfg, t0, mask_id, 0 if vocab is None else vocab.size)
         budget = TimeBudget(cfg.train.max_minutes) if cfg.train.max_minutes else None
-        replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget), vocab)
+        replicas = _replicas(cfg, spec, head, t0, d_devs, lr_schedule(cfg.schedule, total, budget), vocab, world)
         if loss.vocab == "data":  # the loss's softmax over the data's tokens (the mask id is never a label)
             stats["loss_vocab"] = _loss_vocab(replicas, samples, loss.negatives)
         if loaded is not None:

@@ -238,7 +238,8 @@ def resume_grad_accum(loaded: Loaded, cfg: Config, processes: int, new_global_ba
     """`train.grad_accum` for a run resumed from `loaded` on `processes` processes: the one
     that keeps the checkpoint's global batch per step. A value that cannot keep it is
     refused in one line naming the values that would, unless `new_global_batch`."""
-    want, replicas = cfg.train.grad_accum, len(cfg.pipeline.drafter_devices)
+    # a sequence-parallel group trains one batch: it counts as one replica
+    want, replicas = cfg.train.grad_accum, len(cfg.pipeline.drafter_devices) // cfg.pipeline.sequence_parallel
     saved = loaded.batch or GlobalBatch()
     per = processes * replicas
     if new_global_batch:
@@ -403,7 +404,9 @@ def restore(loaded: Loaded, replicas: list[Any], cfg: Config | None = None) -> N
             {**g, **({k: own[i][k] for k in impl if k in own[i]} if i < len(own) else {})}
             for i, g in enumerate(loaded.optimizer["param_groups"])
         ]
-        r.optimizer.load_state_dict(
-            {"state": {k: dict(v) for k, v in loaded.optimizer["state"].items()}, "param_groups": groups}
-        )
+        # each replica its own moments: load_state_dict keeps a tensor already on the right device
+        # as it is, and replicas on one device would otherwise step the same moments twice
+        state = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                 for k, v in loaded.optimizer["state"].items()}  # fmt: skip
+        r.optimizer.load_state_dict({"state": state, "param_groups": groups})
         r.scheduler.load_state_dict({**loaded.scheduler, "lr_lambdas": [None] * len(r.optimizer.param_groups)})

@@ -187,33 +187,37 @@ $(LLAMACPP_SHARED)/.server-built:
 		true; done
 
 # The tests start once .venv is ready. What only some of them need is made meanwhile, in the
-# background, logged to .test-setup.log: llama.cpp's build (the machine's first time, the longest
-# part: both cores for 4-6 min; later, only the clone's link) and .venv-engines (mostly downloads
-# and unpacking), then dflash and speculators into .venv-engines and sentencepiece into .venv once
-# both venvs are there, at a lower priority than the tests (nice). The tests that need it (marked
-# `engines`) run last (in collection order: --no-loadscope-reorder) and wait for it; its exit
-# status goes to .test-setup.status, and a set-up that failed fails `make test` with its log's end;
-# an interrupted `make test` stops it too. The tests run in TEST_WORKERS processes, each taking
-# whole test files (pytest-xdist --dist loadfile: a file's fixtures are made once; a fixture of
-# conftest.py is made in each process that uses it), and the 15 slowest are named at the end.
-# TEST_ARGS go to pytest (make test TEST_ARGS="-k gguf").
+# background, logged to .test-setup.log, at a lower priority than the tests (nice), in two chains:
+# .venv-engines (vLLM: mostly downloads and unpacking; then dflash and speculators into it, once
+# .venv's own install is done), and llama.cpp's build (the machine's first time, the longest part:
+# both cores for 4-5 min; later, only the clone's link; then sentencepiece into .venv). The tests
+# that need them (marked `engines("vllm")` or `engines("llamacpp")`) run last, the vLLM ones
+# first (in collection order: --no-loadscope-reorder), each waiting for its chain; a chain's exit
+# status goes to .test-setup.vllm / .test-setup.llamacpp, and a chain that failed fails `make test`
+# with its log's end; an interrupted `make test` stops both. The tests run in TEST_WORKERS
+# processes, each taking whole test files (pytest-xdist --dist loadfile: a file's fixtures are made
+# once; a fixture of conftest.py is made in each process that uses it), and the 15 slowest are
+# named at the end. TEST_ARGS go to pytest (make test TEST_ARGS="-k gguf").
 TEST_WORKERS ?= 2
 TEST_ARGS ?=
 TEST_SETUP := .test-setup
 test:
-	@rm -f $(TEST_SETUP).first $(TEST_SETUP).status; : > $(TEST_SETUP).log; \
+	@rm -f $(TEST_SETUP).venv $(TEST_SETUP).vllm $(TEST_SETUP).llamacpp; : > $(TEST_SETUP).log; \
 	trap 'trap - INT TERM; kill 0 2>/dev/null' INT TERM; \
-	{ nice -n 10 $(MAKE) --no-print-directory -j2 $(LLAMACPP_BUILT) $(VLLM_STAMP) >> $(TEST_SETUP).log 2>&1; \
-	  echo $$? > $(TEST_SETUP).first.tmp && mv $(TEST_SETUP).first.tmp $(TEST_SETUP).first; } & \
-	$(MAKE) --no-print-directory $(STAMP) || { echo "make test: .venv's set-up failed (above); waiting for the background set-up to stop" >&2; wait; exit 1; }; \
-	{ while [ ! -f $(TEST_SETUP).first ]; do sleep 1; done; s=$$(cat $(TEST_SETUP).first); \
-	  if [ "$$s" = 0 ]; then nice -n 10 $(MAKE) --no-print-directory $(ENGINES_STAMP) $(LLAMACPP_STAMP) >> $(TEST_SETUP).log 2>&1; s=$$?; fi; \
-	  echo $$s > $(TEST_SETUP).status.tmp && mv $(TEST_SETUP).status.tmp $(TEST_SETUP).status; } & \
+	venv_ready() { while [ ! -f $(TEST_SETUP).venv ]; do sleep 1; done; [ "$$(cat $(TEST_SETUP).venv)" = 0 ]; }; \
+	ended() { echo $$1 > $(TEST_SETUP).$$2.tmp && mv $(TEST_SETUP).$$2.tmp $(TEST_SETUP).$$2; }; \
+	{ nice -n 10 $(MAKE) --no-print-directory $(VLLM_STAMP) >> $(TEST_SETUP).log 2>&1 && venv_ready \
+	  && nice -n 10 $(MAKE) --no-print-directory $(ENGINES_STAMP) >> $(TEST_SETUP).log 2>&1; ended $$? vllm; } & \
+	{ nice -n 10 $(MAKE) --no-print-directory $(LLAMACPP_BUILT) >> $(TEST_SETUP).log 2>&1 && venv_ready \
+	  && nice -n 10 $(MAKE) --no-print-directory $(LLAMACPP_STAMP) >> $(TEST_SETUP).log 2>&1; ended $$? llamacpp; } & \
+	$(MAKE) --no-print-directory $(STAMP); s=$$?; ended $$s venv; \
+	if [ $$s != 0 ]; then echo "make test: .venv's set-up failed (above); waiting for the background set-up to stop" >&2; wait; exit 1; fi; \
 	echo "set-up: llama.cpp and .venv-engines go on beside the tests (log: $(TEST_SETUP).log); the tests that need them run last"; \
-	DFLASH_TESTS_SETUP=$(CURDIR)/$(TEST_SETUP).status $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	DFLASH_TESTS_SETUP=$(CURDIR)/$(TEST_SETUP) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=15 $(TEST_ARGS); rc=$$?; \
-	wait; s=$$(cat $(TEST_SETUP).status 2>/dev/null || echo none); \
-	if [ "$$s" != 0 ]; then tail -n 30 $(TEST_SETUP).log >&2; echo "make test: the set-up of llama.cpp and .venv-engines failed (exit status $$s; log: $(TEST_SETUP).log)" >&2; exit 1; fi; \
+	wait; for part in vllm llamacpp; do s=$$(cat $(TEST_SETUP).$$part 2>/dev/null || echo none); if [ "$$s" != 0 ]; then \
+		tail -n 30 $(TEST_SETUP).log >&2; echo "make test: the set-up of $$part failed (exit status $$s; log: $(TEST_SETUP).log)" >&2; \
+		exit 1; fi; done; \
 	exit $$rc
 
 lint: $(STAMP)

@@ -1,21 +1,24 @@
 """A drafter's training step on long rows: 16K, 32K and 64K tokens, anchors growing with the row
 (`drafter.max_anchors = T / 64`, block 16), the grouped attention path (`drafter.attention =
 "grouped"`: memory linear in the row) against the dense mask, one fresh process per point.
-Random weights at the demo's shape (576 wide, 9 heads, 1 layer, a draft vocabulary of 8,192).
+Random weights, 576 wide as the demo's drafter, 8 heads of 64 (2 KV heads: they divide over 2
+ranks), 1 layer, a draft vocabulary of 8,192. `sp2`: the grouped path with sequence parallelism
+over two torchrun ranks (gloo, one process each, `pipeline.sequence_parallel = 2`): each holds half
+the context and of the blocks; its figure is the larger rank's.
 
-    .venv/bin/python bench/long_context.py                 # 16K, 32K, 64K; both paths
+    .venv/bin/python bench/long_context.py                 # 16K, 32K, 64K; grouped, dense, sp2
     .venv/bin/python bench/long_context.py --rows 16384,32768 --paths grouped
 
 Memory is the process's peak RSS over one step (the high-water mark reset after set-up) minus
 its RSS before it: what the step itself needs. A point that fails (out of memory, killed) is
-printed as such. Sequence parallelism (several ranks sharing a row) is not measured here.
-Prints a table, then one JSON line.
+printed as such. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +32,8 @@ from draft_vocab_step import status_gib  # noqa: E402
 
 
 def one(T: int, path: str) -> dict:
+    import os
+
     import torch
 
     from dflash.config import OptimizerConfig
@@ -42,7 +47,7 @@ def one(T: int, path: str) -> dict:
 
     H, V, B = 576, 49152, 16
     spec = DrafterSpec(
-        hidden_size=H, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=V,
+        hidden_size=H, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=1536, vocab_size=V,
         rms_norm_eps=1e-6, rope_theta=1e5, target_layer_ids=[1], num_target_layers=4, block_size=B,
         mask_token_id=V - 1, layer_types=["full_attention"], sliding_window=T, draft_vocab_size=8192,
         max_position_embeddings=T + B,
@@ -57,7 +62,14 @@ def one(T: int, path: str) -> dict:
     mask[:, : T // 8] = False  # a prompt, then the reply
     batch = Batch(0, 0, ids, mask, torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None], T, 1, False)
     feats = HostFeatures(batch, torch.randn(1, T, H, generator=g), 0)
-    micro = MicroStep(LossSpec(block_size=B, gamma=7.0), max_anchors=T // 64, grouped=path == "grouped")
+    micro = MicroStep(LossSpec(block_size=B, gamma=7.0), max_anchors=T // 64, grouped=path in ("grouped", "sp2"))
+    if path == "sp2":  # this process is one of two torchrun ranks sharing the row
+        import torch.distributed as dist
+
+        from dflash.runtime.sequence import rank_groups
+
+        dist.init_process_group("gloo")
+        rep.seq_group, rep.seq_rank = rank_groups(dist.get_rank(), 2, 2, 600.0)
     device = Device("cpu", "d")
     before = status_gib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
@@ -67,24 +79,42 @@ def one(T: int, path: str) -> dict:
     rep.optimizer.step()
     seconds = time.perf_counter() - t0
     device.close()
-    return {"row_tokens": T, "path": path, "anchors": T // 64, "step_s": seconds,
-            "step_gib": status_gib("VmHWM") - before, "loss": float(parts.loss_sum) / parts.weight_sum}  # fmt: skip
+    out = {"row_tokens": T, "path": path, "anchors": T // 64, "step_s": seconds,
+           "step_gib": status_gib("VmHWM") - before, "loss": float(parts.loss_sum),
+           "weight": parts.weight_sum}  # fmt: skip
+    if path == "sp2":
+        import torch.distributed as dist
+
+        got: list = [None, None]
+        dist.all_gather_object(got, out)
+        dist.destroy_process_group()
+        if os.environ.get("RANK") != "0":
+            return {}
+        out = {**out, "step_gib": max(g["step_gib"] for g in got), "step_s": max(g["step_s"] for g in got),
+               "loss": sum(g["loss"] for g in got), "weight": sum(g["weight"] for g in got)}  # fmt: skip
+    return {**out, "loss": out["loss"] / out["weight"]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16384,32768,65536")
-    p.add_argument("--paths", default="grouped,dense")
+    p.add_argument("--paths", default="grouped,dense,sp2")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
         T, path = a.one.split(":")
-        print(json.dumps(one(int(T), path)))
+        got = one(int(T), path)
+        if got:
+            print(json.dumps(got))
         return
     rows = []
     for path in a.paths.split(","):
         for T in map(int, a.rows.split(",")):
-            proc = subprocess.run([sys.executable, __file__, "--one", f"{T}:{path}"], capture_output=True, text=True)
+            launch = [sys.executable] if path != "sp2" else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]  # fmt: skip
+            proc = subprocess.run([*launch, __file__, "--one", f"{T}:{path}"], capture_output=True, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1" if path == "sp2" else
+                                       os.environ.get("OMP_NUM_THREADS", "2")})  # fmt: skip
             if proc.returncode == 0:
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
                 print(f"{path:8} {T:>6} tokens, {r['anchors']:>5} anchors: step {r['step_s']:7.2f} s, "
@@ -100,9 +130,14 @@ def main() -> None:
         lo, hi = got.get(16384), got.get(65536)
         return round(hi / lo, 2) if lo and hi else None
 
-    print(json.dumps({"bench": "long_context", "row_tokens": max(r["row_tokens"] for r in rows),
+    def at_longest(path: str) -> float | None:
+        return next((r.get("step_gib") for r in rows if r["path"] == path and r["row_tokens"] == top), None)
+
+    top = max(r["row_tokens"] for r in rows)
+    sp1, sp2 = at_longest("grouped"), at_longest("sp2")
+    print(json.dumps({"bench": "long_context", "row_tokens": top,
                       "memory_growth_16k_to_64k": growth("grouped"), "dense_growth_16k_to_64k": growth("dense"),
-                      "sp2_over_sp1_peak": None, "rows": rows}))  # fmt: skip
+                      "sp2_over_sp1_peak": round(sp2 / sp1, 3) if sp1 and sp2 else None, "rows": rows}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -461,7 +461,7 @@ def _advice(
     if not fits_drafter and sp_needed:
         return (
             f"a drafter replica does not fit a row: pipeline.sequence_parallel = {sp_needed} (a group of "
-            f"{sp_needed} replicas a row; CPU replicas in one process for now), or lower data.token_budget, "
+            f"{sp_needed} replicas a row; CPU replicas for now), or lower data.token_budget, "
             "drafter.max_anchors or loss.chunk"
         )
     if not fits_drafter:

@@ -39,17 +39,26 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # `make test` starts the tests once .venv is ready and makes what only some of them need
-# (llama.cpp's build, .venv-engines with vLLM and speculators) meanwhile, in the background; this
-# file then holds that set-up's exit status once it is done. The tests marked `engines` run last
-# (below) and wait for it first, outside their time limit.
-SETUP_STATUS = os.environ.get("DFLASH_TESTS_SETUP")
+# meanwhile, in the background, in two chains: .venv-engines (vLLM, speculators) and llama.cpp's
+# build; `<DFLASH_TESTS_SETUP>.vllm` and `.llamacpp` then hold each chain's exit status once it is
+# done. A test file marked `engines("vllm")` or `engines("llamacpp")` (no argument: both) runs
+# last (below), the vLLM ones first, and waits for its chains, outside its time limit.
+SETUP_PREFIX = os.environ.get("DFLASH_TESTS_SETUP")
 SETUP_WAIT_S = 3600  # far above a first build on a slow machine: only a hung set-up
+SETUPS = ("vllm", "llamacpp")
+
+
+def _needs(item: pytest.Item) -> tuple[str, ...]:
+    """The background set-ups a test waits for: its `engines` marker's arguments (none: all)."""
+    marker = item.get_closest_marker("engines")
+    return () if marker is None else tuple(marker.args) or SETUPS
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that need the background set-up last (a stable sort: whole files, as `engines`
-    marks files), so that by the time a worker reaches them it is mostly done."""
-    items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
+    """The tests that need the background set-up last, those needing llama.cpp's build (the
+    longest) after the vLLM ones (a stable sort: whole files, as `engines` marks files), so that
+    by the time a worker reaches them it is mostly done."""
+    items.sort(key=lambda item: (bool(_needs(item)), "llamacpp" in _needs(item)))
 
 
 _setup_deadline: float | None = None  # one wait for the whole test run, not one per test
@@ -57,28 +66,29 @@ _setup_deadline: float | None = None  # one wait for the whole test run, not one
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Before pytest-timeout starts the test's clock: the wait for the background set-up
-    (the Makefile writes its status whole, by a rename)."""
+    """Before pytest-timeout starts the test's clock: the wait for the background set-ups the
+    test needs (the Makefile writes each status whole, by a rename)."""
     global _setup_deadline
-    if SETUP_STATUS and item.get_closest_marker("engines") is not None:
+    if SETUP_PREFIX and _needs(item):
         if _setup_deadline is None:
             _setup_deadline = time.monotonic() + SETUP_WAIT_S
-        while not Path(SETUP_STATUS).exists() and time.monotonic() < _setup_deadline:
-            time.sleep(1.0)
+        for part in _needs(item):
+            while not Path(f"{SETUP_PREFIX}.{part}").exists() and time.monotonic() < _setup_deadline:
+                time.sleep(1.0)
     yield
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test marked `engines` fails in one line where the background set-up failed, before
-    any of its fixtures is made."""
-    if not SETUP_STATUS or item.get_closest_marker("engines") is None:
+    """A test marked `engines` fails in one line where a background set-up it needs failed,
+    before any of its fixtures is made."""
+    if not SETUP_PREFIX:
         return
-    status = Path(SETUP_STATUS)
-    code = status.read_text().strip() if status.exists() else f"none after {SETUP_WAIT_S} s"
-    if code != "0":
-        log = status.with_suffix(".log")
-        pytest.fail(f"make test's set-up of llama.cpp and .venv-engines failed (exit status {code}): see {log}")
+    for part in _needs(item):
+        status = Path(f"{SETUP_PREFIX}.{part}")
+        code = status.read_text().strip() if status.exists() else f"none after {SETUP_WAIT_S} s"
+        if code != "0":
+            pytest.fail(f"make test's set-up of {part} failed (exit status {code}): see {SETUP_PREFIX}.log")
 
 
 @pytest.fixture(autouse=True)

@@ -486,3 +486,28 @@ def test_a_shared_agent_store_with_restarts_is_warned_about(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert _launch_warnings() == []
+
+
+@pytest.mark.slow
+def test_two_ranks_sharing_each_batch_equal_one_process(tmp_path, popen):
+    """`pipeline.sequence_parallel = 2` with one drafter device a process: two ranks train each
+    batch together (each half the context and the blocks, an all-to-all by heads through a gloo
+    group of their own), the losses and tokens of one process with one replica, the same weights
+    after 20 steps within rtol 1e-5 / atol 1e-6 (the same-weights check passes every step). At a
+    small learning rate: AdamW scales each element's update by its own gradient, so float32 sums
+    done in another order show in small elements in proportion to the rate."""
+    import torch
+
+    extra = {"data.num_samples": 160, "train.epochs": 1, "optimizer.lr": 1e-4}
+    one = _single(tmp_path / "one", 1, **extra)
+    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path / "two", **extra, **{"pipeline.sequence_parallel": 2}))):
+        assert rc == 0, err[-2000:]
+    two = tmp_path / "two" / "tiny"
+    a, b = _steps(one / "records.jsonl"), _steps(two / "records.jsonl")
+    assert len(a) == len(b) == 20, (a, b)
+    assert all(abs(x[1] - y[1]) <= 1e-5 * x[1] for x, y in zip(a, b, strict=True)), (a, b)
+    tokens = [[r["tokens"] for r in _records(run / "records.jsonl") if r["event"] == "train_step"]
+              for run in (one, two)]  # fmt: skip
+    assert tokens[0] == tokens[1]
+    wa, wb = (load_file(str(run / "checkpoints" / "step_000020" / "drafter.safetensors")) for run in (one, two))
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)

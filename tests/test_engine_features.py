@@ -22,7 +22,7 @@ from tests.conftest import ROOT, dflash, json_lines
 from tests.test_engines import ENGINES_PY
 from tests.test_regen_files import _tokenizer
 
-pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
 
 LAYER_IDS = [3, 1]  # of 4: out of order, and the last one (vLLM's id 4, taken before the final norm)
 ADJECTIVES = ["red", "blue", "green"]

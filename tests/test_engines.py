@@ -19,7 +19,7 @@ from dflash.model.export import drafter_config_json, export_drafter
 from dflash.serving import vllm
 from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
 
-pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
 
 ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 

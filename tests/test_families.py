@@ -24,7 +24,7 @@ from dflash.model.export import export_drafter, load_drafter
 from tests.conftest import ROOT, run_records
 from tests.test_engines import ENGINES_PY
 
-pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
 
 OPTIONS = {"dflash2": {"drafter.dflash2.selector_rank": "16", "drafter.dflash2.selector_top_k": "8"},
            "dspark": {"drafter.dspark.markov_rank": "16"}}  # fmt: skip

@@ -26,7 +26,7 @@ from dflash.serving import llamacpp
 from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
 from tests.tiny_llama import save_tiny_llama
 
-pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+pytestmark = pytest.mark.engines("llamacpp")  # last, once `make test` has made llama.cpp
 
 SPEC = DrafterSpec(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=512,

@@ -24,7 +24,7 @@ from dflash.regen.vllm import ReplySettings, hf_sampling, model_len, sampling_op
 from tests.conftest import ROOT, dflash
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
-pytestmark = pytest.mark.engines  # last, once `make test` has made llama.cpp and .venv-engines
+pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
 
 ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 

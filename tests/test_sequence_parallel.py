@@ -126,17 +126,25 @@ def test_sp_on_the_grouped_attention_path(tiny_config):
 
 
 @pytest.mark.parametrize(("family", "mode"), [(f, "pipeline") for f in FAMILIES] + [("dflash", "serial")])
-def test_a_run_with_sp2_has_the_one_device_runs_losses(tiny_config, family, mode):
-    common = {**FAMILIES[family], "eval.at_end": "false", "train.max_steps": "8", "train.log_every": "2",
-              "pipeline.mode": f'"{mode}"'}  # fmt: skip
-    one = run_records(tiny_config(**common, **{"run.name": '"one"'}), timeout_s=120)
-    sp = run_records(tiny_config(**common, **{"run.name": '"sp"', "pipeline.drafter_devices": '["cpu", "cpu"]',
-                                              "pipeline.sequence_parallel": "2"}), timeout_s=120)  # fmt: skip
-    la = [(r["step"], r["loss"], r["tokens"]) for r in one if r["event"] == "train_step"]
-    lb = [(r["step"], r["loss"], r["tokens"]) for r in sp if r["event"] == "train_step"]
-    assert len(la) >= 2 and [x[0] for x in la] == [x[0] for x in lb]
+def test_a_run_with_sp2_has_the_one_device_runs_losses_and_weights(tiny_config, family, mode):
+    """The CLI's run with `pipeline.sequence_parallel = 2` over two CPU replicas: the one-device
+    run's `train_step` losses (rel 1e-5) and tokens, and after 20 steps its weights (rtol 1e-5,
+    atol 1e-6; at a small learning rate, as AdamW scales each element's update by its own
+    gradient: float32 sums in another order show in small elements in proportion to the rate)."""
+    from safetensors.torch import load_file
+
+    common = {**FAMILIES[family], "eval.at_end": "false", "data.num_samples": "160", "train.epochs": "1",
+              "train.log_every": "4", "optimizer.lr": "1e-4", "pipeline.mode": f'"{mode}"'}  # fmt: skip
+    one, sp = tiny_config(**common, **{"run.name": '"one"'}), tiny_config(**common, **{
+        "run.name": '"sp"', "pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.sequence_parallel": "2"})
+    ra, rb = run_records(one, timeout_s=120), run_records(sp, timeout_s=120)
+    la = [(r["step"], r["loss"], r["tokens"]) for r in ra if r["event"] == "train_step"]
+    lb = [(r["step"], r["loss"], r["tokens"]) for r in rb if r["event"] == "train_step"]
+    assert len(la) >= 5 and [x[0] for x in la] == [x[0] for x in lb]
     assert all(abs(x[1] - y[1]) <= 1e-5 * abs(x[1]) for x, y in zip(la, lb, strict=True)), (la, lb)
     assert [x[2] for x in la] == [x[2] for x in lb]  # a group counts its rows once
+    wa, wb = (load_file(str(c.run_dir / "checkpoints" / "step_000020" / "drafter.safetensors")) for c in (one, sp))
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
 
 
 def test_a_group_resumes_on_one_replica_and_back_with_the_same_losses(tiny_config, tmp_path):
@@ -166,8 +174,9 @@ def test_a_group_resumes_on_one_replica_and_back_with_the_same_losses(tiny_confi
          "sequence_parallel"),
         ({"pipeline.drafter_devices": '["cpu", "cpu", "cpu"]', "pipeline.sequence_parallel": "3"},
          "attention heads do not divide over 3"),
+        ({"pipeline.sequence_parallel": "2"}, "groups of that many torchrun ranks, but 1 process ran"),
     ],
-    ids=["devices", "heads"],
+    ids=["devices", "heads", "one_device_one_process"],
 )
 def test_bad_sp_settings_are_one_line(tiny_config, overrides, says):
     from dflash.train.build import build_training

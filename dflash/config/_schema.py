@@ -508,8 +508,8 @@ class PipelineConfig(_Section):
         ge=1,
         le=1024,
         description="drafter replicas that train one batch of rows together (sequence parallelism: each holds 1/N "
-        "of the context and of the blocks, an all-to-all by heads around each attention); drafter_devices is cut "
-        "into groups of N in order",
+        "of the context and of the blocks, an all-to-all by heads around each attention): drafter_devices cut "
+        "into groups of N in order, or with one drafter device a process, N torchrun ranks in order",
     )
     batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")
     hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")
@@ -541,6 +541,18 @@ class PipelineConfig(_Section):
         "debug mode; a check, used by bench/gpu_check.sh; no effect on CPU)",
     )
 
+    @property
+    def sp_in_process(self) -> int:
+        """Replicas of one process that train each batch together: `sequence_parallel` over several
+        drafter devices, else 1."""
+        return self.sequence_parallel if len(self.drafter_devices) > 1 else 1
+
+    @property
+    def sp_across_ranks(self) -> int:
+        """torchrun ranks that train each batch together: `sequence_parallel` with one drafter
+        device a process, else 1."""
+        return self.sequence_parallel if len(self.drafter_devices) == 1 else 1
+
     @field_validator("target_devices", "drafter_devices")
     @classmethod
     def _devices(cls, v: list[str]) -> list[str]:
@@ -558,10 +570,10 @@ class PipelineConfig(_Section):
                 f"({self.hs_queue_depth}); drafters would wait forever"
             )
             raise ValueError(msg)
-        if len(self.drafter_devices) % self.sequence_parallel:
+        if len(self.drafter_devices) % self.sequence_parallel and len(self.drafter_devices) > 1:
             msg = (
                 f"sequence_parallel = {self.sequence_parallel} does not divide the {len(self.drafter_devices)} "
-                "drafter_devices into groups"
+                "drafter_devices into groups (one drafter device: groups of torchrun ranks)"
             )
             raise ValueError(msg)
         if self.prepare_ahead and len(self.drafter_devices) > 1:

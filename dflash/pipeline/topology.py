@@ -90,7 +90,7 @@ def _channels(
     # processes, whose cursor is one index) in prefetch's order: the steps of one chain.
     in_order = n_t > 1 and (p.in_order or training.world is not None)
     hs: Channel[HostFeatures] = Channel(
-        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d // p.sequence_parallel,
+        "hidden_states", p.hs_queue_depth, producers=n_t, consumers=n_d // p.sp_in_process,
         min_ready=p.hs_min_ready,
         order=(lambda f: f.batch.seq) if in_order else None,
     )  # fmt: skip
@@ -126,7 +126,8 @@ def build(
     p = cfg.pipeline
     batches, hs, grads, replies = _channels(p, training, profiler)
     tasks: list[tuple[str, Coroutine[Any, Any, Any]]] = [
-        (Stage.PREFETCH, prefetch.run(training.plan, w.data, batches, stop, training.pin, training.world))
+        (Stage.PREFETCH, prefetch.run(training.plan, w.data, batches, stop, training.pin, training.world,
+                                      p.sp_across_ranks))
     ]
     for i, dev in enumerate(w.targets):
         reader = w.readers[i] if w.readers else None

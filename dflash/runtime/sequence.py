@@ -5,17 +5,21 @@ row together (`pipeline.sequence_parallel`).
 does not work across threads, so the ranks meet at a barrier and read each other's chunks (CPU
 tensors, shared). Every rank calls the same exchanges in the same order (forward, then backward
 in reverse); a rank that fails aborts the group, so the others raise instead of waiting forever.
+`RankGroup` joins N torchrun processes (one drafter replica each) through a process group of their
+own: `all_to_all` (gloo), the chunks' shapes first; a lost rank ends the others at the group's
+timeout (`distributed.timeout_s`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-__all__ = ["GroupAborted", "SequenceGroup", "ThreadGroup"]
+__all__ = ["GroupAborted", "RankGroup", "SequenceGroup", "ThreadGroup", "rank_groups"]
 
 
 class GroupAborted(RuntimeError):
@@ -61,3 +65,44 @@ class ThreadGroup:
     def abort(self) -> None:
         """Wake every rank waiting in (or later entering) an exchange with `GroupAborted`."""
         self._barrier.abort()
+
+
+class RankGroup:
+    """The ranks [first, first + size) of a torchrun job: this process is rank `rank` there."""
+
+    def __init__(self, group: object, size: int) -> None:
+        self.size, self._group = size, group
+
+    def exchange(self, rank: int, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        assert len(chunks) == self.size, "one chunk per rank"
+        shapes = torch.tensor([list(c.shape) for c in chunks], dtype=torch.int64)  # (N, dims): row j to rank j
+        theirs = torch.empty_like(shapes)
+        dist.all_to_all_single(theirs, shapes, group=self._group)
+        sizes = [tuple(s) for s in theirs.tolist()]  # no-sync: CPU tensors
+        counts = [math.prod(s) for s in sizes]
+        flat = torch.empty(sum(counts), dtype=chunks[0].dtype)  # the pieces differ in size: one flat exchange
+        dist.all_to_all_single(flat, torch.cat([c.reshape(-1) for c in chunks]), counts,
+                               [c.numel() for c in chunks], group=self._group)  # fmt: skip
+        return [piece.view(s) for piece, s in zip(flat.split(counts), sizes, strict=True)]
+
+    def abort(self) -> None:
+        """Nothing to wake: a rank that fails leaves the others' collectives to time out."""
+
+
+def rank_groups(rank: int, world_size: int, size: int, timeout_s: float) -> tuple[RankGroup, int]:  # no-sync: set-up
+    """This process's group of `size` consecutive ranks and its rank there. Every rank makes
+    every group (torch.distributed's rule), in the same order."""
+    import datetime
+
+    import torch.distributed as dist
+
+    mine = None
+    for first in range(0, world_size, size):
+        group = dist.new_group(list(range(first, first + size)), backend="gloo",
+                               timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+        if first <= rank < first + size:
+            mine = group
+    assert mine is not None
+    return RankGroup(mine, size), rank % size

@@ -44,10 +44,12 @@ def next_batch(plan: Iterator[tuple[int, int, list]], pin: bool, seq: int = 0) -
 
 
 async def run(
-    plan: BatchPlan, device: Device, outbox: Channel[Batch], stop: asyncio.Event, pin: bool, world: World | None = None
+    plan: BatchPlan, device: Device, outbox: Channel[Batch], stop: asyncio.Event, pin: bool, world: World | None = None,
+    groups_of: int = 1,
 ) -> None:
-    """With a `world`, this rank's shard of the plan (`distributed.shard`)."""
-    batches = iter(plan) if world is None else shard(plan, world.rank, world.size)
+    """With a `world`, this rank's shard of the plan (`distributed.shard`); `groups_of`: ranks
+    that train each batch together (sequence parallelism) take the same shard."""
+    batches = iter(plan) if world is None else shard(plan, world.rank // groups_of, world.size // groups_of)
     with linked([], [outbox]):
         for seq in itertools.count():
             if stop.is_set():

@@ -43,7 +43,7 @@ from dflash.runtime import faults
 from dflash.runtime.devices import check_device
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Stage
-from dflash.runtime.sequence import ThreadGroup
+from dflash.runtime.sequence import ThreadGroup, rank_groups
 from dflash.store.packages import local_path
 from dflash.train.checkpoint import (
     Loaded,
@@ -146,7 +146,7 @@ def _global_batch(
 ) -> tuple[GlobalBatch, dict[str, Any] | None]:
     """This run's batches per step, and the `resume` record: resumed on another number of
     processes or replicas, `train.grad_accum` keeps the checkpoint's global batch."""
-    replicas = len(cfg.pipeline.drafter_devices) // cfg.pipeline.sequence_parallel  # a group trains one batch
+    replicas = len(cfg.pipeline.drafter_devices) // cfg.pipeline.sp_in_process  # a group trains one batch
     if loaded is None:
         batch = GlobalBatch(processes, replicas, cfg.train.fresh_grad_accum)
         if resume is None:
@@ -371,33 +371,47 @@ def _replicas(
     `pipeline.sequence_parallel`."""
     init_from = t0.model if cfg.drafter.init_from_target else None
     replicas = build_replicas(spec, head, devices, cfg.optimizer, lr, cfg.run.seed, init_from, vocab)
-    n = cfg.pipeline.sequence_parallel
-    if n > 1:
-        _check_sequence_parallel(spec, devices, n, world)
-        for g in range(0, len(replicas), n):  # groups of N in the order of drafter_devices
-            group = ThreadGroup(n)
-            for rank, rep in enumerate(replicas[g : g + n]):
+    p = cfg.pipeline
+    if p.sequence_parallel > 1:
+        _check_sequence_parallel(spec, devices, p.sequence_parallel)
+    if p.sp_in_process > 1:
+        for g in range(0, len(replicas), p.sp_in_process):  # groups of N in the order of drafter_devices
+            group = ThreadGroup(p.sp_in_process)
+            for rank, rep in enumerate(replicas[g : g + p.sp_in_process]):
                 rep.seq_group, rep.seq_rank = group, rank
+    elif p.sp_across_ranks > 1:  # one replica a process: N consecutive torchrun ranks
+        assert world is not None  # `_sequence_parallel_ranks` checked it
+        replicas[0].seq_group, replicas[0].seq_rank = rank_groups(
+            world.rank, world.size, p.sp_across_ranks, cfg.distributed.timeout_s)  # fmt: skip
     return replicas
 
 
-def _check_sequence_parallel(  # no-sync: set-up
-    spec: DrafterSpec, devices: list[torch.device], n: int, world: World | None
-) -> None:
-    """Whether the drafter's heads split over N ranks, the group's devices are CPUs (the
-    all-to-all between worker threads moves host tensors) and the run is one process."""
+def _check_sequence_parallel(spec: DrafterSpec, devices: list[torch.device], n: int) -> None:  # no-sync: set-up
+    """Whether the drafter's heads split over N ranks and the group's devices are CPUs (the
+    all-to-all moves host tensors)."""
     why = check_heads(spec.num_heads, spec.num_kv_heads, n)
     if why is not None:
         raise ConfigError(f"pipeline.sequence_parallel: {why}")
-    if world is not None:
-        msg = "pipeline.sequence_parallel: not yet under torchrun (groups of replicas in one process only)"
-        raise ConfigError(msg)
     if any(d.type != "cpu" for d in devices):
+        msg = "pipeline.sequence_parallel: the group's all-to-all moves host tensors; CUDA drafter devices not yet"
+        raise ConfigError(msg)
+
+
+def _sequence_parallel_ranks(cfg: Config, world: World | None) -> int:
+    """The processes that train distinct batches: the world's, over its groups of ranks."""
+    p, size = cfg.pipeline, world.size if world is not None else 1
+    if p.sp_in_process > 1 and world is not None:
+        msg = ("pipeline.sequence_parallel over several drafter_devices under torchrun: not yet (one drafter device a "
+               "process makes groups of ranks)")  # fmt: skip
+        raise ConfigError(msg)
+    if p.sp_across_ranks > 1 and size % p.sp_across_ranks:
         msg = (
-            "pipeline.sequence_parallel: the replicas of a group exchange host tensors between threads; "
-            "CUDA drafter devices are not supported yet"
+            f"pipeline.sequence_parallel = {p.sp_across_ranks} with one drafter device: groups of that many torchrun "
+            f"ranks, but {size} process{'es' if size != 1 else ''} ran (list N drafter_devices for a group in one "
+            "process)"
         )
         raise ConfigError(msg)
+    return size // p.sp_across_ranks
 
 
 def _restore(loaded: Loaded, replicas: list[DrafterReplica], cfg: Config, vocab: DraftVocab | None) -> None:
@@ -438,7 +452,7 @@ def build_training(cfg: Config, resume: ResumeFrom | str | Path | None = None, w
     step count of the whole world, and evals on rank 0 only. `resume`: a `ResumeFrom` (or its `where`)."""
     torch.manual_seed(cfg.run.seed)
     t_devs, d_devs = _devices(cfg, world)
-    ranks = world.size if world is not None else 1
+    ranks = _sequence_parallel_ranks(cfg, world)  # processes training distinct batches
     resume, loaded = _resume(cfg, resume)  # before loading any model: a bad checkpoint fails in a second
     _check_shardable(world, loaded)
     batch, resumed = _global_batch(cfg, loaded, resume, ranks)

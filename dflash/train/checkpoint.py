@@ -239,7 +239,7 @@ def resume_grad_accum(loaded: Loaded, cfg: Config, processes: int, new_global_ba
     that keeps the checkpoint's global batch per step. A value that cannot keep it is
     refused in one line naming the values that would, unless `new_global_batch`."""
     # a sequence-parallel group trains one batch: it counts as one replica
-    want, replicas = cfg.train.grad_accum, len(cfg.pipeline.drafter_devices) // cfg.pipeline.sequence_parallel
+    want, replicas = cfg.train.grad_accum, len(cfg.pipeline.drafter_devices) // cfg.pipeline.sp_in_process
     saved = loaded.batch or GlobalBatch()
     per = processes * replicas
     if new_global_batch:

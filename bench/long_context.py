@@ -10,7 +10,10 @@ the context and of the blocks; its figure is the larger rank's.
     .venv/bin/python bench/long_context.py --rows 16384,32768 --paths grouped
 
 Memory is the process's peak RSS over one step (the high-water mark reset after set-up) minus
-its RSS before it: what the step itself needs. A point that fails (out of memory, killed) is
+its RSS before it: what the step itself needs. Each point runs with glibc's mmap threshold fixed
+(`MALLOC_MMAP_THRESHOLD_=131072`): a freed large block goes back to the system, so RSS follows the
+tensors alive, not glibc's raised threshold keeping freed blocks in the heap (which made two ranks
+of one step differ by 40 %). A point that fails (out of memory, killed) is
 printed as such. Prints a table, then one JSON line.
 """
 
@@ -91,6 +94,7 @@ def one(T: int, path: str) -> dict:
         if os.environ.get("RANK") != "0":
             return {}
         out = {**out, "step_gib": max(g["step_gib"] for g in got), "step_s": max(g["step_s"] for g in got),
+               "rank_gib": [round(g["step_gib"], 3) for g in got],
                "loss": sum(g["loss"] for g in got), "weight": sum(g["weight"] for g in got)}  # fmt: skip
     return {**out, "loss": out["loss"] / out["weight"]}
 
@@ -113,7 +117,8 @@ def main() -> None:
             launch = [sys.executable] if path != "sp2" else [
                 sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]  # fmt: skip
             proc = subprocess.run([*launch, __file__, "--one", f"{T}:{path}"], capture_output=True, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1" if path == "sp2" else
+                                  env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072",
+                                       "OMP_NUM_THREADS": "1" if path == "sp2" else
                                        os.environ.get("OMP_NUM_THREADS", "2")})  # fmt: skip
             if proc.returncode == 0:
                 r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -511,3 +511,22 @@ def test_two_ranks_sharing_each_batch_equal_one_process(tmp_path, popen):
     assert tokens[0] == tokens[1]
     wa, wb = (load_file(str(run / "checkpoints" / "step_000020" / "drafter.safetensors")) for run in (one, two))
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_one_rank_of_a_sequence_parallel_group_stops_both_at_one_step(tmp_path, popen):
+    """Two ranks sharing each batch, eight micro-batches a step, shallow queues: SIGTERM to rank 0 stops both
+    cleanly after the same step (its prefetch goes on until the stop the ranks agree on, so its
+    partner never waits in an exchange for a batch it will not take); the run resumes on one
+    process."""
+    extra = {"data.num_samples": 512, "train.grad_accum": 8, "pipeline.sequence_parallel": 2,
+             "pipeline.hs_queue_depth": 1, "pipeline.batch_queue_depth": 1, "distributed.timeout_s": 60}  # fmt: skip
+    out = tmp_path / "cut"
+    stopped = _cut(popen, 2, out, extra)
+    assert stopped >= 2
+    one = {**extra, "pipeline.sequence_parallel": 1}
+    p = dflash(*_args(out, **one), "--resume", "auto", env=_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = next(r for r in _records(out / "tiny" / "records.jsonl") if r["event"] == "resume")
+    assert rec["step"] == stopped and not rec["global_batch_changed"]

@@ -74,6 +74,14 @@ class RankGroup:
         self.size, self._group = size, group
 
     def exchange(self, rank: int, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            return self._exchange(chunks)
+        except RuntimeError as e:  # gloo's own words, on one line, naming the group
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = f"the sequence-parallel all-to-all (rank {rank} of a group of {self.size}) failed: {first}"
+            raise GroupAborted(msg) from e
+
+    def _exchange(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         assert len(chunks) == self.size, "one chunk per rank"

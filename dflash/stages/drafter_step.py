@@ -210,11 +210,10 @@ async def run(
                     batch = taken.pop() if taken else (await take(step))[0]
                     if batch is None:
                         break
-                    ready = await together(group, [
-                        compute(acc, rep, micro, dev, b, up)
-                        for acc, rep, dev, b, up in zip(accs, group, devices, batch, updated, strict=True)
-                    ])  # fmt: skip
-                    profiler.count("drafter_tokens", batch[0].batch.batch.num_tokens)
+                    members = zip(accs, group, devices, batch, updated, strict=True)
+                    ready = await together(group, [compute(a, r, micro, d, b, u) for a, r, d, b, u in members])
+                    rows = batch[0].batch.batch.num_tokens if group[0].seq_rank == 0 else 0  # a group's, once
+                    profiler.count("drafter_tokens", rows)
                 [await outbox.put(a.grads(r.index, step, d)) for a, r, d in zip(accs, group, ready, strict=True)]
                 if accs[0].n == 0:
                     return

@@ -48,11 +48,13 @@ async def run(
     groups_of: int = 1,
 ) -> None:
     """With a `world`, this rank's shard of the plan (`distributed.shard`); `groups_of`: ranks
-    that train each batch together (sequence parallelism) take the same shard."""
+    that train each batch together (sequence parallelism) take the same shard, and go on past a
+    stop asked here: a group's ranks must take the same batches, so the stop the ranks agree on
+    (the optimizer's) ends them all at one step."""
     batches = iter(plan) if world is None else shard(plan, world.rank // groups_of, world.size // groups_of)
     with linked([], [outbox]):
         for seq in itertools.count():
-            if stop.is_set():
+            if stop.is_set() and groups_of == 1:
                 break
             batch, _ = await device.run(Stage.PREFETCH, next_batch, batches, pin, seq)
             if batch is None:

@@ -8,6 +8,11 @@ the context and of the blocks; its figure is the larger rank's.
 
     .venv/bin/python bench/long_context.py                 # 16K, 32K, 64K; grouped, dense, sp2
     .venv/bin/python bench/long_context.py --rows 16384,32768 --paths grouped
+    .venv/bin/python bench/long_context.py --decode 65536  # speculative decoding after a 64K prompt
+
+`--decode T`: dflash's greedy speculative decoding of 24 tokens after a T-token prompt (the tiny
+config's target and an untrained drafter), against the target's own greedy decoding: lossless or
+not, the seconds of each, the process's peak RSS.
 
 Memory is the process's peak RSS over one step (the high-water mark reset after set-up) minus
 its RSS before it: what the step itself needs. Each point runs with glibc's mmap threshold fixed
@@ -99,12 +104,47 @@ def one(T: int, path: str) -> dict:
     return {**out, "loss": out["loss"] / out["weight"]}
 
 
+def decode(T: int) -> dict:
+    """Greedy speculative decoding after a T-token prompt against the target's own decoding."""
+    import resource
+    import tempfile
+
+    import torch
+
+    from dflash import load_config
+    from dflash.eval.decode import greedy_generate, speculative_generate
+    from dflash.train.build import build_training
+
+    out = tempfile.mkdtemp()
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f'run.output_dir="{out}"', "data.num_samples=16",
+                                                       "eval.at_end=false"])  # fmt: skip
+    t = build_training(cfg)
+    target, rep = t.targets[0], t.replicas[0]
+    prompt = torch.randint(0, cfg.target.tiny.vocab_size - 1, (T,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        plain = greedy_generate(target, prompt, 24, set())
+        t1 = time.perf_counter()
+        spec = speculative_generate(target, rep.model, rep.head, prompt, 24, set())
+        t2 = time.perf_counter()
+    return {"prompt_tokens": T, "lossless": list(spec.tokens) == list(plain), "plain_s": round(t1 - t0, 2),
+            "speculative_s": round(t2 - t1, 2),
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16384,32768,65536")
     p.add_argument("--paths", default="grouped,dense,sp2")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--decode", type=int, help="decode after a prompt of this many tokens instead")
     a = p.parse_args()
+    if a.decode:
+        r = decode(a.decode)
+        print(f"{r['prompt_tokens']} prompt tokens: lossless {r['lossless']}, plain {r['plain_s']} s, speculative "
+              f"{r['speculative_s']} s, peak RSS {r['peak_rss_gib']} GiB", flush=True)  # fmt: skip
+        print(json.dumps({"bench": "long_context_decode", **r}))
+        return
     if a.one:
         T, path = a.one.split(":")
         got = one(int(T), path)

@@ -299,6 +299,8 @@ def test_long_context_bench_runs_a_step_on_each_path() -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     grouped, dense = bench.one(1024, "grouped"), bench.one(1024, "dense")
+    decoded = bench.decode(512)  # `--decode`: speculative decoding after a long prompt, checked lossless
+    assert decoded["lossless"] and decoded["prompt_tokens"] == 512
     assert grouped["anchors"] == 16 and abs(grouped["loss"] - dense["loss"]) <= 1e-5 * abs(dense["loss"])
 
 

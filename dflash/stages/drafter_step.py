@@ -164,6 +164,8 @@ async def together(group: Sequence[DrafterReplica], work: Sequence[Any]) -> list
     """The group's members' work at once (each in its device's thread); a member that fails
     aborts the group's exchanges, so the others end instead of waiting for it."""
     try:
+        if len(work) == 1:  # one replica: no task to make
+            return [await work[0]]
         return list(await asyncio.gather(*work))
     except BaseException:
         for rep in group:

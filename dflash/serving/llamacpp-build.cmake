@@ -1,11 +1,12 @@
-# `make llamacpp`'s build settings: unity builds for the heavy libraries only (ggml, llama: ~2x faster on 2 cores);
-# the rest compiles file by file (llama.cpp's common/ does not build as one unit). Optimisation follows
+# `make llamacpp`'s build settings. Unity builds where sources add one variant each: ggml, the llama
+# library (its model graphs), common's chat parsers and Jinja engine, mtmd's model graphs; the rest
+# compiles file by file (common/ and the server do not build as one unit). Optimisation follows
 # what runs per token: ggml's kernels, the llama library's decode path (context, graph, KV cache,
 # batch, sampler, and the model graphs built per call) and the server's decode loop, sampling and
 # speculative drafting keep -O3; the llama library's loading, quantising, vocabulary and
 # other architectures' caches compile at -O1; what runs once per request or never here (HTTP,
 # JSON, argument parsing, templates, multimodal) at -O0. Less build time for the same tokens/s
-# (BENCHMARKS.md, "make test").
+# (BENCHMARKS.md, "llama.cpp").
 set(_dflash_hot "^(common|sampling|speculative|ngram-.*|log|server-context|server-queue)\\.cpp$")
 set(_dflash_llama_hot "^(llama-context|llama-graph|llama-kv-cache|llama-kv-cache-iswa|llama-batch|llama-sampler|llama-memory|llama-cparams|llama)\\.cpp$")
 
@@ -23,10 +24,40 @@ function(_dflash_optimise t level hot)
     get_property(skip SOURCE "${src}" DIRECTORY "${source_dir}" PROPERTY SKIP_UNITY_BUILD_INCLUSION)
     get_property(unity TARGET ${t} PROPERTY UNITY_BUILD)
     if(unity AND NOT skip)
-      continue()  # inside a unity batch (the llama library's model graphs): left as it is
+      continue()  # inside a unity batch: the target's level
     endif()
     set_source_files_properties("${src}" DIRECTORY "${source_dir}" PROPERTIES COMPILE_OPTIONS ${level})
   endforeach()
+endfunction()
+
+# A target holding one of those families (by folder) builds them as unity batches at -O0 (the
+# target's level; its per-token files are set back to -O3); its other sources build alone.
+set(_dflash_families "/(common/parsers|common/jinja|tools/mtmd/models)/[^/]+$")
+
+function(_dflash_unity_families t)
+  get_property(sources TARGET ${t} PROPERTY SOURCES)
+  get_property(source_dir TARGET ${t} PROPERTY SOURCE_DIR)
+  set(batched OFF)
+  foreach(src IN LISTS sources)
+    if(NOT src MATCHES "\\.(c|cc|cpp|cxx)$")
+      continue()
+    endif()
+    if(NOT IS_ABSOLUTE "${src}")
+      set(src "${source_dir}/${src}")
+    endif()
+    get_filename_component(name "${src}" NAME)
+    if(src MATCHES "${_dflash_families}")
+      set(batched ON)
+    elseif(name MATCHES "${_dflash_hot}")
+      set_source_files_properties("${src}" DIRECTORY "${source_dir}" PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON COMPILE_OPTIONS -O3)
+    else()
+      set_source_files_properties("${src}" DIRECTORY "${source_dir}" PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+    endif()
+  endforeach()
+  set_property(TARGET ${t} PROPERTY UNITY_BUILD ${batched})
+  if(batched)
+    target_compile_options(${t} PRIVATE -O0)
+  endif()
 endfunction()
 
 function(_dflash_build_flags dir)
@@ -40,10 +71,11 @@ function(_dflash_build_flags dir)
       _dflash_optimise(${t} -O1 "${_dflash_llama_hot}")
       continue()
     endif()
-    set_property(TARGET ${t} PROPERTY UNITY_BUILD OFF)
     if(NOT type MATCHES "^(STATIC_LIBRARY|SHARED_LIBRARY|OBJECT_LIBRARY|MODULE_LIBRARY|EXECUTABLE)$")
+      set_property(TARGET ${t} PROPERTY UNITY_BUILD OFF)
       continue()
     endif()
+    _dflash_unity_families(${t})
     _dflash_optimise(${t} -O0 "${_dflash_hot}")
   endforeach()
   get_property(subdirs DIRECTORY "${dir}" PROPERTY SUBDIRECTORIES)

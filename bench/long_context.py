@@ -9,10 +9,13 @@ the context and of the blocks; its figure is the larger rank's.
     .venv/bin/python bench/long_context.py                 # 16K, 32K, 64K; grouped, dense, sp2
     .venv/bin/python bench/long_context.py --rows 16384,32768 --paths grouped
     .venv/bin/python bench/long_context.py --decode 65536  # speculative decoding after a 64K prompt
+    .venv/bin/python bench/long_context.py --end-to-end 65536  # regen, then training, on 64K rows
 
 `--decode T`: dflash's greedy speculative decoding of 24 tokens after a T-token prompt (the tiny
 config's target and an untrained drafter), against the target's own greedy decoding: lossless or
-not, the seconds of each, the process's peak RSS.
+not, the seconds of each, the process's peak RSS. `--end-to-end T`: three conversations of T tokens
+through `dflash regen` (features kept) and `dflash run` at sequence parallelism 2, from the feature
+store and again with the target's forward (`end_to_end`): seconds, peak RSS, losses, row lengths.
 
 Memory is the process's peak RSS over one step (the high-water mark reset after set-up) minus
 its RSS before it: what the step itself needs. Each point runs with glibc's mmap threshold fixed
@@ -132,13 +135,99 @@ def decode(T: int) -> dict:
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}  # fmt: skip
 
 
+def end_to_end(T: int, rows: int = 3, steps: int = 4, out: Path | None = None) -> dict:
+    """Long rows through the whole tool: `dflash regen` answers `rows` conversations whose user
+    turn nearly fills T tokens (a tiny Llama with a byte-level BPE tokenizer and a chat template,
+    T positions), keeping the target features; `dflash run` trains on its output at
+    `data.max_seq_len = T`, two CPU replicas sharing each row (`pipeline.sequence_parallel = 2`, a
+    group's token budget 2 × T/2): from the feature store, then with the target's forward."""
+    import resource
+    import tempfile
+
+    import tomli_w
+
+    from tests.tiny_llama import save_tiny_llama, tiny_tokenizer
+
+    root = Path(out or tempfile.mkdtemp(prefix="dflash-long-"))
+    save_tiny_llama(root / "model", positions=T)
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant:{% endif %}")  # fmt: skip
+    tok.save_pretrained(root / "model")
+    g = torch_generator()
+    letters = "etaoinhrdlucmfwypvbgk"  # no "s": the mask id, 511, is the merge "so"
+    reply, chats = 32, []
+    for _ in range(rows):  # words of 2-5 letters, as many as leave room for the template and the reply
+        words = ["".join(letters[int(i)] for i in g.integers(0, len(letters), int(n)))
+                 for n in g.integers(2, 6, T)]  # fmt: skip
+        lo, hi = 0, len(words)
+        while lo < hi:  # the most words whose conversation fits
+            mid = (lo + hi + 1) // 2
+            text = [{"role": "user", "content": " ".join(words[:mid])}]
+            rendered = tok.apply_chat_template(text, add_generation_prompt=True, tokenize=False)
+            n = len(tok(rendered, add_special_tokens=False).input_ids)
+            lo, hi = (mid, hi) if n <= T - 3 * reply else (lo, mid - 1)  # a byte-level reply re-encodes longer
+        chats.append({"messages": [{"role": "user", "content": " ".join(words[:lo])}]})
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
+    config = {
+        "run": {"name": "long", "output_dir": str(root / "runs"), "seed": 0},
+        "target": {"kind": "hf", "path": str(root / "model"), "stop_token": "</s>"},
+        "regen": {"prompts": str(prompts), "holdout": 0, "max_new_tokens": reply, "batch_size": 1,
+                  "save_features": True},
+        "data": {"source": "files", "files": [{"path": str(root / "runs" / "long" / "regen.jsonl")}],
+                 "cache_dir": str(root / "cache"), "max_seq_len": T, "token_budget": T // 2},
+        "drafter": {"num_layers": 1, "block_size": 16, "max_anchors": T // 64, "attention": "grouped",
+                    "mask_token_id": 511},
+        "pipeline": {"drafter_devices": ["cpu", "cpu"], "sequence_parallel": 2},
+        "train": {"max_steps": steps, "log_every": 1},
+        "eval": {"at_end": False},
+    }  # fmt: skip
+    (root / "long.toml").write_text(tomli_w.dumps(config), encoding="utf-8")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    got: dict = {"row_tokens": T, "rows": rows}
+    live = ["--set", "data.feature_files=false", "--set", 'run.name="long_target"']  # the target's forward
+    legs = [("regen", ["regen"]), ("run", ["run"]), ("run_target", ["run", *live])]
+    for leg, args in legs:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "dflash", args[0], str(root / "long.toml"), *args[1:]],
+                              capture_output=True, text=True, cwd=ROOT, env=env)  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"dflash {args[0]} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        got[f"{leg}_s"] = round(time.perf_counter() - t0, 1)
+        got[f"{leg}_peak_gib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)
+        records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if leg == "regen":
+            end = next(r for r in records if r["event"] == "regen")
+            got["replies"], got["features_mb"] = end["generated"], end["features_mb"]
+            continue
+        end = next(r for r in records if r["event"] == "run_end")
+        data = next(r for r in records if r["event"] == "setup")["data"]
+        got[leg] = {"losses": [round(r["loss"], 4) for r in records if r["event"] == "train_step"],
+                    "row_tokens": data["tokens"] // max(1, data["samples"]), "truncated": data["truncated"],
+                    "feature_store_hits": (end["feature_store"] or {}).get("hits", 0),
+                    "tokens_per_s": end["tokens_per_s"]}  # fmt: skip
+    return got
+
+
+def torch_generator():
+    import numpy as np
+
+    return np.random.default_rng(0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16384,32768,65536")
     p.add_argument("--paths", default="grouped,dense,sp2")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--decode", type=int, help="decode after a prompt of this many tokens instead")
+    p.add_argument("--end-to-end", type=int, metavar="T", help="regen, then train at SP 2, on rows of T tokens instead")
     a = p.parse_args()
+    if a.end_to_end:
+        r = end_to_end(a.end_to_end)
+        print(json.dumps({"bench": "long_context_end_to_end", **r}))
+        return
     if a.decode:
         r = decode(a.decode)
         print(f"{r['prompt_tokens']} prompt tokens: lossless {r['lossless']}, plain {r['plain_s']} s, speculative "

@@ -305,6 +305,23 @@ def test_long_context_bench_runs_a_step_on_each_path() -> None:
 
 
 @pytest.mark.slow
+def test_long_context_bench_end_to_end(tmp_path) -> None:
+    """bench/long_context.py --end-to-end at 1,024 tokens: regen answers two long conversations
+    and keeps their features; a run at sequence parallelism 2 trains on both whole rows from the
+    feature store."""
+    spec = importlib.util.spec_from_file_location("long_context", ROOT / "bench" / "long_context.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    got = bench.end_to_end(1024, rows=2, steps=2, out=tmp_path)
+    stored, live = got["run"], got["run_target"]
+    assert got["replies"] == 2 and stored["feature_store_hits"] == 2 and live["feature_store_hits"] == 0, got
+    assert stored["truncated"] == 0 and 900 < stored["row_tokens"] <= 1024, got
+    # the target's forward gives the features regen kept: the same losses
+    assert len(stored["losses"]) == 2 and live["losses"] == pytest.approx(stored["losses"], rel=1e-3), got
+
+
+@pytest.mark.slow
 def test_long_context_bench_sp2_point(tmp_path) -> None:
     """bench/long_context.py's sp2 point: two torchrun ranks share a 1,024-token row; the loss
     is the one-process grouped step's."""

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DataError
 from tests.conftest import ROOT, run_records
 
 
@@ -193,6 +193,16 @@ def test_a_groups_token_budget_is_n_replicas_budgets(tiny_config):
                                         "pipeline.sequence_parallel": "2"}))  # fmt: skip
     assert (one.plan.token_budget, two.plan.token_budget) == (256, 512)
     assert max(b.input_ids.numel() for b in _batches(two)) > 256 >= max(b.input_ids.numel() for b in _batches(one))
+
+
+def test_a_row_longer_than_a_groups_budget_is_one_line(tiny_config):
+    from dflash.train.build import build_training
+
+    with pytest.raises(DataError, match=r"tokens, more than a sequence-parallel group's token budget \(pipeline\."
+                       r"sequence_parallel × data.token_budget = 2 × 16 = 32\): it fits no group; raise pipeline\."
+                       r"sequence_parallel to \d+ \(replicas permitting\) or data.token_budget to \d+"):  # fmt: skip
+        build_training(tiny_config(**{"data.token_budget": "16", "pipeline.drafter_devices": '["cpu", "cpu"]',
+                                      "pipeline.sequence_parallel": "2"}))  # fmt: skip
 
 
 def _batches(t):

@@ -33,14 +33,17 @@ def tiny_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def save_tiny_llama(folder: Path, hidden: int = 64, layers: int = 4, vocab_size: int = 512, seed: int = 0) -> Path:
-    """The model and its tokenizer, saved as a Hugging Face folder."""
+def save_tiny_llama(
+    folder: Path, hidden: int = 64, layers: int = 4, vocab_size: int = 512, seed: int = 0, positions: int = 4096
+) -> Path:
+    """The model and its tokenizer, saved as a Hugging Face folder (`positions`: its
+    max_position_embeddings)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=4096,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=positions,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     with torch.random.fork_rng():

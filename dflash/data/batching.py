@@ -140,8 +140,9 @@ class BatchPlan:
     ) -> BatchPlan:
         """The plan that `[data]` describes: batch_size, token_budget, num_buckets, pack,
         shuffle and max_seq_len. `shared_by`: the replicas that train each batch together
-        (`pipeline.sequence_parallel`): their budget is that many times a replica's."""
-        return cls(
+        (`pipeline.sequence_parallel`): their budget is that many times a replica's, and a sample
+        longer than it fits no group (one line; alone, a longer sample is a batch of its own)."""
+        plan = cls(
             samples,
             data_cfg.batch_size,
             epochs,
@@ -153,6 +154,17 @@ class BatchPlan:
             max_seq_len=data_cfg.max_seq_len,
             start=start,
         )
+        longest = max(plan.lengths)
+        if shared_by > 1 and plan.token_budget and longest > plan.token_budget:
+            budget, i = data_cfg.token_budget, plan.lengths.index(longest)
+            msg = (
+                f"data: sample {i} has {longest} tokens, more than a sequence-parallel group's token budget "
+                f"(pipeline.sequence_parallel × data.token_budget = {shared_by} × {budget} = {plan.token_budget}): it "
+                f"fits no group; raise pipeline.sequence_parallel to {-(-longest // budget)} (replicas permitting) or "
+                f"data.token_budget to {-(-longest // shared_by)}"
+            )
+            raise DataError(msg)
+        return plan
 
     # -- inputs -------------------------------------------------------------------------
     def _check_settings(self) -> None:

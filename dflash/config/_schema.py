@@ -29,6 +29,18 @@ class RunConfig(_Section):
     name: str = Field("dflash", min_length=1, description="run name; the output folder")
     output_dir: str = Field("runs", min_length=1, description="parent of run folders")
     seed: int = Field(0, ge=0, description="seeds data order, anchors and init")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        [], description="experiment trackers fed from the records (any of tensorboard, wandb, mlflow, trackio; "
+        "`pip install 'dflash[trackers]'`): train_step scalars, profile, eval, the config; offline first",
+    )  # fmt: skip
+    trackers_all_ranks: bool = Field(
+        False, description="under torchrun every rank writes to the trackers (named <run>.rank<N>); false: rank 0",
+    )  # fmt: skip
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_once(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
 
 
 class DataFile(_Section):

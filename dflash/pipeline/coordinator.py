@@ -49,6 +49,7 @@ from dflash.runtime.devices import Device, DeviceFactory, set_sync_debug
 from dflash.runtime.distributed import World
 from dflash.runtime.profiler import Profiler, Trace
 from dflash.stages._link import root_error, stage_task
+from dflash.trackers import Trackers, open_trackers
 from dflash.train.build import SetupStopped, Training, build_training, stopping_setup
 from dflash.train.checkpoint import Checkpointer, ResumeFrom, write_run_gguf
 from dflash.train.hooks import EvalHook, StepHook, SyncDebugHook
@@ -156,9 +157,13 @@ class Coordinator:
             try:
                 run_log = self._run_log = await asyncio.to_thread(self._open_run_dir)
                 try:
-                    summary = await self._run(stop, t_start)
-                    clean = True
-                    return summary
+                    trackers = await self._open_trackers()
+                    try:
+                        summary = await self._run(stop, t_start)
+                        clean = True
+                        return summary
+                    finally:
+                        await self._close_trackers(trackers)
                 finally:
                     self._run_log = None
                     run_log.close()
@@ -167,6 +172,29 @@ class Coordinator:
                     await asyncio.to_thread(self.world.close, clean)
         finally:
             logs.stop_monitors(threads)  # bars of other libraries (downloads, datasets) done by now
+
+    async def _open_trackers(self) -> Trackers | None:
+        """`run.trackers`, started before any step (one that cannot start: one line, exit 2) and
+        subscribed to the records; under torchrun on rank 0 (`run.trackers_all_ranks`: each)."""
+        cfg = self.config
+        rank = self.world.rank if self.world is not None else 0
+        if not cfg.run.trackers or (rank and not cfg.run.trackers_all_ranks):
+            return None
+        name = f"{cfg.run.name}.rank{rank}" if cfg.run.trackers_all_ranks and self.world is not None else cfg.run.name
+        opened = await asyncio.to_thread(
+            open_trackers, list(cfg.run.trackers), self.run_dir, name, cfg.model_dump(mode="json")
+        )
+        hub = Trackers(opened, lambda why: self.emit("warning", message=why))
+        self.subscribe(hub)
+        return hub
+
+    async def _close_trackers(self, hub: Trackers | None) -> None:
+        """What is queued written and every tracker closed, its thread joined (any way the run ends)."""
+        if hub is None:
+            return
+        self._subscribers.remove(hub)
+        await asyncio.to_thread(hub.close)
+        hub.report()  # a tracker that failed at the end: its warning, on this thread
 
     def _open_run_dir(self) -> RunLog:
         """The run folder, its resolved config and its copy of the records (a run folder is

@@ -12,6 +12,7 @@ reply, so they read settled weights; their device work goes through the optimize
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -160,6 +161,7 @@ class StepBook:
         self.last: Record | None = None  # the last train_step record
         self._pending: list[StepResult] = []
         self._bad = 0  # consecutive skipped steps
+        self._t_flush = time.perf_counter()  # tokens/s over the interval since the last records
 
     @property
     def next_step(self) -> int:
@@ -205,10 +207,13 @@ class StepBook:
         uses = [t for r in results for t in (r.loss, r.grad_norm, r.correct) if isinstance(t, torch.Tensor)]
         records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, results, wait_for=[ready], uses=uses)
         self._pending.clear()
+        now = time.perf_counter()
+        rate = round(sum(r["tokens"] for r in records) / max(now - self._t_flush, 1e-9), 1)
+        self._t_flush = now
         for r in records:
             self.tokens += r["tokens"]
             self.last = r
-            self.emit("train_step", **r)
+            self.emit("train_step", **r, tokens_per_s=rate)
 
 
 class SyncDebugHook:

@@ -1,0 +1,142 @@
+"""The four trackers, each behind `log(step, scalars)` and `close()`; offline first.
+
+- `tensorboard`: event files in `<run>/tensorboard` (torch's `SummaryWriter`).
+- `wandb`: a run under `<run>/wandb`; offline (`wandb sync <run>/wandb/offline-run-*` uploads it
+  later) when `WANDB_MODE=offline` or no API key is set (`WANDB_API_KEY`, or `wandb login`'s
+  netrc entry); project `WANDB_PROJECT`, else "dflash".
+- `mlflow`: a run in the experiment "dflash" at `MLFLOW_TRACKING_URI`, else in a SQLite store in
+  the run folder (`mlflow ui --backend-store-uri sqlite:///<run>/mlflow.db`; MLflow's file store
+  is frozen); the config as its parameters.
+- `trackio`: a run in Trackio's local store (project "dflash"; `trackio show`).
+
+A tracker not installed, or unable to start: one line naming it and the extra to install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError
+from dflash.trackers.common import EXTRA, Scalars, Tracker, flat_config, quiet
+
+PROJECT = "dflash"
+
+
+
+def start(name: str, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> Tracker:
+    make = BACKENDS[name]
+    try:
+        with quiet():
+            return make(run_dir, run_name, config)
+    except ImportError as err:
+        msg = f"run.trackers: {name} is not installed ({err.name or err}); {EXTRA}"
+        raise ConfigError(msg) from None
+    except ConfigError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        msg = f"run.trackers: {name} could not start ({type(err).__name__}: {first[:200]})"
+        raise ConfigError(msg) from None
+
+
+class TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "), 0)
+        self.writer.add_text("run", run_name, 0)
+
+    def log(self, step: int, scalars: Scalars) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandB:
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        offline = os.environ.get("WANDB_MODE") == "offline" or not _wandb_key()
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(run_dir), config=dict(config),
+            mode="offline" if offline else "online", settings=wandb.Settings(console="off", silent=True),
+            reinit="create_new",
+        )  # fmt: skip
+
+    def log(self, step: int, scalars: Scalars) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        self._wandb.teardown()  # its service process ends with the run, not with the interpreter
+
+
+class MLflow:
+    name = "mlflow"
+
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(PROJECT)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(PROJECT)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        params = [Param(k, v[:6000]) for k, v in flat_config(config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def log(self, step: int, scalars: Scalars) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class Trackio:
+    name = "trackio"
+
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        import trackio
+
+        # the run object itself: trackio.log() finds its run in a context variable of the thread
+        # that started it, and the writer thread is another
+        self.run = trackio.init(project=PROJECT, name=run_name, config=dict(config), auto_log_gpu=False,
+                                auto_log_cpu=False)  # fmt: skip
+
+    def log(self, step: int, scalars: Scalars) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+BACKENDS: dict[str, Any] = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}

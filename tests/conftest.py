@@ -112,6 +112,14 @@ def tiny_overrides(out_dir: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a real tokenizer, saved once a test file (tests/tiny_llama.py)."""
+    from tests.tiny_llama import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama") / "model")
+
+
 @pytest.fixture
 def tiny_config(tmp_path: Path):
     from dflash import load_config

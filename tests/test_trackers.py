@@ -196,3 +196,14 @@ def test_the_four_trackers_hold_the_runs_series_and_config(tmp_path):
     assert json.loads(config[0])["train"]["max_steps"] == 6
     rows = db.execute("select step, metrics from metrics where run_name = 'watched' order by id").fetchall()
     assert [json.loads(m)["train/loss"] for s, m in rows if "train/loss" in json.loads(m)][-1] == losses[6]
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_the_loss_parts_add_up_to_the_loss(tiny_config, family):
+    """`train_step`'s `loss_parts`: CE, the distillation term where `loss.distill` > 0, the
+    family's heads where it has them; their sum is the loss."""
+    cfg = tiny_config(**STEPS, **{"drafter.family": f'"{family}"', "loss.distill": "0.5"})
+    steps = [r for r in run_records(cfg) if r["event"] == "train_step"]
+    want = {"ce", "distill"} | ({"family"} if family != "dflash" else set())
+    for r in steps:
+        assert set(r["loss_parts"]) == want and sum(r["loss_parts"].values()) == pytest.approx(r["loss"], abs=2e-6)

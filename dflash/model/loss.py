@@ -283,6 +283,8 @@ class LossParts:
     weight_sum: float  # Σ w
     correct_per_slot: torch.Tensor  # (B,) float, argmax == label, on device (no sync)
     count_per_slot: torch.Tensor  # (B,) int64, host
+    # (3,) detached: Σ w·(1−d)·CE, Σ w·d·distillation, Σ w·the family's terms (they add up to loss_sum)
+    part_sums: torch.Tensor | None = None
 
 
 def dpace_weights(
@@ -334,9 +336,10 @@ def _chunk_loss(
     terms: FamilyTerms | None = None,
     prev: torch.Tensor | None = None,
     cols: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the loss, the family's extra loss (0 without one), whether what the drafter
-    drafts is the label, and the label's probability."""
+    drafts is the label, the label's probability, and the loss's two parts (detached, (rows, 2):
+    (1 − d)·CE to the label and d·the distillation term)."""
     logits = (h @ head.t()).float()  # (chunk, V)
     if bias is not None:  # sampled softmax's logQ correction (loss.vocab)
         logits = logits + bias
@@ -346,6 +349,7 @@ def _chunk_loss(
         logits, extra, drafted_ok = terms(logits, h, labels, prev, cols, teacher, bias)
     ce = F.cross_entropy(logits, labels, reduction="none")
     label_prob = torch.where(labels >= 0, torch.exp(-ce.detach()), 0.0)  # an ignored label (-100) is no sure slot
+    split = torch.stack([ce.detach(), torch.zeros_like(ce.detach())], dim=1)
     if t_vals is not None and t_idx is not None and distill > 0:
         # Cross-entropy to the target's top-k distribution (= KL to it plus its entropy, a
         # constant): same gradient as the KL, over the k tokens the target thinks likely.
@@ -354,9 +358,10 @@ def _chunk_loss(
         logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
         soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
+        split = torch.stack([(1 - distill) * split[:, 0], distill * soft.detach()], dim=1)
     # max's index is argmax's (the first of tied maxima), and cheaper on a CPU.
     correct = (logits.detach().max(dim=-1).indices == labels) if drafted_ok is None else drafted_ok
-    return ce, torch.zeros_like(ce) if extra is None else extra, correct.float(), label_prob
+    return ce, torch.zeros_like(ce) if extra is None else extra, correct.float(), label_prob, split
 
 
 def _chunk_losses(
@@ -369,14 +374,14 @@ def _chunk_losses(
     logit_bias: torch.Tensor | None,
     terms: FamilyTerms | None,
     cols: torch.Tensor | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """`_chunk_loss` over the supervised rows `spec.chunk` at a time: each chunk's losses, the
-    family's extra losses, whether what is drafted is the label (detached) and the label's
-    probability."""
+    family's extra losses, whether what is drafted is the label (detached), the label's
+    probability and the loss's parts."""
     chunk, distill, temperature = spec.chunk, spec.distill, spec.distill_temperature
     tv, ti = teacher
     several = h.shape[0] > chunk
-    losses, extras, oks, probs = [], [], [], []
+    losses, extras, oks, probs, splits = [], [], [], [], []
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
@@ -384,14 +389,15 @@ def _chunk_losses(
                 None if prev is None else prev[s:e], cols)  # fmt: skip
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
-            part, more, ok, prob = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            part, more, ok, prob, split = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:  # a single chunk: keeping its logits stays within the bound; skip the recompute
-            part, more, ok, prob = _chunk_loss(*args)
+            part, more, ok, prob, split = _chunk_loss(*args)
         losses.append(part)
         extras.append(more)
         oks.append(ok.detach())
         probs.append(prob)
-    return losses, extras, oks, probs
+        splits.append(split)
+    return losses, extras, oks, probs, splits
 
 
 def _weighted_sum(
@@ -404,10 +410,12 @@ def _weighted_sum(
     slot: torch.Tensor,
     num_blocks: int,
     spec: LossSpec,
-) -> torch.Tensor:
+    splits: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`total` + Σ w·loss over the rows (+ Σ w·the family's extra loss: `extras`, None without
-    family terms). With D-PACE the loss's weights are times `dpace_weights` of this forward;
-    the family's terms keep the γ decay."""
+    family terms), and the same sums by part, detached (3,): CE, distillation, the family's
+    terms. With D-PACE the loss's weights are times `dpace_weights` of this forward; the
+    family's terms keep the γ decay."""
     per_row = torch.cat(losses)
     extra_weights = weights
     if spec.dpace:
@@ -416,9 +424,12 @@ def _weighted_sum(
         k = (slot + spec.shift - 1).float()  # gamma_weights at each row's slot, on the device
         extra_weights = extra_weights * torch.where(k >= 0, torch.exp(-k.clamp(min=0) / spec.gamma), 0.0)
     total = total + (per_row * weights).sum()
+    family = torch.zeros((), device=total.device)
     if extras is not None:
-        total = total + (torch.cat(extras) * extra_weights).sum()
-    return total
+        family = (torch.cat(extras) * extra_weights).sum()
+        total = total + family
+    parts = torch.cat([(torch.cat(splits) * weights.detach()[:, None]).sum(0), family.detach()[None]])
+    return total, parts
 
 
 def block_loss(
@@ -452,13 +463,14 @@ def block_loss(
     prev = None
     if terms is not None and targets.prev is not None:
         prev = targets.prev.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    losses, extras, oks, probs = _chunk_losses(h, lm_head, labels, teacher, prev, spec, logit_bias, terms, cols)
+    losses, extras, oks, probs, splits = _chunk_losses(h, lm_head, labels, teacher, prev, spec, logit_bias, terms, cols)
     correct = torch.zeros(block_size, device=dev)
     # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
     total = hidden.sum().float() * 0.0
+    parts = torch.zeros(3, device=dev)
     if losses:
         num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
         family = extras if terms is not None else None
-        total = _weighted_sum(total, losses, family, probs, weights, sel, slot, num_blocks, spec)
+        total, parts = _weighted_sum(total, losses, family, probs, weights, sel, slot, num_blocks, spec, splits)
         correct.index_add_(0, slot, torch.cat(oks))
-    return LossParts(total, targets.weight_sum, correct, targets.count_per_slot)
+    return LossParts(total, targets.weight_sum, correct, targets.count_per_slot, parts)

@@ -80,6 +80,7 @@ class StepGrads:
     ready: Any = None  # CUDA event: its backward is done (the optimizer's stream waits on it)
     last_batch: int = -1  # highest batch index it consumed (several processes: the data cursor)
     batches: tuple[int, ...] = ()  # every batch index it consumed (one process: the data cursor)
+    part_sums: torch.Tensor | None = None  # (3,) the loss sum's parts on its device (`LossParts.part_sums`)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class StepResult:
     samples: int
     weight_sum: float
     skipped: bool = False  # non-finite loss or gradient: nothing was updated
+    parts: torch.Tensor | None = None  # (3,) device: the loss's CE, distillation and family-term parts
     updated: dict[int, Any] = field(default_factory=dict)  # replica on another GPU -> event of its update
 
 
@@ -104,11 +105,15 @@ def to_records(results: list[StepResult]) -> list[Record]:
     values become null (JSON has no NaN; `jq` must always parse the log)."""
     if not results:
         return []
-    rows = [torch.cat([r.loss.float()[None], r.grad_norm.float()[None], r.correct.float()]) for r in results]
+    def parts_of(r: StepResult) -> torch.Tensor:
+        return r.parts.float() if r.parts is not None else torch.full((3,), math.nan, device=r.loss.device)
+
+    rows = [torch.cat([r.loss.float()[None], r.grad_norm.float()[None], parts_of(r), r.correct.float()])
+            for r in results]  # fmt: skip
     packed = host_sync(torch.stack(rows))  # once per log interval (metrics.sync)
     out = []
     for r, row in zip(results, packed.tolist(), strict=True):  # no-sync: a host tensor now
-        loss, gnorm, correct = row[0], row[1], row[2:]
+        loss, gnorm, parts, correct = row[0], row[1], row[2:5], row[5:]
         count = r.count.tolist()  # no-sync: counted on the host
         first = 0 if count[0] else 1  # slot 0 drafts only in DSpark (the anchor's next token)
         acc = [c / n if n else 0.0 for c, n in zip(correct[first:], count[first:], strict=True)]
@@ -129,6 +134,9 @@ def to_records(results: list[StepResult]) -> list[Record]:
                 "tau_sim": round(tau, 4),
             }
         )
+        if r.parts is not None and all(map(math.isfinite, [loss, *parts])):  # CE always; the others where they apply
+            named = zip(("ce", "distill", "family"), parts, strict=True)
+            out[-1]["loss_parts"] = {k: round(v, 6) for i, (k, v) in enumerate(named) if i == 0 or v != 0.0}
     return out
 
 
@@ -204,7 +212,7 @@ class StepBook:
 
     async def _flush(self) -> None:
         results, ready = list(self._pending), self.progress.ready
-        uses = [t for r in results for t in (r.loss, r.grad_norm, r.correct) if isinstance(t, torch.Tensor)]
+        uses = [t for r in results for t in (r.loss, r.grad_norm, r.correct, r.parts) if isinstance(t, torch.Tensor)]
         records, _ = await self.device.run(Stage.METRICS_SYNC, to_records, results, wait_for=[ready], uses=uses)
         self._pending.clear()
         now = time.perf_counter()

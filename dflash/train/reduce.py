@@ -41,6 +41,7 @@ class StepSums:
     world: World | None = None  # with ranks: `read` first waits, with a deadline, for
     ready: Any = None  # the end of the all-reduce (`World.collective_event`; None: gloo's ended in the call)
     what: str = "the gradient all-reduce"
+    parts: torch.Tensor | None = None  # (3,) Σ of the loss's parts (`LossParts.part_sums`), device
 
     @property
     def ranks(self) -> bool:
@@ -74,12 +75,14 @@ def reduce_step(
         _take_over(device, replicas, contribs)
         grads = _reduced(replicas, {c.replica for c in contribs}, dev0)
         sums = _sums(contribs, dev0, replicas[0].model.spec.block_size)
+        parts = _part_sums(contribs, dev0)
     if world is None:
-        return StepSums(grads, *sums)
+        return StepSums(grads, *sums, parts=parts)
     with device.span(Stage.ALLREDUCE):
-        summed = _across_ranks(world, grads, sums, dev0)
+        *summed, parts = _across_ranks(world, grads, sums, dev0, parts)
         ready = world.collective_event(dev0)
-        return StepSums(grads, *summed, world=world, ready=ready, what=f"the gradient all-reduce of step {step}")
+        what = f"the gradient all-reduce of step {step}"
+        return StepSums(grads, *summed, world=world, ready=ready, what=what, parts=parts)
 
 
 def update_everywhere(
@@ -111,7 +114,7 @@ def _take_over(device: Device, replicas: list[DrafterReplica], contribs: list[St
         c = by_replica.get(r.index)
         tensors = [p.grad for p in r.params if p.grad is not None]
         if c is not None:
-            tensors += [t for t in (c.loss_sum, c.correct_per_slot) if t is not None]
+            tensors += [t for t in (c.loss_sum, c.correct_per_slot, c.part_sums) if t is not None]
         wait = c.ready if c is not None else None
         stream = device.stream_for(r.params[0], Stage.OPTIMIZER_STEP, wait)  # this thread's stream on its GPU
         device.hold(Stage.GRAD_REDUCE, tensors, stream)
@@ -176,13 +179,23 @@ def _sums(contribs: list[StepGrads], dev0: torch.device, block_size: int) -> tup
     return weight, loss, correct, count
 
 
-def _across_ranks(world: World, grads: list[torch.Tensor], sums: tuple[Any, ...], dev0: torch.device) -> tuple:
+def _part_sums(contribs: list[StepGrads], dev0: torch.device) -> torch.Tensor | None:
+    """Σ of the replicas' loss parts on the first replica's device (None: no replica has them)."""
+    parts = [c.part_sums.to(dev0, non_blocking=True) for c in contribs if c.part_sums is not None]  # no-sync: d2d
+    return sum(parts, torch.zeros(3, device=dev0)) if parts else None
+
+
+def _across_ranks(
+    world: World, grads: list[torch.Tensor], sums: tuple[Any, ...], dev0: torch.device, parts: torch.Tensor | None
+) -> tuple:
     """Gradients and the step's sums, summed over every rank (`drafter.allreduce`). The loss
     weight and the per-slot counts come back as one device tensor `[Σ w, counts...]`: the
-    update divides by the global Σ w, and the step's one host sync brings both over."""
+    update divides by the global Σ w, and the step's one host sync brings both over. The
+    loss's parts ride along (zeros from a rank without any)."""
     weight, loss, correct, count = sums
     B = correct.shape[0]
     host = torch.cat([torch.tensor([float(weight)], dtype=torch.float64), count.double()])  # no-sync: host values
-    stats = torch.cat([upload(host, dev0), loss.double()[None], correct.double()])
+    mine = parts if parts is not None else torch.zeros(3, device=dev0)
+    stats = torch.cat([upload(host, dev0), loss.double()[None], correct.double(), mine.double()])
     world.all_reduce([*grads, stats], "the gradient all-reduce")
-    return stats[: 1 + B], stats[1 + B].float(), stats[2 + B :].float(), None
+    return stats[: 1 + B], stats[1 + B].float(), stats[2 + B : 2 + 2 * B].float(), None, stats[2 + 2 * B :].float()

@@ -306,6 +306,7 @@ class Accumulator:
         self.batches: list[int] = []
         self.weight_sum = 0.0
         self.loss_sum: torch.Tensor | None = None
+        self.part_sums: torch.Tensor | None = None
         self.correct: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
 
@@ -319,6 +320,8 @@ class Accumulator:
         self.weight_sum += parts.weight_sum
         first = self.loss_sum is None
         self.loss_sum = parts.loss_sum if first else self.loss_sum + parts.loss_sum
+        if parts.part_sums is not None:
+            self.part_sums = parts.part_sums if self.part_sums is None else self.part_sums + parts.part_sums
         self.correct = parts.correct_per_slot if first else self.correct + parts.correct_per_slot
         self.count = parts.count_per_slot if first else self.count + parts.count_per_slot
 
@@ -329,7 +332,7 @@ class Accumulator:
     def grads(self, replica: int, step: int, ready: Any) -> StepGrads:
         return StepGrads(
             replica, step, self.n, self.loss_sum, self.weight_sum, self.correct, self.count,
-            self.tokens, self.samples, ready, self.last_batch, tuple(self.batches),
+            self.tokens, self.samples, ready, self.last_batch, tuple(self.batches), self.part_sums,
         )  # fmt: skip
 
 
@@ -379,6 +382,7 @@ def apply_step(
     return StepResult(
         step=step,
         loss=sums.loss * scale,  # float32 × float32 scale, as with one process
+        parts=None if sums.parts is None else sums.parts * scale,
         grad_norm=norm,
         lr=lr,
         correct=sums.correct,

@@ -41,7 +41,7 @@ def series(name: str, records: Records) -> dict[str, Any]:
         acc += p.get("wall_s", 0.0)
         t.append(round(acc, 3))
     busiest = sorted({n for p in profiles for n in p.get("stages", {}) if n not in Stage.WAITS},
-                     key=lambda n: -sum(p["stages"].get(n, {}).get("total_s", 0) for p in profiles))[:8]  # fmt: skip
+                     key=lambda n: -sum(p["stages"].get(n, {}).get("total_s", 0) for p in profiles))[:5]  # fmt: skip
     profile: dict[str, Any] = {"t": t, "stage_ms": {}, "mfu": {}, "queue": {}}
     for n in busiest:
         profile["stage_ms"][n] = [p["stages"].get(n, {}).get("mean_ms") for p in profiles]
@@ -111,8 +111,8 @@ def _svg(title: str, ylabel: str, where: str, keys: list[str], runs: list[dict[s
     ax.set_ylabel(ylabel)
     ax.set_xlabel("step" if where == "train" else "seconds")
     ax.grid(alpha=0.3)
-    if len(curves) <= 12:
-        ax.legend(fontsize=7)
+    if len(curves) <= 16:
+        ax.legend(fontsize=6, ncol=2 if len(curves) > 6 else 1)
     fig.tight_layout()
     buf = io.StringIO()
     fig.savefig(buf, format="svg")

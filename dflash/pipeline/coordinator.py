@@ -86,6 +86,7 @@ class Coordinator:
         self._log = structlog.get_logger("dflash") if log else None
         self._subscribers: list[Callable[[Record], None]] = []
         self._run_log: RunLog | None = None  # the run folder's records.jsonl, while the run runs
+        self._trackers: Trackers | None = None  # run.trackers' subscriber, while the run runs
         self._stop_requested = threading.Event()
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -184,7 +185,7 @@ class Coordinator:
         opened = await asyncio.to_thread(
             open_trackers, list(cfg.run.trackers), self.run_dir, name, cfg.model_dump(mode="json")
         )
-        hub = Trackers(opened, lambda why: self.emit("warning", message=why))
+        hub = self._trackers = Trackers(opened, lambda why: self.emit("warning", message=why))
         self.subscribe(hub)
         return hub
 
@@ -192,6 +193,7 @@ class Coordinator:
         """What is queued written and every tracker closed, its thread joined (any way the run ends)."""
         if hub is None:
             return
+        self._trackers = None
         self._subscribers.remove(hub)
         await asyncio.to_thread(hub.close)
         hub.report()  # a tracker that failed at the end: its warning, on this thread
@@ -493,5 +495,7 @@ class Coordinator:
             **fields,
             "run_dir": str(self.run_dir),
         }
+        if self._trackers is not None:  # their last writes, and any failure's warning, before run_end
+            self._trackers.drain()
         self.emit("run_end", **self.summary)
         return self.summary

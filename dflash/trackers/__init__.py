@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -51,13 +52,16 @@ def _close_quietly(t: Tracker) -> None:
         pass
 
 
+FLUSH_S = 1.0  # the writer hands the trackers what queued at most once a second (MLflow: ~15 ms a call)
+
+
 class Trackers:
     """The subscriber: records in, scalars onto a queue; a writer thread feeds the trackers."""
 
     def __init__(self, trackers: list[Tracker], warn: Callable[[str], None]) -> None:
         self._trackers = list(trackers)
         self._warn = warn
-        self._queue: queue.SimpleQueue[tuple[int, Scalars] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Scalars] | threading.Event | None] = queue.SimpleQueue()
         self._failed: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._step = 0  # the last train_step's: where profile and eval records are drawn
         self._thread = threading.Thread(target=self._write, name="dflash-trackers", daemon=True)
@@ -75,6 +79,15 @@ class Trackers:
         scalars = scalars_of(record)
         if scalars:
             self._queue.put((self._step, scalars))
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until what is queued now is written (at most `timeout_s`), then `report()`: the
+        run's last warnings come before its `run_end`."""
+        if not self._closed:
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait(timeout_s)
+        self.report()
 
     def close(self) -> None:
         """Everything queued written, every tracker closed, the writer joined (any thread; then
@@ -95,17 +108,27 @@ class Trackers:
             self._warn(why)
 
     def _write(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            step, scalars = item
+        done, last = False, 0.0
+        while not done:
+            batch = [self._queue.get()]
+            while isinstance(batch[-1], tuple):  # what comes within FLUSH_S of the last write goes in the same calls
+                wait = last + FLUSH_S - time.monotonic()
+                try:
+                    batch.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            last = time.monotonic()
+            done = batch[-1] is None
+            steps = _by_step([item for item in batch if isinstance(item, tuple)])
             for t in list(self._trackers):
                 try:
                     with quiet():  # its prints to stderr, not the records' stdout
-                        t.log(step, scalars)
+                        _feed(t, steps)
                 except Exception as err:  # a tracker's fault must not end the run
                     self._drop(t, err)
+            for item in batch:
+                if isinstance(item, threading.Event):  # a drain: written up to here
+                    item.set()
         for t in list(self._trackers):
             try:
                 with quiet():
@@ -121,6 +144,26 @@ class Trackers:
         self._failed.put(f"tracker {t.name} failed while {what} ({why}); dropped, the run goes on")
         if not closing:
             _close_quietly(t)
+
+
+def _by_step(items: list[tuple[int, Scalars]]) -> list[tuple[int, Scalars]]:
+    """Consecutive items of one step merged (a profile or eval record joins its step's scalars)."""
+    out: list[tuple[int, Scalars]] = []
+    for step, scalars in items:
+        if out and out[-1][0] == step:
+            out[-1][1].update(scalars)
+        else:
+            out.append((step, dict(scalars)))
+    return out
+
+
+def _feed(t: Tracker, steps: list[tuple[int, Scalars]]) -> None:
+    many = getattr(t, "log_many", None)
+    if many is not None:  # one call for the lot (MLflow: one transaction)
+        many(steps)
+        return
+    for step, scalars in steps:
+        t.log(step, scalars)
 
 
 def scalars_of(record: Mapping[str, Any]) -> Scalars:

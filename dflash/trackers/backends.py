@@ -55,8 +55,11 @@ class TensorBoard:
         self.writer.add_text("run", run_name, 0)
 
     def log(self, step: int, scalars: Scalars) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # one event a step with every scalar (add_scalar writes an event for each)
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+        self.writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def close(self) -> None:
         self.writer.close()
@@ -112,10 +115,15 @@ class MLflow:
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def log(self, step: int, scalars: Scalars) -> None:
+        self.log_many([(step, scalars)])
+
+    def log_many(self, steps: list[tuple[int, Scalars]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+        metrics = [Metric(k, v, now, step) for step, scalars in steps for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1,000 metrics a call
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -1,7 +1,7 @@
 from setuptools import find_packages, setup
 
 # mlflow-skinny's SQLite store (the local default) needs sqlalchemy and alembic
-TRACKERS = ["tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2", "alembic>=1.12", "trackio>=0.40"]
+TRACKERS = ["tensorboard>=2.14", "wandb>=0.19.10", "mlflow-skinny>=3.0", "sqlalchemy>=2", "alembic>=1.12", "trackio>=0.40"]
 
 setup(
     name="dflash",

@@ -672,6 +672,8 @@ def report(logs: tuple[str, ...], as_json: bool, plot_path: str | None, html_pat
     if compare and len(logs) < 2:
         raise ConfigError("report --compare: name two runs or more (log files or run folders)")
     runs = [(run_name(r, Path(p).stem), r) for p in logs for r in [read_logs([p])]] if compare else []
+    names = [n for n, _ in runs]
+    runs = [(n if names.count(n) == 1 else f"{n} ({p})", r) for (n, r), p in zip(runs, logs, strict=False)]
     records = read_logs(logs) if not compare else []
     for name, recs in runs or [("", records)]:
         a = analyze(recs)

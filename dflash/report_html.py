@@ -121,6 +121,10 @@ def _svg(title: str, ylabel: str, where: str, keys: list[str], runs: list[dict[s
     return text[text.index("<svg") :]
 
 
+def _accepts(e: dict[str, Any]) -> str:
+    return ", ".join(f"{p:.2f}" for p in e.get("accept_per_position") or [] if p is not None)
+
+
 def _eval_table(runs: list[dict[str, Any]]) -> str:
     rows = [(run["name"], e) for run in runs for e in run["eval"]]
     if not rows:
@@ -130,7 +134,7 @@ def _eval_table(runs: list[dict[str, Any]]) -> str:
     body = "".join(
         f"<tr><td>{html.escape(n)}</td><td>{html.escape(str(e.get('prompt_set') or 'held-out'))}</td>"
         f"<td>{e.get('turn') or ''}</td><td>{html.escape(str(e.get('engine') or 'dflash'))}</td>"
-        f"<td>{e.get('tau')}</td><td>{', '.join(f'{p:.2f}' for p in e.get('accept_per_position') or [])}</td>"
+        f"<td>{e.get('tau')}</td><td>{_accepts(e)}</td>"
         f"<td>{e.get('lossless')}</td></tr>"
         for n, e in rows
     )

@@ -56,8 +56,8 @@ def test_the_embedding_snippet_runs_as_written(tmp_path: Path):
 
 def test_setup_record_fields_and_stages_are_the_readmes(tiny_config):
     """The `setup` fields the README lists are the record's; the stage list it links
-    (docs/architecture.md) is the profiler's (`Stage.timed()`); worker threads are one per device (data, each target chain, each
-    drafter replica, the optimizer)."""
+    (docs/architecture.md) is the profiler's (`Stage.timed()`); worker threads are one per
+    device (data, each target chain, each drafter replica, the optimizer)."""
     threads: set[str] = set()
 
     def seen(record: dict) -> None:

@@ -68,6 +68,9 @@ def test_scalars_of_the_records_a_dashboard_plots():
           "lossless": True}  # fmt: skip
     assert scalars_of(ev) == {"eval/mtbench/turn2/tau": 1.3, "eval/mtbench/turn2/accept_k1": 0.3,
                               "eval/mtbench/turn2/lossless": 1.0}  # fmt: skip
+    turns = {"event": "eval", "prompt_set": "mtbench", "tau": 1.3, "tau_per_turn": [1.25, 1.35]}
+    assert scalars_of(turns) == {"eval/mtbench/tau": 1.3, "eval/mtbench/turn1/tau": 1.25,
+                                 "eval/mtbench/turn2/tau": 1.35}  # fmt: skip
     assert scalars_of({"event": "checkpoint", "step": 4}) == {}
 
 
@@ -207,3 +210,20 @@ def test_the_loss_parts_add_up_to_the_loss(tiny_config, family):
     want = {"ce", "distill"} | ({"family"} if family != "dflash" else set())
     for r in steps:
         assert set(r["loss_parts"]) == want and sum(r["loss_parts"].values()) == pytest.approx(r["loss"], abs=2e-6)
+
+
+def test_an_embedded_run_with_the_four_trackers_leaves_nothing_behind(tiny_config, tmp_path, monkeypatch):
+    """`Coordinator.run` with every tracker: when it returns, the threads are the ones before it,
+    no child process is left (wandb's service ends with its run) and no file of the run folder is
+    open."""
+    import psutil
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is first imported
+    threads, me = set(threading.enumerate()), psutil.Process()
+    records = run_records(tiny_config(**STEPS, **{"run.trackers": json.dumps(["tensorboard", "wandb", "mlflow",
+                                                                              "trackio"])}))  # fmt: skip
+    assert records[-1]["event"] == "run_end" and not [r for r in records if r["event"] == "warning"]
+    assert set(threading.enumerate()) == threads
+    assert me.children(recursive=True) == []
+    assert [f.path for f in me.open_files() if f.path.startswith(str(tmp_path))] == []

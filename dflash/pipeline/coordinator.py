@@ -181,20 +181,23 @@ class Coordinator:
         rank = self.world.rank if self.world is not None else 0
         if not cfg.run.trackers or (rank and not cfg.run.trackers_all_ranks):
             return None
-        name = f"{cfg.run.name}.rank{rank}" if cfg.run.trackers_all_ranks and self.world is not None else cfg.run.name
+        by_rank = rank if cfg.run.trackers_all_ranks and self.world is not None else None
+        name = cfg.run.name if by_rank is None else f"{cfg.run.name}.rank{rank}"
         opened = await asyncio.to_thread(
-            open_trackers, list(cfg.run.trackers), self.run_dir, name, cfg.model_dump(mode="json")
+            open_trackers, list(cfg.run.trackers), self.run_dir, name, cfg.model_dump(mode="json"), by_rank
         )
         hub = self._trackers = Trackers(opened, lambda why: self.emit("warning", message=why))
         self.subscribe(hub)
         return hub
 
     async def _close_trackers(self, hub: Trackers | None) -> None:
-        """What is queued written and every tracker closed, its thread joined (any way the run ends)."""
+        """What is queued written and every tracker closed, its thread joined: before `run_end`
+        (so a tracker's last failure is a `warning` before it), or as a failed run ends."""
         if hub is None:
             return
         self._trackers = None
-        self._subscribers.remove(hub)
+        if hub in self._subscribers:
+            self._subscribers.remove(hub)
         await asyncio.to_thread(hub.close)
         hub.report()  # a tracker that failed at the end: its warning, on this thread
 
@@ -225,7 +228,7 @@ class Coordinator:
         )
         training = self._given or await self._setup()
         if training is None:  # a stop came during set-up
-            return self._end({"reason": "stopped", "steps": 0}, t_start)
+            return await self._end({"reason": "stopped", "steps": 0}, t_start)
         self.targets, self.replicas = training.targets, training.replicas
         try:
             topo, checkpointer, profiler, trace = await self._prepare(training, stop, t_start)
@@ -419,7 +422,7 @@ class Coordinator:
         else:
             reason = "data_exhausted"
         last = book.last
-        return self._end(
+        return await self._end(
             {
                 "reason": reason,
                 "steps": self.steps,
@@ -468,7 +471,7 @@ class Coordinator:
         self.emit("eval", **record)
         return record, False
 
-    def _end(self, fields: Record, t_start: float) -> Record:
+    async def _end(self, fields: Record, t_start: float) -> Record:
         """The `run_end` record (also the summary `run` returns). `stopped_during`: the phase the
         first stop came in ("setup", "training", "finishing"), None without a stop."""
         during = self._stopped_during
@@ -495,7 +498,6 @@ class Coordinator:
             **fields,
             "run_dir": str(self.run_dir),
         }
-        if self._trackers is not None:  # their last writes, and any failure's warning, before run_end
-            self._trackers.drain()
+        await self._close_trackers(self._trackers)  # their last writes, and any failure's warning
         self.emit("run_end", **self.summary)
         return self.summary

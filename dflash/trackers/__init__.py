@@ -26,9 +26,12 @@ from dflash.errors import ConfigError
 from dflash.trackers.common import KNOWN, Scalars, Tracker, quiet
 
 
-def open_trackers(names: list[str], run_dir: Path, run_name: str, config: Mapping[str, Any]) -> list[Tracker]:
+def open_trackers(
+    names: list[str], run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None
+) -> list[Tracker]:
     """Each named tracker started for this run, or one line naming the one that cannot start
-    (not installed: the extra to install) — the ones already started are closed first."""
+    (not installed: the extra to install) — the ones already started are closed first. `rank`:
+    every rank writes (`run.trackers_all_ranks`), each to files of its own in the run folder."""
     from dflash.trackers import backends
 
     opened: list[Tracker] = []
@@ -37,7 +40,7 @@ def open_trackers(names: list[str], run_dir: Path, run_name: str, config: Mappin
             if name not in KNOWN:
                 msg = f"run.trackers: unknown tracker {name!r} (known: {', '.join(KNOWN)})"
                 raise ConfigError(msg)
-            opened.append(backends.start(name, run_dir, run_name, config))
+            opened.append(backends.start(name, run_dir, run_name, config, rank))
     except BaseException:
         for t in opened:
             _close_quietly(t)
@@ -53,6 +56,7 @@ def _close_quietly(t: Tracker) -> None:
 
 
 FLUSH_S = 1.0  # the writer hands the trackers what queued at most once a second (MLflow: ~15 ms a call)
+CLOSE_TIMEOUT_S = 120.0  # the most a run's end waits for its trackers
 
 
 class Trackers:
@@ -61,7 +65,7 @@ class Trackers:
     def __init__(self, trackers: list[Tracker], warn: Callable[[str], None]) -> None:
         self._trackers = list(trackers)
         self._warn = warn
-        self._queue: queue.SimpleQueue[tuple[int, Scalars] | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Scalars] | None] = queue.SimpleQueue()
         self._failed: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._step = 0  # the last train_step's: where profile and eval records are drawn
         self._thread = threading.Thread(target=self._write, name="dflash-trackers", daemon=True)
@@ -80,23 +84,19 @@ class Trackers:
         if scalars:
             self._queue.put((self._step, scalars))
 
-    def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait until what is queued now is written (at most `timeout_s`), then `report()`: the
-        run's last warnings come before its `run_end`."""
-        if not self._closed:
-            done = threading.Event()
-            self._queue.put(done)
-            done.wait(timeout_s)
-        self.report()
-
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Everything queued written, every tracker closed, the writer joined (any thread; then
-        `report()` on the loop thread)."""
+        `report()` on the loop thread). A tracker still busy after `timeout_s` (an upload, a
+        remote store retrying) is left to its daemon thread, with a warning naming it."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            busy = ", ".join(self.names) or "a tracker"
+            why = f"trackers still writing after {timeout_s:.0f} s ({busy}); left behind; the run's records are whole"
+            self._failed.put(why)
 
     def report(self) -> None:
         """Each dropped tracker's warning, through `warn` (on the loop thread)."""
@@ -110,7 +110,7 @@ class Trackers:
     def _write(self) -> None:
         done, last = False, 0.0
         while not done:
-            batch = [self._queue.get()]
+            batch: list[Any] = [self._queue.get()]
             while isinstance(batch[-1], tuple):  # what comes within FLUSH_S of the last write goes in the same calls
                 wait = last + FLUSH_S - time.monotonic()
                 try:
@@ -122,16 +122,12 @@ class Trackers:
             steps = _by_step([item for item in batch if isinstance(item, tuple)])
             for t in list(self._trackers):
                 try:
-                    with quiet():  # its prints to stderr, not the records' stdout
-                        _feed(t, steps)
+                    _feed(t, steps)
                 except Exception as err:  # a tracker's fault must not end the run
                     self._drop(t, err)
-            for item in batch:
-                if isinstance(item, threading.Event):  # a drain: written up to here
-                    item.set()
         for t in list(self._trackers):
             try:
-                with quiet():
+                with quiet():  # its goodbye prints to stderr, not the records' stdout
                     t.close()
             except Exception as err:
                 self._drop(t, err, closing=True)
@@ -140,7 +136,7 @@ class Trackers:
         if t in self._trackers:
             self._trackers.remove(t)
         what = "closing" if closing else "logging"
-        why = f"{type(err).__name__}: {err}"
+        why = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"  # one line
         self._failed.put(f"tracker {t.name} failed while {what} ({why}); dropped, the run goes on")
         if not closing:
             _close_quietly(t)
@@ -194,6 +190,9 @@ def scalars_of(record: Mapping[str, Any]) -> Scalars:
             _put(out, f"{where}/accept_k{k}", p)
         if record.get("lossless") is not None:
             out[f"{where}/lossless"] = float(bool(record["lossless"]))
+        turns = record.get("tau_per_turn") or []
+        for t, tau in enumerate(turns if len(turns) > 1 else [], start=1):  # multi-turn prompts: τ by turn depth
+            _put(out, f"{where}/turn{t}/tau", tau)
     return out
 
 

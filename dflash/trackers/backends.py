@@ -28,11 +28,13 @@ PROJECT = "dflash"
 
 
 
-def start(name: str, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> Tracker:
+def start(name: str, run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None) -> Tracker:
+    """`rank` (every rank writes): TensorBoard to `tensorboard/rank<N>`, MLflow's local store
+    `mlflow.rank<N>.db`; wandb and Trackio keep the runs apart by name."""
     make = BACKENDS[name]
     try:
-        with quiet():
-            return make(run_dir, run_name, config)
+        with quiet():  # their greetings to stderr, not the records' stdout
+            return make(run_dir, run_name, config, rank)
     except ImportError as err:
         msg = f"run.trackers: {name} is not installed ({err.name or err}); {EXTRA}"
         raise ConfigError(msg) from None
@@ -47,10 +49,11 @@ def start(name: str, run_dir: Path, run_name: str, config: Mapping[str, Any]) ->
 class TensorBoard:
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        where = run_dir / "tensorboard" if rank is None else run_dir / "tensorboard" / f"rank{rank}"
+        self.writer = SummaryWriter(log_dir=str(where))
         self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "), 0)
         self.writer.add_text("run", run_name, 0)
 
@@ -79,7 +82,7 @@ def _wandb_key() -> bool:
 class WandB:
     name = "wandb"
 
-    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None) -> None:
         import wandb
 
         offline = os.environ.get("WANDB_MODE") == "offline" or not _wandb_key()
@@ -94,21 +97,30 @@ class WandB:
         self.run.log(dict(scalars), step=step)
 
     def close(self) -> None:
-        self.run.finish()
-        self._wandb.teardown()  # its service process ends with the run, not with the interpreter
+        try:
+            self.run.finish()
+        finally:
+            self._wandb.teardown()  # its service process ends with the run, not with the interpreter
 
 
 class MLflow:
     name = "mlflow"
 
-    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-        self.client = MlflowClient(tracking_uri=uri)
+        db = run_dir / ("mlflow.db" if rank is None else f"mlflow.rank{rank}.db")
+        self.local = None if os.environ.get("MLFLOW_TRACKING_URI") else f"sqlite:///{db.resolve()}"
+        self.client = MlflowClient(tracking_uri=self.local or os.environ["MLFLOW_TRACKING_URI"])
         exp = self.client.get_experiment_by_name(PROJECT)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(PROJECT)
+        if exp is None:
+            try:
+                exp_id = self.client.create_experiment(PROJECT)
+            except Exception:  # another process made it first
+                exp_id = self.client.get_experiment_by_name(PROJECT).experiment_id
+        else:
+            exp_id = exp.experiment_id
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         params = [Param(k, v[:6000]) for k, v in flat_config(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
@@ -127,12 +139,18 @@ class MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+        if self.local is not None:  # MLflow keeps an engine per database open: the run folder's, closed
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            engine = SqlAlchemyStore._engine_map.pop(self.local, None)
+            if engine is not None:
+                engine.dispose()
 
 
 class Trackio:
     name = "trackio"
 
-    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None) -> None:
         import trackio
 
         # the run object itself: trackio.log() finds its run in a context variable of the thread

@@ -530,3 +530,20 @@ def test_sigterm_to_one_rank_of_a_sequence_parallel_group_stops_both_at_one_step
     assert p.returncode == 0, p.stderr[-2000:]
     rec = next(r for r in _records(out / "tiny" / "records.jsonl") if r["event"] == "resume")
     assert rec["step"] == stopped and not rec["global_batch_changed"]
+
+
+def test_every_rank_writes_its_own_tensorboard_run_with_trackers_all_ranks(tmp_path, popen):
+    """`run.trackers_all_ranks`: each of two ranks writes its TensorBoard events to a folder of
+    its own, the same loss series its records hold (rank 0 alone writes without it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    extra = {"data.num_samples": 32, "run.trackers": '["tensorboard"]', "run.trackers_all_ranks": "true"}
+    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path, **extra))):
+        assert rc == 0, err[-2000:]
+    run = tmp_path / "tiny"
+    assert sorted(p.name for p in (run / "tensorboard").iterdir()) == ["rank0", "rank1"]
+    for rank, log in ((0, "records.jsonl"), (1, "records.rank1.jsonl")):
+        board = EventAccumulator(str(run / "tensorboard" / f"rank{rank}"))
+        board.Reload()
+        losses = {step: loss for step, loss, _ in _steps(run / log)}
+        assert {e.step: e.value for e in board.Scalars("train/loss")} == pytest.approx(losses, abs=1e-6)

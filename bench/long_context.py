@@ -144,6 +144,7 @@ def end_to_end(T: int, rows: int = 3, steps: int = 4, out: Path | None = None) -
     import resource
     import tempfile
 
+    import numpy as np
     import tomli_w
 
     from tests.tiny_llama import save_tiny_llama, tiny_tokenizer
@@ -154,7 +155,7 @@ def end_to_end(T: int, rows: int = 3, steps: int = 4, out: Path | None = None) -
     tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")  # fmt: skip
     tok.save_pretrained(root / "model")
-    g = torch_generator()
+    g = np.random.default_rng(0)
     letters = "etaoinhrdlucmfwypvbgk"  # no "s": the mask id, 511, is the merge "so"
     reply, chats = 32, []
     for _ in range(rows):  # words of 2-5 letters, as many as leave room for the template and the reply
@@ -208,12 +209,6 @@ def end_to_end(T: int, rows: int = 3, steps: int = 4, out: Path | None = None) -
                     "feature_store_hits": (end["feature_store"] or {}).get("hits", 0),
                     "tokens_per_s": end["tokens_per_s"]}  # fmt: skip
     return got
-
-
-def torch_generator():
-    import numpy as np
-
-    return np.random.default_rng(0)
 
 
 def main() -> None:

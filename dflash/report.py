@@ -19,6 +19,7 @@ is where the other ranks wait for it). Records without `rank`: one process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -421,6 +422,17 @@ def _what_if(records: list[dict[str, Any]], stages: dict[str, dict[str, float]],
     }
 
 
+def timeline(profiles: list[dict[str, Any]]) -> list[float]:
+    """Each profile window's end, in seconds from the first window's start."""
+    return list(itertools.accumulate(p.get("wall_s", 0.0) for p in profiles))
+
+
+def busiest(profiles: list[dict[str, Any]], n: int) -> list[str]:
+    """The `n` stages with the most time over the windows (waits left out)."""
+    names = {s for p in profiles for s in p.get("stages", {}) if s not in Stage.WAITS}
+    return sorted(names, key=lambda s: -sum(p["stages"].get(s, {}).get("total_s", 0) for p in profiles))[:n]
+
+
 def plot(records: list[dict[str, Any]], path: str) -> None:
     """Stage times (mean ms per window) and hidden-state queue depth over the run, as a PNG."""
     try:
@@ -440,12 +452,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     if not profiles:
         msg = "no profile records in the log to plot"
         raise DataError(msg)
-    t, acc = [], 0.0
-    for p in profiles:
-        acc += p["wall_s"]
-        t.append(acc)
-    names = sorted({n for p in profiles for n in p["stages"] if n not in Stage.WAITS},
-                   key=lambda n: -sum(p["stages"].get(n, {}).get("total_s", 0) for p in profiles))[:8]  # fmt: skip
+    t, names = timeline(profiles), busiest(profiles, 8)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for n in names:
         ax1.plot(t, [p["stages"].get(n, {}).get("mean_ms", 0) for p in profiles], label=n, marker=".")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import DataError
-from dflash.runtime.profiler import Stage
+from dflash.report import analyze, busiest, format_report, timeline
 
 Records = list[dict[str, Any]]
 
@@ -31,19 +31,12 @@ def series(name: str, records: Records) -> dict[str, Any]:
         train[key] = [r.get(key) for r in steps]
     for part in sorted({p for r in steps for p in (r.get("loss_parts") or {})}):
         train[f"loss_{part}"] = [(r.get("loss_parts") or {}).get(part) for r in steps]
-    width = max((len(r.get("acc") or []) for r in steps), default=0)
-    for k in range(width):
-        train[f"acc_k{k + 1}"] = [(r.get("acc") or [None] * width)[k] if len(r.get("acc") or []) > k else None
-                                  for r in steps]  # fmt: skip
+    accs = [r.get("acc") or [] for r in steps]
+    for k in range(max(map(len, accs), default=0)):
+        train[f"acc_k{k + 1}"] = [a[k] if len(a) > k else None for a in accs]
     profiles = [r for r in records if r.get("event") == "profile" and not r.get("final") and r.get("rank", 0) == 0]
-    t, acc = [], 0.0
-    for p in profiles:
-        acc += p.get("wall_s", 0.0)
-        t.append(round(acc, 3))
-    busiest = sorted({n for p in profiles for n in p.get("stages", {}) if n not in Stage.WAITS},
-                     key=lambda n: -sum(p["stages"].get(n, {}).get("total_s", 0) for p in profiles))[:5]  # fmt: skip
-    profile: dict[str, Any] = {"t": t, "stage_ms": {}, "mfu": {}, "queue": {}}
-    for n in busiest:
+    profile: dict[str, Any] = {"t": [round(x, 3) for x in timeline(profiles)], "stage_ms": {}, "mfu": {}, "queue": {}}
+    for n in busiest(profiles, 5):
         profile["stage_ms"][n] = [p["stages"].get(n, {}).get("mean_ms") for p in profiles]
         mfu = [p["stages"].get(n, {}).get("mfu") for p in profiles]
         if any(m is not None for m in mfu):
@@ -149,8 +142,6 @@ overflow-x:auto}table{border-collapse:collapse;font-size:13px}td,th{border:1px s
 
 def write_html(runs: Sequence[tuple[str, Records]], out: str | Path) -> Path:
     """The page for `runs` ((name, records) each), written to `out`."""
-    from dflash.report import analyze, format_report
-
     if not runs:
         raise DataError("report --html: no runs to draw")
     data = [series(name, records) for name, records in runs]

@@ -158,13 +158,13 @@ class Coordinator:
             try:
                 run_log = self._run_log = await asyncio.to_thread(self._open_run_dir)
                 try:
-                    trackers = await self._open_trackers()
+                    await self._open_trackers()
                     try:
                         summary = await self._run(stop, t_start)
                         clean = True
                         return summary
-                    finally:
-                        await self._close_trackers(trackers)
+                    finally:  # a failed run's (a finished one closed them before run_end)
+                        await self._close_trackers(self._trackers)
                 finally:
                     self._run_log = None
                     run_log.close()
@@ -174,21 +174,20 @@ class Coordinator:
         finally:
             logs.stop_monitors(threads)  # bars of other libraries (downloads, datasets) done by now
 
-    async def _open_trackers(self) -> Trackers | None:
+    async def _open_trackers(self) -> None:
         """`run.trackers`, started before any step (one that cannot start: one line, exit 2) and
         subscribed to the records; under torchrun on rank 0 (`run.trackers_all_ranks`: each)."""
         cfg = self.config
         rank = self.world.rank if self.world is not None else 0
         if not cfg.run.trackers or (rank and not cfg.run.trackers_all_ranks):
-            return None
+            return
         by_rank = rank if cfg.run.trackers_all_ranks and self.world is not None else None
         name = cfg.run.name if by_rank is None else f"{cfg.run.name}.rank{rank}"
         opened = await asyncio.to_thread(
             open_trackers, list(cfg.run.trackers), self.run_dir, name, cfg.model_dump(mode="json"), by_rank
         )
-        hub = self._trackers = Trackers(opened, lambda why: self.emit("warning", message=why))
-        self.subscribe(hub)
-        return hub
+        self._trackers = Trackers(opened, lambda why: self.emit("warning", message=why))
+        self.subscribe(self._trackers)
 
     async def _close_trackers(self, hub: Trackers | None) -> None:
         """What is queued written and every tracker closed, its thread joined: before `run_end`

@@ -338,8 +338,8 @@ def _chunk_loss(
     cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the loss, the family's extra loss (0 without one), whether what the drafter
-    drafts is the label, the label's probability, and the loss's two parts (detached, (rows, 2):
-    (1 − d)·CE to the label and d·the distillation term)."""
+    drafts is the label, the label's probability, and the distillation's share of the loss
+    (d·its term, detached; None without distillation)."""
     logits = (h @ head.t()).float()  # (chunk, V)
     if bias is not None:  # sampled softmax's logQ correction (loss.vocab)
         logits = logits + bias
@@ -349,7 +349,7 @@ def _chunk_loss(
         logits, extra, drafted_ok = terms(logits, h, labels, prev, cols, teacher, bias)
     ce = F.cross_entropy(logits, labels, reduction="none")
     label_prob = torch.where(labels >= 0, torch.exp(-ce.detach()), 0.0)  # an ignored label (-100) is no sure slot
-    split = torch.stack([ce.detach(), torch.zeros_like(ce.detach())], dim=1)
+    soft_part = None
     if t_vals is not None and t_idx is not None and distill > 0:
         # Cross-entropy to the target's top-k distribution (= KL to it plus its entropy, a
         # constant): same gradient as the KL, over the k tokens the target thinks likely.
@@ -358,10 +358,10 @@ def _chunk_loss(
         logp = F.log_softmax(logits / temperature, dim=-1).gather(1, t_idx)  # (chunk, k)
         soft = -(F.softmax(t_vals.float() / temperature, dim=-1) * logp).sum(-1) * temperature**2
         ce = (1 - distill) * ce + distill * soft
-        split = torch.stack([(1 - distill) * split[:, 0], distill * soft.detach()], dim=1)
+        soft_part = distill * soft.detach()
     # max's index is argmax's (the first of tied maxima), and cheaper on a CPU.
     correct = (logits.detach().max(dim=-1).indices == labels) if drafted_ok is None else drafted_ok
-    return ce, torch.zeros_like(ce) if extra is None else extra, correct.float(), label_prob, split
+    return ce, torch.zeros_like(ce) if extra is None else extra, correct.float(), label_prob, soft_part
 
 
 def _chunk_losses(
@@ -377,11 +377,11 @@ def _chunk_losses(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """`_chunk_loss` over the supervised rows `spec.chunk` at a time: each chunk's losses, the
     family's extra losses, whether what is drafted is the label (detached), the label's
-    probability and the loss's parts."""
+    probability and the distillation's share (None without it)."""
     chunk, distill, temperature = spec.chunk, spec.distill, spec.distill_temperature
     tv, ti = teacher
     several = h.shape[0] > chunk
-    losses, extras, oks, probs, splits = [], [], [], [], []
+    losses, extras, oks, probs, softs = [], [], [], [], []
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         soft = (tv[s:e], ti[s:e]) if tv is not None and ti is not None else (None, None)
@@ -389,15 +389,16 @@ def _chunk_losses(
                 None if prev is None else prev[s:e], cols)  # fmt: skip
         if several:
             # Recompute each chunk's logits in backward rather than keep every [chunk, V] alive.
-            part, more, ok, prob, split = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            part, more, ok, prob, soft = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:  # a single chunk: keeping its logits stays within the bound; skip the recompute
-            part, more, ok, prob, split = _chunk_loss(*args)
+            part, more, ok, prob, soft = _chunk_loss(*args)
         losses.append(part)
         extras.append(more)
         oks.append(ok.detach())
         probs.append(prob)
-        splits.append(split)
-    return losses, extras, oks, probs, splits
+        if soft is not None:
+            softs.append(soft)
+    return losses, extras, oks, probs, softs
 
 
 def _weighted_sum(
@@ -410,7 +411,7 @@ def _weighted_sum(
     slot: torch.Tensor,
     num_blocks: int,
     spec: LossSpec,
-    splits: list[torch.Tensor],
+    softs: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`total` + Σ w·loss over the rows (+ Σ w·the family's extra loss: `extras`, None without
     family terms), and the same sums by part, detached (3,): CE, distillation, the family's
@@ -423,13 +424,15 @@ def _weighted_sum(
         # the family's terms keep the γ decay (D-PACE weighs a token cross-entropy), as speculators
         k = (slot + spec.shift - 1).float()  # gamma_weights at each row's slot, on the device
         extra_weights = extra_weights * torch.where(k >= 0, torch.exp(-k.clamp(min=0) / spec.gamma), 0.0)
-    total = total + (per_row * weights).sum()
+    token = (per_row * weights).sum()
+    total = total + token
     family = torch.zeros((), device=total.device)
     if extras is not None:
         family = (torch.cat(extras) * extra_weights).sum()
         total = total + family
-    parts = torch.cat([(torch.cat(splits) * weights.detach()[:, None]).sum(0), family.detach()[None]])
-    return total, parts
+    token = token.detach()
+    soft = (torch.cat(softs) * weights).sum() if softs else torch.zeros_like(token)  # d·distillation's share
+    return total, torch.stack([token - soft, soft, family.detach()])
 
 
 def block_loss(
@@ -463,7 +466,7 @@ def block_loss(
     prev = None
     if terms is not None and targets.prev is not None:
         prev = targets.prev.to(dev, non_blocking=True)  # no-sync: uploaded in prepare
-    losses, extras, oks, probs, splits = _chunk_losses(h, lm_head, labels, teacher, prev, spec, logit_bias, terms, cols)
+    losses, extras, oks, probs, softs = _chunk_losses(h, lm_head, labels, teacher, prev, spec, logit_bias, terms, cols)
     correct = torch.zeros(block_size, device=dev)
     # Starts from 0·Σhidden so backward works (zero grads) even with nothing supervised.
     total = hidden.sum().float() * 0.0
@@ -471,6 +474,6 @@ def block_loss(
     if losses:
         num_blocks = hidden.shape[0] * (hidden.shape[1] // block_size)
         family = extras if terms is not None else None
-        total, parts = _weighted_sum(total, losses, family, probs, weights, sel, slot, num_blocks, spec, splits)
+        total, parts = _weighted_sum(total, losses, family, probs, weights, sel, slot, num_blocks, spec, softs)
         correct.index_add_(0, slot, torch.cat(oks))
     return LossParts(total, targets.weight_sum, correct, targets.count_per_slot, parts)

@@ -122,6 +122,8 @@ def _tell_summary(summary: dict[str, Any], cfg: Any, config: Path, overrides: tu
         f"loss {summary['final_loss']}, tau_sim {summary['final_tau_sim']}, "
         f"{summary['tokens_per_s']:.0f} tok/s{tau}; run folder {summary['run_dir']}"
     )
+    for name, where in (summary.get("trackers") or {}).items():
+        logs.human(f"dflash: {name}: {where}")
     if summary.get("vllm_speculative_config"):
         logs.human(f"dflash: in vLLM: speculative_config = {json.dumps(summary['vllm_speculative_config'])}")
         if cfg.target.load == "head":

@@ -42,12 +42,13 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
-def _launch(popen: Popen, n: int, args: list[str]) -> list[subprocess.Popen[str]]:
+def _launch(popen: Popen, n: int, args: list[str], more: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
     """`n` ranks of `python -m dflash ...`, as torchrun would start them (its env variables)."""
     port = _port()
     procs = []
     for r in range(n):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), RANK=str(r), LOCAL_RANK=str(r))
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), RANK=str(r), LOCAL_RANK=str(r),
+                   **(more or {}))  # fmt: skip
         pipe = subprocess.PIPE
         procs.append(popen([sys.executable, "-m", "dflash", *args], env=env, stdout=pipe, stderr=pipe))
     return procs
@@ -532,18 +533,33 @@ def test_sigterm_to_one_rank_of_a_sequence_parallel_group_stops_both_at_one_step
     assert rec["step"] == stopped and not rec["global_batch_changed"]
 
 
-def test_every_rank_writes_its_own_tensorboard_run_with_trackers_all_ranks(tmp_path, popen):
-    """`run.trackers_all_ranks`: each of two ranks writes its TensorBoard events to a folder of
-    its own, the same loss series its records hold (rank 0 alone writes without it)."""
+def test_every_rank_writes_its_own_tracker_runs_with_trackers_all_ranks(tmp_path, popen):
+    """`run.trackers_all_ranks`: each of two ranks writes its own run to every tracker, the loss
+    series its own records hold — TensorBoard and MLflow to files of their own, wandb and Trackio
+    under names by rank (rank 0 alone writes without it)."""
+    import sqlite3
+
+    from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    extra = {"data.num_samples": 32, "run.trackers": '["tensorboard"]', "run.trackers_all_ranks": "true"}
-    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path, **extra))):
+    four = '["tensorboard", "wandb", "mlflow", "trackio"]'
+    extra = {"data.num_samples": 32, "run.trackers": four, "run.trackers_all_ranks": "true"}
+    env = {"WANDB_MODE": "offline", "TRACKIO_DIR": str(tmp_path / "trackio"), "HOME": str(tmp_path)}
+    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path, **extra), env)):
         assert rc == 0, err[-2000:]
     run = tmp_path / "tiny"
     assert sorted(p.name for p in (run / "tensorboard").iterdir()) == ["rank0", "rank1"]
+    assert len(list((run / "wandb").glob("offline-run-*/run-*.wandb"))) == 2
+    trackio = sqlite3.connect(tmp_path / "trackio" / "dflash.db")
     for rank, log in ((0, "records.jsonl"), (1, "records.rank1.jsonl")):
+        losses = {step: loss for step, loss, _ in _steps(run / log)}
         board = EventAccumulator(str(run / "tensorboard" / f"rank{rank}"))
         board.Reload()
-        losses = {step: loss for step, loss, _ in _steps(run / log)}
         assert {e.step: e.value for e in board.Scalars("train/loss")} == pytest.approx(losses, abs=1e-6)
+        client = MlflowClient(tracking_uri=f"sqlite:///{run / f'mlflow.rank{rank}.db'}")
+        (found,) = client.search_runs([client.get_experiment_by_name("dflash").experiment_id])
+        history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "train/loss")}
+        assert found.info.run_name == f"tiny.rank{rank}" and history == pytest.approx(losses, abs=1e-6)
+        rows = trackio.execute("select step, metrics from metrics where run_name = ?", (f"tiny.rank{rank}",))
+        kept = {s: json.loads(m)["train/loss"] for s, m in rows if "train/loss" in json.loads(m)}
+        assert kept == pytest.approx(losses, abs=1e-6)

@@ -22,6 +22,7 @@ class Recorder:
     """A tracker double: what it was given, and a fault at its `fail_at`-th call."""
 
     name = "tensorboard"
+    where = "a test double"
     made: ClassVar[list[Recorder]] = []
 
     def __init__(self, run_dir: Path, run_name: str, config: dict, fail_at: int = 0) -> None:
@@ -179,6 +180,13 @@ def test_the_four_trackers_hold_the_runs_series_and_config(tmp_path):
     losses = dict(_losses(records))
     assert len(losses) == 6 and not [r for r in records if r["event"] == "warning"]
     run = tmp_path / "watched"
+    # stderr: dflash's lines alone (the trackers' greetings held back), each tracker's where-to-look among them
+    assert all(line.startswith("dflash: ") for line in proc.stderr.splitlines()), proc.stderr
+    where = records[-1]["trackers"]
+    assert where["tensorboard"] == f"tensorboard --logdir {run / 'tensorboard'}"
+    assert where["mlflow"] == f"mlflow ui --backend-store-uri sqlite:///{run / 'mlflow.db'}"
+    assert where["wandb"].startswith(f"wandb sync {run / 'wandb' / 'offline-run-'}")
+    assert where["trackio"] == f"TRACKIO_DIR={tmp_path / 'trackio'} trackio show --project dflash"
     board = EventAccumulator(str(run / "tensorboard"))
     board.Reload()
     assert {e.step: e.value for e in board.Scalars("train/loss")} == pytest.approx(losses, abs=1e-6)

@@ -496,7 +496,10 @@ class Coordinator:
             "vllm_speculative_config": None,
             **fields,
             "run_dir": str(self.run_dir),
+            "trackers": {},
         }
-        await self._close_trackers(self._trackers)  # their last writes, and any failure's warning
+        hub = self._trackers
+        await self._close_trackers(hub)  # their last writes, and any failure's warning
+        self.summary["trackers"] = hub.where if hub is not None else {}  # those that lasted: where to look
         self.emit("run_end", **self.summary)
         return self.summary

@@ -76,6 +76,11 @@ class Trackers:
     def names(self) -> list[str]:
         return [t.name for t in self._trackers]
 
+    @property
+    def where(self) -> dict[str, str]:
+        """Each tracker still writing: how to look at its run."""
+        return {t.name: getattr(t, "where", t.name) for t in self._trackers}
+
     def __call__(self, record: Mapping[str, Any]) -> None:
         self.report()
         if record.get("event") == "train_step":
@@ -127,7 +132,7 @@ class Trackers:
                     self._drop(t, err)
         for t in list(self._trackers):
             try:
-                with quiet():  # its goodbye prints to stderr, not the records' stdout
+                with quiet():  # its goodbye held back: stdout is the records'
                     t.close()
             except Exception as err:
                 self._drop(t, err, closing=True)

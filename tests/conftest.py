@@ -376,6 +376,90 @@ def popen_cli(cmd: list[str], fresh: bool = False, **kwargs: Any) -> Any:
 _forked: list[ForkedPopen] = []  # killed at exit if still running: a test that left one behind
 
 
+ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
+_engines_server: tuple[subprocess.Popen[str], str] | None = None  # this worker's (tests/engines_child.py)
+
+
+def _engines_socket() -> str:
+    """The socket of this worker's fork server in .venv-engines, started at its first call; it
+    ends, its folder removed, as the worker exits (or, killed, as its stdin closes)."""
+    global _engines_server
+    if _engines_server is None or _engines_server[0].poll() is not None:
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="dflash-engines-"))
+        env = {**os.environ, "PYTHONPATH": _root_first(os.environ.get("PYTHONPATH"))}
+        with open(folder / "server.log", "w", encoding="utf-8") as log:
+            pipe = subprocess.PIPE
+            proc = subprocess.Popen([str(ENGINES_PY), "-m", "tests.engines_child", str(folder / "sock")], text=True,
+                                    stdin=pipe, stdout=pipe, stderr=log, cwd=ROOT, env=env)  # fmt: skip
+        if (proc.stdout.readline() if proc.stdout else "").strip() != "ready":
+            proc.kill()
+            msg = f"the fork server in .venv-engines did not start: {(folder / 'server.log').read_text()[-2000:]}"
+            raise RuntimeError(msg)
+        _engines_server = (proc, str(folder / "sock"))
+        import atexit
+
+        atexit.register(_stop_engines_server, proc, folder)
+    return _engines_server[1]
+
+
+def _stop_engines_server(proc: subprocess.Popen[str], folder: Path) -> None:
+    import shutil
+
+    if proc.stdin is not None:
+        proc.stdin.close()  # its cue to end
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def engines_python(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """`.venv-engines/bin/python ARGS` (`-m MODULE ...` or `SCRIPT ...`) run to its end as
+    `subprocess.run(..., capture_output=True, text=True)` would, forked from this worker's server
+    there (vLLM, torch, transformers and dflash imported once: tests/engines_child.py); with
+    DFLASH_TESTS_FRESH_CLI=1 a new interpreter."""
+    import socket
+    import struct
+
+    cmd = [str(ENGINES_PY), *args]
+    full_env = dict(os.environ if env is None else env)
+    if os.environ.get("DFLASH_TESTS_FRESH_CLI") == "1":
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+    (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(_engines_socket())
+        payload = json.dumps({"argv": list(args), "env": full_env, "cwd": str(cwd)}).encode()
+        socket.send_fds(conn, [struct.pack("!I", len(payload))], [in_r, out_w, err_w])
+        conn.sendall(payload)
+        for fd in (in_r, in_w, out_w, err_w):  # the child's ends are its own now; no input
+            os.close(fd)
+        pid = struct.unpack("!q", conn.recv(8, socket.MSG_WAITALL))[0]
+        streams = {"out": open(out_r, encoding="utf-8", errors="replace"),  # noqa: SIM115
+                   "err": open(err_r, encoding="utf-8", errors="replace")}  # noqa: SIM115  # fmt: skip
+        got: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda k=k: got.__setitem__(k, streams[k].read()), daemon=True)
+                   for k in streams]  # fmt: skip
+        for r in readers:
+            r.start()
+        deadline = time.monotonic() + timeout
+        for r in readers:
+            r.join(max(0.0, deadline - time.monotonic()))
+        if any(r.is_alive() for r in readers):
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        for f in streams.values():
+            f.close()
+        conn.settimeout(max(5.0, deadline - time.monotonic()))
+        code = struct.unpack("!i", conn.recv(4, socket.MSG_WAITALL))[0]
+    return subprocess.CompletedProcess(cmd, code, got.get("out", ""), got.get("err", ""))
+
+
 @dataclass(frozen=True)
 class CliRun:
     out: Path  # run.output_dir: the run folder is out / "tiny"

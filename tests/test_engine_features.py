@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import ROOT, dflash, json_lines
+from tests.conftest import dflash, engines_python, json_lines
 from tests.test_engines import ENGINES_PY
 from tests.test_regen_files import _tokenizer
 
@@ -87,10 +86,7 @@ def _in_vllm(root: Path, config: Path) -> tuple[dict[str, Any], dict[str, torch.
     script.write_text(SCRIPT, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}  # the KV cache: sized by dflash
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    proc = subprocess.run(
-        [str(ENGINES_PY), str(script), str(config), str(raw)],
-        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
-    )  # fmt: skip
+    proc = engines_python([str(script), str(config), str(raw)], env=env, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     return json.loads(line), load_file(str(raw))
@@ -168,8 +164,7 @@ def test_a_live_vllm_target_trains_as_the_in_process_one(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     sets = [*LIVE, "--set", 'target.engine="vllm"', "--set", 'target.load="head"', "--set", 'run.name="live"']
-    live = subprocess.run([str(ENGINES_PY), "-m", "dflash", "run", str(config), *sets],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)  # fmt: skip
+    live = engines_python(["-m", "dflash", "run", str(config), *sets], env=env, timeout=400)
     assert live.returncode == 0, live.stderr[-3000:]
     local = dflash("run", str(config), *LIVE, "--set", 'run.name="local"')
     assert local.returncode == 0, local.stderr[-2000:]

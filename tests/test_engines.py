@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from dflash.engines import vllm as engine
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 from dflash.model.export import drafter_config_json, export_drafter
 from dflash.serving import vllm
-from tests.conftest import ROOT, dflash, json_lines, tiny_overrides
+from tests.conftest import ROOT, dflash, engines_python, json_lines, tiny_overrides
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
 
@@ -219,11 +218,8 @@ def test_a_trained_export_decodes_identically_in_vllm(tmp_path):
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
     def in_vllm(export: Path) -> dict:
-        proc = subprocess.run(
-            [str(ENGINES_PY), "-m", "dflash", "eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", str(export),
-             *sets, "--engine", "vllm"],
-            capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
-        )  # fmt: skip
+        proc = engines_python(["-m", "dflash", "eval", str(ROOT / "configs" / "tiny.toml"), "--drafter", str(export),
+                               *sets, "--engine", "vllm"], env=env, timeout=400)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         (record,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         return record

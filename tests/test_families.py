@@ -12,7 +12,6 @@ DSpark (Markov head + confidence head).
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import torch
 from dflash.errors import CheckpointError, ConfigError, DFlashError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 from dflash.model.export import export_drafter, load_drafter
-from tests.conftest import ROOT, run_records
+from tests.conftest import ROOT, engines_python, run_records
 from tests.test_engines import ENGINES_PY
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
@@ -38,8 +37,7 @@ def _family(name: str) -> dict[str, str]:
 def reference() -> dict:
     if not ENGINES_PY.exists():
         pytest.fail(f"{ENGINES_PY} is missing: `make test` (or `make engines`) builds it")
-    proc = subprocess.run([str(ENGINES_PY), str(ROOT / "tests" / "speculators_reference.py")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    proc = engines_python([str(ROOT / "tests" / "speculators_reference.py")], timeout=300)
     if "No module named 'speculators'" in proc.stderr:
         pytest.fail(f"speculators is not installed in {ENGINES_PY}: `make engines` installs it")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from dflash.config import Config, load_config
 from dflash.data.prompts import load_prompts
 from dflash.errors import ConfigError
 from dflash.regen.vllm import ReplySettings, hf_sampling, model_len, sampling_options
-from tests.conftest import ROOT, dflash
+from tests.conftest import ROOT, dflash, engines_python
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
@@ -210,8 +209,7 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
     script.write_text(RECORDING, encoding="utf-8")
     args = [str(env.config), "--set", 'run.name="vllm"', "--set", 'regen.engine="vllm"', "--set", over]
     run_env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # dflash sizes it
-    proc = subprocess.run([str(ENGINES_PY), str(script), str(ids), "regen", *args],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=run_env)  # fmt: skip
+    proc = engines_python([str(script), str(ids), "regen", *args], env=run_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = _stats(proc.stdout)
     assert (stats["engine"], stats["generated"], stats["target_dtype"]) == ("vllm", turns, "float32")
@@ -223,8 +221,7 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
     assert _records(vllm_cfg.regen_output) == _records(local.regen_output)  # the text, and the prompts by id
     assert vllm_cfg.regen_heldout.read_text() == local.regen_heldout.read_text()
 
-    again = subprocess.run([str(ENGINES_PY), "-m", "dflash", "regen", *args],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=run_env)  # fmt: skip
+    again = engines_python(["-m", "dflash", "regen", *args], env=run_env, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = _stats(again.stdout)
     assert (resumed["generated"], resumed["resumed_from"], resumed["engine_start_s"]) == (0, turns, 0.0)
@@ -234,8 +231,7 @@ def test_vllm_writes_the_local_loops_replies_token_for_token_and_resumes(env, mo
     # local loop's records, each turn once
     cut = [str(env.config), "--set", 'run.name="vllm_cut"', "--set", 'regen.engine="vllm"', "--set", over]
     for extra in (["--set", "regen.max_minutes=0.0001"], []):
-        proc = subprocess.run([str(ENGINES_PY), "-m", "dflash", "regen", *cut, *extra],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT, env=run_env)  # fmt: skip
+        proc = engines_python(["-m", "dflash", "regen", *cut, *extra], env=run_env, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if extra:
             part = _stats(proc.stdout)

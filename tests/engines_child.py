@@ -1,0 +1,108 @@
+"""`.venv-engines/bin/python ARGS` as the tests run it: a real process, forked from a server in
+that venv that has imported vLLM, torch, transformers and dflash once (one server per test
+worker, started at its first such call), instead of a fresh interpreter importing them again
+(~7 CPU-s a call, ten calls a suite). `tests/cli_child.py` does the same for `.venv`; this one
+cannot be multiprocessing's forkserver, whose interpreter is the tests' own.
+
+Protocol, over a UNIX socket, one connection a call: the caller sends a 4-byte length with its
+three pipe ends (stdin, stdout, stderr) as SCM_RIGHTS, then that many bytes of JSON (`argv`:
+python's arguments, `-m MODULE ...` or `SCRIPT ...`; `env`; `cwd`); the server forks, sends the
+child's pid (8 bytes), then, once the child has ended, its status as `subprocess` gives it (4
+bytes, signed: minus the signal's number). The child is what the interpreter would be: its own
+pid, environment, working directory and standard streams, `OMP_NUM_THREADS` applied, non-daemon
+threads joined and atexit handlers run at its end (`cli_child`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import select
+import socket
+import struct
+import sys
+
+# What the server imports before it forks.
+import torch
+import transformers  # noqa: F401
+import vllm  # noqa: F401
+from vllm import LLM  # noqa: F401  (its engine's modules)
+
+import dflash.cli
+import dflash.engines.vllm
+import dflash.eval.command  # noqa: F401
+from tests.cli_child import _as_process, _exit_as_interpreter
+
+
+def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
+    """The forked child's body: never returns."""
+    _as_process(env, cwd, *fds)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # as a new interpreter reads it
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if argv[0] == "-m":
+        module, *args = argv[1:]
+        sys.argv = [module, *args]
+        sys.path.insert(0, cwd)
+        _exit_as_interpreter(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    _exit_as_interpreter(lambda: runpy.run_path(argv[0], run_name="__main__"))
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the caller hung up")
+        data += chunk
+    return data
+
+
+def _status(raw: int) -> int:
+    return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+
+
+def serve(path: str) -> None:
+    """Accept calls at `path` until stdin closes (the test worker has gone); single-threaded,
+    so that every fork is of a process with one thread."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    print("ready", flush=True)
+    waiting: dict[int, socket.socket] = {}  # child pid → its caller's connection
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.1)
+        if sys.stdin in ready and not sys.stdin.buffer.read1(1):
+            return
+        if listener in ready:
+            conn, _ = listener.accept()
+            head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+            request = json.loads(_read(conn, struct.unpack("!I", head)[0]))
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in waiting.values():
+                    other.close()
+                conn.close()
+                _child(request["argv"], request["env"], request["cwd"], fds)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(struct.pack("!q", pid))
+            waiting[pid] = conn
+        while waiting:
+            pid, raw = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(struct.pack("!i", _status(raw)))
+                except OSError:  # the caller gave up on it
+                    pass
+                conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -82,8 +82,11 @@ def run_script(
 
 def _as_process(env: dict[str, str], cwd: str, stdin: str | int, stdout: str | int, stderr: str | int) -> None:
     """The environment, working directory and standard streams of the process the child stands for."""
+    import tempfile
+
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # found again from TMPDIR, as a new interpreter finds it
     os.chdir(cwd)
     for fd, where, flags in ((0, stdin, os.O_RDONLY), (1, stdout, os.O_WRONLY), (2, stderr, os.O_WRONLY)):
         f = os.open(where, flags) if isinstance(where, str) else where

@@ -24,10 +24,11 @@ REMOTE = ["--set", 'target.engine="remote"', "--set", 'target.load="head"']
 
 
 def _serve(config: Path, spool: Path) -> subprocess.Popen[str]:
+    """The server, its scratch folder in the test's (one it leaves when a test kills it stays there)."""
     return popen_cli(
         [str(DFLASH), "serve-target", str(config), "--engine", "local", "--spool", str(spool), "--device", "cpu",
          "--set", 'target.dtype="float32"'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(spool.parent)},
     )  # fmt: skip
 
 

@@ -381,20 +381,23 @@ _engines_server: tuple[subprocess.Popen[str], str] | None = None  # this worker'
 
 
 def _engines_socket() -> str:
-    """The socket of this worker's fork server in .venv-engines, started at its first call; it
-    ends, its folder removed, as the worker exits (or, killed, as its stdin closes)."""
+    """The socket of this worker's fork server in .venv-engines, started at its first call (2 min
+    at most); it ends, its folder removed, as the worker exits (or, killed, as its stdin closes)."""
     global _engines_server
     if _engines_server is None or _engines_server[0].poll() is not None:
+        import select
         import tempfile
 
         folder = Path(tempfile.mkdtemp(prefix="dflash-engines-"))
-        env = {**os.environ, "PYTHONPATH": _root_first(os.environ.get("PYTHONPATH"))}
+        env = {**os.environ, "PYTHONPATH": _root_first(os.environ.get("PYTHONPATH")), "HF_HUB_OFFLINE": "1"}
         with open(folder / "server.log", "w", encoding="utf-8") as log:
             pipe = subprocess.PIPE
             proc = subprocess.Popen([str(ENGINES_PY), "-m", "tests.engines_child", str(folder / "sock")], text=True,
                                     stdin=pipe, stdout=pipe, stderr=log, cwd=ROOT, env=env)  # fmt: skip
-        if (proc.stdout.readline() if proc.stdout else "").strip() != "ready":
-            proc.kill()
+        assert proc.stdout is not None
+        started = select.select([proc.stdout], [], [], 120.0)[0] and proc.stdout.readline().strip() == "ready"
+        if not started:
+            _stop_engines_server(proc, None)
             msg = f"the fork server in .venv-engines did not start: {(folder / 'server.log').read_text()[-2000:]}"
             raise RuntimeError(msg)
         _engines_server = (proc, str(folder / "sock"))
@@ -404,17 +407,24 @@ def _engines_socket() -> str:
     return _engines_server[1]
 
 
-def _stop_engines_server(proc: subprocess.Popen[str], folder: Path) -> None:
+def _stop_engines_server(proc: subprocess.Popen[str], folder: Path | None) -> None:
     import shutil
 
-    if proc.stdin is not None:
-        proc.stdin.close()  # its cue to end
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()  # stdin's end: its cue to end
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _engines_log() -> str:
+    path = Path(_engines_server[1]).with_name("server.log") if _engines_server else None
+    return path.read_text(errors="replace")[-2000:] if path is not None and path.exists() else ""
 
 
 def engines_python(
@@ -423,7 +433,8 @@ def engines_python(
     """`.venv-engines/bin/python ARGS` (`-m MODULE ...` or `SCRIPT ...`) run to its end as
     `subprocess.run(..., capture_output=True, text=True)` would, forked from this worker's server
     there (vLLM, torch, transformers and dflash imported once: tests/engines_child.py); with
-    DFLASH_TESTS_FRESH_CLI=1 a new interpreter."""
+    DFLASH_TESTS_FRESH_CLI=1 a new interpreter. A timeout, or any failure here, kills the child
+    (the server does: its pid is not yet reaped)."""
     import socket
     import struct
 
@@ -431,33 +442,59 @@ def engines_python(
     full_env = dict(os.environ if env is None else env)
     if os.environ.get("DFLASH_TESTS_FRESH_CLI") == "1":
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
-    (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(_engines_socket())
-        payload = json.dumps({"argv": list(args), "env": full_env, "cwd": str(cwd)}).encode()
-        socket.send_fds(conn, [struct.pack("!I", len(payload))], [in_r, out_w, err_w])
-        conn.sendall(payload)
-        for fd in (in_r, in_w, out_w, err_w):  # the child's ends are its own now; no input
-            os.close(fd)
-        pid = struct.unpack("!q", conn.recv(8, socket.MSG_WAITALL))[0]
-        streams = {"out": open(out_r, encoding="utf-8", errors="replace"),  # noqa: SIM115
-                   "err": open(err_r, encoding="utf-8", errors="replace")}  # noqa: SIM115  # fmt: skip
-        got: dict[str, str] = {}
-        readers = [threading.Thread(target=lambda k=k: got.__setitem__(k, streams[k].read()), daemon=True)
-                   for k in streams]  # fmt: skip
+    payload = json.dumps({"argv": list(args), "env": full_env, "cwd": str(cwd)}).encode()
+    ends = [*os.pipe(), *os.pipe(), *os.pipe()]  # stdin r/w, stdout r/w, stderr r/w
+    theirs = [ends[0], ends[3], ends[5]]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(_engines_socket())
+            socket.send_fds(conn, [struct.pack("!I", len(payload))], theirs)
+            conn.sendall(payload)
+            for fd in (*theirs, ends[1]):  # the child's ends are its own now; no input
+                os.close(fd)
+            theirs, ends = [], [ends[2], ends[4]]
+            return _engines_wait(conn, cmd, ends, timeout)
+    finally:
+        for fd in (*theirs, *ends):
+            try:
+                os.close(fd)
+            except OSError:  # closed with its file object
+                pass
+
+
+def _engines_wait(conn: Any, cmd: list[str], ends: list[int], timeout: float) -> subprocess.CompletedProcess[str]:
+    """The child's output and status; on a timeout or any failure, a kill sent to the server."""
+    import socket
+    import struct
+
+    def exactly(n: int) -> bytes:
+        data = conn.recv(n, socket.MSG_WAITALL)
+        if len(data) != n:
+            raise RuntimeError(f"the fork server in .venv-engines went away; its log: {_engines_log()}")
+        return data
+
+    streams = [open(fd, encoding="utf-8", errors="replace", closefd=False) for fd in ends]  # noqa: SIM115
+    got = ["", ""]
+    try:
+        exactly(8)  # the child's pid: the server kills it if asked
+        readers = [threading.Thread(target=lambda i=i: got.__setitem__(i, streams[i].read()), daemon=True)
+                   for i in range(2)]  # fmt: skip
         for r in readers:
             r.start()
         deadline = time.monotonic() + timeout
         for r in readers:
             r.join(max(0.0, deadline - time.monotonic()))
         if any(r.is_alive() for r in readers):
-            os.kill(pid, signal.SIGKILL)
-            raise subprocess.TimeoutExpired(cmd, timeout)
-        for f in streams.values():
-            f.close()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=got[0], stderr=got[1])
         conn.settimeout(max(5.0, deadline - time.monotonic()))
-        code = struct.unpack("!i", conn.recv(4, socket.MSG_WAITALL))[0]
-    return subprocess.CompletedProcess(cmd, code, got.get("out", ""), got.get("err", ""))
+        code = struct.unpack("!i", exactly(4))[0]
+    except BaseException:
+        try:
+            conn.sendall(b"k")
+        except OSError:
+            pass
+        raise
+    return subprocess.CompletedProcess(cmd, code, got[0], got[1])
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,13 @@ Protocol, over a UNIX socket, one connection a call: the caller sends a 4-byte l
 three pipe ends (stdin, stdout, stderr) as SCM_RIGHTS, then that many bytes of JSON (`argv`:
 python's arguments, `-m MODULE ...` or `SCRIPT ...`; `env`; `cwd`); the server forks, sends the
 child's pid (8 bytes), then, once the child has ended, its status as `subprocess` gives it (4
-bytes, signed: minus the signal's number). The child is what the interpreter would be: its own
-pid, environment, working directory and standard streams, `OMP_NUM_THREADS` applied, non-daemon
-threads joined and atexit handlers run at its end (`cli_child`)."""
+bytes, signed: minus the signal's number). A byte from the caller, or its hanging up, before
+then kills the child (the server kills it: the pid is still unreaped). The child is what the
+interpreter would be: its own pid, environment, working directory and standard streams,
+`OMP_NUM_THREADS` applied, non-daemon threads joined and atexit handlers run at its end
+(`cli_child`); but what a module read from the environment as the server imported it stays
+the server's (its environment is the first caller's, with `HF_HUB_OFFLINE=1`: every engines
+test reads local folders). A test of that runs the interpreter itself (DFLASH_TESTS_FRESH_CLI=1)."""
 
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ import json
 import os
 import runpy
 import select
+import signal
 import socket
 import struct
 import sys
+import traceback
 
 # What the server imports before it forks.
 import torch
@@ -35,18 +41,31 @@ from tests.cli_child import _as_process, _exit_as_interpreter
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
-    """The forked child's body: never returns."""
-    _as_process(env, cwd, *fds)
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # as a new interpreter reads it
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    if argv[0] == "-m":
-        module, *args = argv[1:]
-        sys.argv = [module, *args]
-        sys.path.insert(0, cwd)
-        _exit_as_interpreter(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    _exit_as_interpreter(lambda: runpy.run_path(argv[0], run_name="__main__"))
+    """The forked child's body: never returns (a failure before the program runs, e.g. a
+    missing `cwd`: its traceback on the caller's stderr, status 1)."""
+    redirected = False
+    try:
+        _as_process(env, cwd, *fds)
+        redirected = True
+        if env.get("OMP_NUM_THREADS", "").isdigit():  # as a new interpreter reads it
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        if argv[0] == "-m":
+            module, *args = argv[1:]
+            sys.argv = [module, *args]
+            sys.path.insert(0, cwd)
+            main = lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)  # noqa: E731
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            main = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+    except BaseException:
+        if redirected:
+            traceback.print_exc()
+            sys.stderr.flush()
+        else:  # the caller's stderr is not fd 2 yet
+            os.write(fds[2], traceback.format_exc().encode())
+        os._exit(1)
+    _exit_as_interpreter(main)
 
 
 def _read(conn: socket.socket, n: int) -> bytes:
@@ -63,6 +82,47 @@ def _status(raw: int) -> int:
     return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
 
 
+def _start(listener: socket.socket, waiting: dict[int, socket.socket]) -> None:
+    """One call: its request read (10 s at most), the child forked, its pid sent back. A caller
+    that fails on the way costs its own call only."""
+    conn, _ = listener.accept()
+    fds: list[int] = []
+    try:
+        conn.settimeout(10.0)
+        head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+        request = json.loads(_read(conn, struct.unpack("!I", head)[0]))
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other in waiting.values():
+                other.close()
+            conn.close()
+            _child(request["argv"], request["env"], request["cwd"], fds)
+        waiting[pid] = conn  # reaped below, whatever becomes of its caller
+        conn.sendall(struct.pack("!q", pid))
+    except Exception:
+        traceback.print_exc()  # to the server's log
+        if conn not in waiting.values():
+            conn.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _heard(conn: socket.socket, pid: int) -> None:
+    """The caller wrote (a kill: it gave up) or hung up: the child killed, still unreaped here,
+    so its pid cannot be another process's."""
+    try:
+        conn.recv(1)
+    except OSError:
+        pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def serve(path: str) -> None:
     """Accept calls at `path` until stdin closes (the test worker has gone); single-threaded,
     so that every fork is of a process with one thread."""
@@ -72,25 +132,17 @@ def serve(path: str) -> None:
     print("ready", flush=True)
     waiting: dict[int, socket.socket] = {}  # child pid → its caller's connection
     while True:
-        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.1)
+        callers = {conn: pid for pid, conn in waiting.items()}
+        ready, _, _ = select.select([listener, sys.stdin, *callers], [], [], 0.1)
         if sys.stdin in ready and not sys.stdin.buffer.read1(1):
+            for pid in waiting:
+                os.kill(pid, signal.SIGKILL)
             return
         if listener in ready:
-            conn, _ = listener.accept()
-            head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-            request = json.loads(_read(conn, struct.unpack("!I", head)[0]))
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                for other in waiting.values():
-                    other.close()
-                conn.close()
-                _child(request["argv"], request["env"], request["cwd"], fds)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(struct.pack("!q", pid))
-            waiting[pid] = conn
+            _start(listener, waiting)
+        for conn in ready:
+            if conn in callers:
+                _heard(conn, callers[conn])
         while waiting:
             pid, raw = os.waitpid(-1, os.WNOHANG)
             if pid == 0:

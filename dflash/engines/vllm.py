@@ -35,7 +35,6 @@ __all__ = [
     "engine_core_in_process",
     "engine_device",
     "engine_failed",
-    "freeze_heap",
     "gpu_share",
     "kv_cache_bytes",
     "open_engine",
@@ -192,13 +191,30 @@ def engine_failed(err: BaseException, kv_bytes: int | None) -> DFlashError:
     )
 
 
+_frozen = False  # whether freeze_heap froze the heap (thawed by shut_down or a failed start)
+
+
 def freeze_heap() -> None:
-    """What exists before an engine starts (torch's, transformers' and vLLM's modules: millions of
-    objects) left out of the full collections vLLM runs as it starts (~0.4 s each on a CPU; ~3 s
-    of an 18 s `dflash eval --engine vllm` of a tiny model). vLLM's shutdown unfreezes it."""
+    """Where vLLM's engine core runs in this process (`engine_core_in_process`): what exists
+    before the engine starts (torch's, transformers' and vLLM's modules: millions of objects) left
+    out of the full collections vLLM runs as it starts (~0.4 s each on a CPU; ~3 s of an 18 s
+    `dflash eval --engine vllm` of a tiny model). Thawed again by `shut_down` (and by vLLM's own
+    in-process shutdown) or when the engine fails to start."""
     import gc
 
-    gc.freeze()
+    global _frozen
+    if os.environ.get(_IN_PROCESS) == "0":
+        gc.freeze()
+        _frozen = True
+
+
+def thaw_heap() -> None:
+    import gc
+
+    global _frozen
+    if _frozen:
+        gc.unfreeze()
+        _frozen = False
 
 
 def open_engine(
@@ -230,17 +246,23 @@ def open_engine(
         kwargs["kv_cache_memory_bytes"] = kv
     if drafter is not None and spec is not None:
         kwargs["speculative_config"] = speculative_config(drafter, spec)
-    freeze_heap()
     try:
         with engine_core_in_process():
+            freeze_heap()
             return LLM(**kwargs)
-    except RuntimeError as err:
-        raise engine_failed(err, kv) from None
+    except BaseException as err:
+        thaw_heap()
+        if isinstance(err, RuntimeError):
+            raise engine_failed(err, kv) from None
+        raise
 
 
 def shut_down(llm: Any) -> None:
     """The engine shut down now (its process ended, or its in-process core's memory freed), not
     when the engine is collected."""
     shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
-    if callable(shutdown):
-        shutdown()
+    try:
+        if callable(shutdown):
+            shutdown()
+    finally:
+        thaw_heap()

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dflash.config import Config
-from dflash.engines.vllm import MAX_SEQS, engine_failed, freeze_heap, kv_cache_bytes, shut_down
+from dflash.engines.vllm import MAX_SEQS, engine_failed, kv_cache_bytes, shut_down
 from dflash.errors import ConfigError, DFlashError
 from dflash.features.files import Entry, FeatureMeta, FeatureStore, folder_for, ids_key, next_part_index, write_part
 
@@ -162,7 +162,6 @@ def start_engine(folder: Path, meta: FeatureMeta, scratch: Path, settings: Engin
     kv_bytes = kv_cache_bytes(folder, meta.dtype, MAX_SEQS, max_len, None,
                               settings.tensor_parallel * settings.pipeline_parallel, settings.chunk_tokens)  # fmt: skip
     sized = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes is not None else {}
-    freeze_heap()
     try:
         return LLM(
             model=str(folder), skip_tokenizer_init=True, dtype=meta.dtype, max_model_len=max_len, seed=0,

@@ -78,7 +78,7 @@ class Trackers:
 
     @property
     def where(self) -> dict[str, str]:
-        """Each tracker still writing: how to look at its run."""
+        """Each tracker not dropped: how to look at its run."""
         return {t.name: getattr(t, "where", t.name) for t in self._trackers}
 
     def __call__(self, record: Mapping[str, Any]) -> None:

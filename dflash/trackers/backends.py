@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,7 +55,7 @@ class TensorBoard:
 
         where = run_dir / "tensorboard" if rank is None else run_dir / "tensorboard" / f"rank{rank}"
         self.writer = SummaryWriter(log_dir=str(where))
-        self.where = f"tensorboard --logdir {where}"
+        self.where = f"tensorboard --logdir {shlex.quote(str(where))}"
         self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "), 0)
         self.writer.add_text("run", run_name, 0)
 
@@ -93,7 +94,8 @@ class WandB:
             mode="offline" if offline else "online", settings=wandb.Settings(console="off", silent=True),
             reinit="create_new",
         )  # fmt: skip
-        self.where = f"wandb sync {Path(self.run.dir).parent}" if offline else str(self.run.url)
+        self.where = (f"wandb sync {shlex.quote(str(Path(self.run.dir).parent))}" if offline
+                      else str(self.run.url or f"wandb project {self.run.project}, run {self.run.name}"))  # fmt: skip
 
     def log(self, step: int, scalars: Scalars) -> None:
         self.run.log(dict(scalars), step=step)
@@ -128,7 +130,7 @@ class MLflow:
         else:
             exp_id = exp.experiment_id
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
-        self.where = (f"mlflow ui --backend-store-uri {self.local}" if self.local
+        self.where = (f"mlflow ui --backend-store-uri {shlex.quote(self.local)}" if self.local
                       else f"{os.environ['MLFLOW_TRACKING_URI']}, experiment {PROJECT}, run {self.run_id}")  # fmt: skip
         params = [Param(k, v[:6000]) for k, v in flat_config(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
@@ -166,7 +168,7 @@ class Trackio:
         self.run = trackio.init(project=PROJECT, name=run_name, config=dict(config), auto_log_gpu=False,
                                 auto_log_cpu=False)  # fmt: skip
         home = os.environ.get("TRACKIO_DIR")
-        self.where = f"{f'TRACKIO_DIR={home} ' if home else ''}trackio show --project {PROJECT}"
+        self.where = f"{f'TRACKIO_DIR={shlex.quote(home)} ' if home else ''}trackio show --project {PROJECT}"
 
     def log(self, step: int, scalars: Scalars) -> None:
         self.run.log(dict(scalars), step=step)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Mapping
+import sys
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 KNOWN = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -24,11 +26,29 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def quiet() -> contextlib.AbstractContextManager:
-    """The trackers' own prints (greetings, dashboards' addresses, goodbyes) held back: stdout
-    carries only the JSON records, stderr only dflash's lines; the run's summary says where each
-    tracker wrote (`where`)."""
-    return contextlib.redirect_stdout(io.StringIO())
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_saved: Any = None
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The trackers' own prints to stdout (greetings, dashboards' addresses, goodbyes) held back:
+    stdout carries only the JSON records; the run's summary says where each tracker wrote
+    (`where`). `sys.stdout` is the process's: nested or overlapping uses (the writer thread
+    closing while another run opens) swap it once and the last one out puts it back."""
+    global _quiet_depth, _quiet_saved
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_saved, sys.stdout = sys.stdout, io.StringIO()
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                sys.stdout, _quiet_saved = _quiet_saved, None
 
 
 def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

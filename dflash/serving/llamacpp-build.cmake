@@ -1,4 +1,4 @@
-# `make llamacpp`'s build settings. Unity builds where sources add one variant each: ggml, the llama
+# `make llamacpp`'s build settings. Unity builds where sources add one variant each: ggml's base, the llama
 # library (its model graphs), common's chat parsers and Jinja engine, mtmd's model graphs; the rest
 # compiles file by file (common/ and the server do not build as one unit). Optimisation follows
 # what runs per token: ggml's kernels, the llama library's decode path (context, graph, KV cache,
@@ -63,7 +63,14 @@ endfunction()
 function(_dflash_build_flags dir)
   get_property(targets DIRECTORY "${dir}" PROPERTY BUILDSYSTEM_TARGETS)
   foreach(t IN LISTS targets)
-    if(t MATCHES "^(ggml|ggml-base|ggml-cpu)$")
+    if(t STREQUAL "ggml-cpu")
+      # each file alone: its sources include ggml-common.h under different declarations (C-style
+      # blocks, C++ aggregates), and on a CPU with AMX (Sapphire Rapids) amx/mmq.cpp compiles in and
+      # fails when a batch holds it after repack.cpp
+      set_property(TARGET ${t} PROPERTY UNITY_BUILD OFF)
+      continue()
+    endif()
+    if(t MATCHES "^(ggml|ggml-base)$")
       continue()
     endif()
     get_property(type TARGET ${t} PROPERTY TYPE)

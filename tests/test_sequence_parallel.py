@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from dflash.errors import ConfigError, DataError
+from dflash.errors import CheckpointError, ConfigError, DataError
 from tests.conftest import ROOT, run_records
 
 
@@ -193,6 +193,24 @@ def test_a_groups_token_budget_is_n_replicas_budgets(tiny_config):
                                         "pipeline.sequence_parallel": "2"}))  # fmt: skip
     assert (one.plan.token_budget, two.plan.token_budget) == (256, 512)
     assert max(b.input_ids.numel() for b in _batches(two)) > 256 >= max(b.input_ids.numel() for b in _batches(one))
+
+
+def test_a_resume_at_another_n_keeps_the_groups_token_budget(tiny_config, tmp_path):
+    """What a resume must keep is a group's budget (N × data.token_budget), not a replica's: an
+    SP 2 run's batches are a one-device run's at twice the budget (the same plan, so its cursor
+    resumes there), and the same budget at another N is refused in one line naming the one that
+    keeps it."""
+    from dflash.train.build import build_training
+    from dflash.train.checkpoint import check_resume_config
+
+    sp = {"pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.sequence_parallel": "2"}
+    two = tiny_config(**{"data.token_budget": "256"}, **sp)
+    one = tiny_config(**{"data.token_budget": "512"})
+    assert build_training(two).plan.fingerprint == build_training(one).plan.fingerprint
+    saved = two.model_dump(mode="json", exclude_none=True)
+    check_resume_config(saved, one, tmp_path)
+    with pytest.raises(CheckpointError, match=r"256 × 2 -> 256 × 1; data.token_budget = 512 keeps it"):
+        check_resume_config(saved, tiny_config(**{"data.token_budget": "256"}), tmp_path)
 
 
 def test_a_row_longer_than_a_groups_budget_is_one_line(tiny_config):

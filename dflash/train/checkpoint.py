@@ -205,9 +205,16 @@ _MUST_MATCH = [
     ("drafter", "num_layers"), ("drafter", "block_size"), ("drafter", "layer_types"),
     ("drafter", "mask_token_id"), ("drafter", "intermediate_size"), ("drafter", "sliding_window"),
     ("data", "source"), ("data", "files"), ("data", "num_samples"), ("data", "batch_size"),
-    ("data", "token_budget"), ("data", "num_buckets"), ("data", "pack"), ("data", "max_seq_len"),
-    ("run", "seed"),
+    ("data", "num_buckets"), ("data", "pack"), ("data", "max_seq_len"), ("run", "seed"),
 ]  # fmt: skip
+# `data.token_budget` is a replica's; a sequence-parallel group's batches are cut to N times it,
+# so what must match is that product (a resume at another N scales the budget to keep it).
+
+
+def _group_budget(config: dict[str, Any]) -> tuple[int, int]:
+    """`data.token_budget` and `pipeline.sequence_parallel` of a dumped config (defaults 0 and 1)."""
+    data, pipeline = config.get("data", {}), config.get("pipeline", {})
+    return int(data.get("token_budget", 0)), int(pipeline.get("sequence_parallel", 1))
 
 
 def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path) -> None:
@@ -219,6 +226,13 @@ def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path) -> None:
         a, b = saved.get(section, {}).get(key), now.get(section, {}).get(key)
         if a != b:
             diffs.append(f"{section}.{key} {a!r} -> {b!r}")
+    (was, n_was), (budget, n) = _group_budget(saved), _group_budget(now)
+    if was * n_was != budget * n:
+        keep = f"; data.token_budget = {was * n_was // n} keeps it" if was * n_was % n == 0 else ""
+        diffs.append(
+            f"a group's token budget (data.token_budget × pipeline.sequence_parallel) {was} × {n_was} -> {budget} × {n}"
+            + keep
+        )
     if diffs:
         msg = f"{path} was written by an incompatible config: " + "; ".join(diffs[:4])
         raise CheckpointError(msg)

@@ -515,6 +515,29 @@ def test_two_ranks_sharing_each_batch_equal_one_process(tmp_path, popen):
 
 
 @pytest.mark.slow
+def test_groups_of_replicas_in_each_of_two_processes_equal_one_process_with_two_replicas(tmp_path, popen):
+    """Both kinds of parallelism at once: two torchrun ranks, each a sequence-parallel group of its
+    two drafter devices (one batch a step each), train as one process whose two replicas take a
+    batch each: the same losses and tokens, the same weights within rtol 1e-5 / atol 1e-6."""
+    import torch
+
+    extra = {"data.num_samples": 96, "train.epochs": 1, "optimizer.lr": 1e-4}
+    one = _single(tmp_path / "one", 2, **extra)
+    group = {"pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.sequence_parallel": 2}
+    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path / "two", **extra, **group))):
+        assert rc == 0, err[-2000:]
+    two = tmp_path / "two" / "tiny"
+    a, b = _steps(one / "records.jsonl"), _steps(two / "records.jsonl")
+    assert len(a) == len(b) >= 5, (a, b)
+    assert all(abs(x[1] - y[1]) <= 1e-5 * x[1] for x, y in zip(a, b, strict=True)), (a, b)
+    tokens = [[r["tokens"] for r in _records(log) if r["event"] == "train_step"]
+              for log in (one / "records.jsonl", two / "records.jsonl", two / "records.rank1.jsonl")]  # fmt: skip
+    assert tokens[0] == [x + y for x, y in zip(tokens[1], tokens[2], strict=True)]  # each rank counts its own
+    wa, wb = _weights(one), _weights(two)
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_to_one_rank_of_a_sequence_parallel_group_stops_both_at_one_step(tmp_path, popen):
     """Two ranks sharing each batch, eight micro-batches a step, shallow queues: SIGTERM to rank 0 stops both

@@ -400,10 +400,6 @@ def _check_sequence_parallel(spec: DrafterSpec, devices: list[torch.device], n: 
 def _sequence_parallel_ranks(cfg: Config, world: World | None) -> int:
     """The processes that train distinct batches: the world's, over its groups of ranks."""
     p, size = cfg.pipeline, world.size if world is not None else 1
-    if p.sp_in_process > 1 and world is not None:
-        msg = ("pipeline.sequence_parallel over several drafter_devices under torchrun: not yet (one drafter device a "
-               "process makes groups of ranks)")  # fmt: skip
-        raise ConfigError(msg)
     if p.sp_across_ranks > 1 and size % p.sp_across_ranks:
         msg = (
             f"pipeline.sequence_parallel = {p.sp_across_ranks} with one drafter device: groups of that many torchrun "

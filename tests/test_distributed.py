@@ -515,25 +515,28 @@ def test_two_ranks_sharing_each_batch_equal_one_process(tmp_path, popen):
 
 
 @pytest.mark.slow
-def test_groups_of_replicas_in_each_of_two_processes_equal_one_process_with_two_replicas(tmp_path, popen):
-    """Both kinds of parallelism at once: two torchrun ranks, each a sequence-parallel group of its
-    two drafter devices (one batch a step each), train as one process whose two replicas take a
-    batch each: the same losses and tokens, the same weights within rtol 1e-5 / atol 1e-6."""
+@pytest.mark.parametrize(("ranks", "devices"), [(2, ["cpu", "cpu"]), (4, ["cpu"])], ids=["threads", "ranks"])
+def test_two_sequence_parallel_groups_equal_one_process_with_two_replicas(tmp_path, popen, ranks, devices):
+    """Both kinds of parallelism at once: two sequence-parallel groups of two, data-parallel (two
+    torchrun ranks each a group of its two drafter devices, or four ranks with one each in groups of
+    two consecutive ranks), train as one process whose two replicas take a batch each: the same
+    losses and tokens (each rank counts its own; a group's first member its rows), the same
+    weights within rtol 1e-5 / atol 1e-6."""
     import torch
 
     extra = {"data.num_samples": 96, "train.epochs": 1, "optimizer.lr": 1e-4}
     one = _single(tmp_path / "one", 2, **extra)
-    group = {"pipeline.drafter_devices": '["cpu", "cpu"]', "pipeline.sequence_parallel": 2}
-    for rc, _, err in _finish(_launch(popen, 2, _args(tmp_path / "two", **extra, **group))):
+    group = {"pipeline.drafter_devices": json.dumps(devices), "pipeline.sequence_parallel": 2}
+    for rc, _, err in _finish(_launch(popen, ranks, _args(tmp_path / "sp", **extra, **group))):
         assert rc == 0, err[-2000:]
-    two = tmp_path / "two" / "tiny"
-    a, b = _steps(one / "records.jsonl"), _steps(two / "records.jsonl")
+    sp = tmp_path / "sp" / "tiny"
+    a, b = _steps(one / "records.jsonl"), _steps(sp / "records.jsonl")
     assert len(a) == len(b) >= 5, (a, b)
     assert all(abs(x[1] - y[1]) <= 1e-5 * x[1] for x, y in zip(a, b, strict=True)), (a, b)
-    tokens = [[r["tokens"] for r in _records(log) if r["event"] == "train_step"]
-              for log in (one / "records.jsonl", two / "records.jsonl", two / "records.rank1.jsonl")]  # fmt: skip
-    assert tokens[0] == [x + y for x, y in zip(tokens[1], tokens[2], strict=True)]  # each rank counts its own
-    wa, wb = _weights(one), _weights(two)
+    logs = [one / "records.jsonl", sp / "records.jsonl", *(sp / f"records.rank{r}.jsonl" for r in range(1, ranks))]
+    tokens = [[r["tokens"] for r in _records(log) if r["event"] == "train_step"] for log in logs]
+    assert tokens[0] == [sum(t) for t in zip(*tokens[1:], strict=True)]
+    wa, wb = _weights(one), _weights(sp)
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
 
 

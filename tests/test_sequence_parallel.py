@@ -44,6 +44,7 @@ def _steps(cfg, grouped: bool = False):
     import copy
     import dataclasses
 
+    from dflash.roofline import flops
     from dflash.runtime.devices import Device
     from dflash.runtime.messages import HostFeatures
     from dflash.stages import target_forward
@@ -64,7 +65,9 @@ def _steps(cfg, grouped: bool = False):
         def go():
             dev = Device("cpu", f"d{rep.seq_rank}")
             try:
-                return micro.compute(rep, dev, micro.prepare(rep, dev, feats, 0))
+                prepared = micro.prepare(rep, dev, feats, 0)
+                work = flops.of_prepared(rep, prepared, micro.loss.chunk)
+                return micro.compute(rep, dev, prepared), work.forward + work.backward
             except BaseException:
                 if rep.seq_group is not None:
                     rep.seq_group.abort()
@@ -76,10 +79,10 @@ def _steps(cfg, grouped: bool = False):
 
     results = []
     for reps in ([alone], t.replicas):
-        out = _run_threads([step(r) for r in reps])
+        out, work = zip(*_run_threads([step(r) for r in reps]), strict=True)
         names = [n for n, _ in reps[0].model.named_parameters()]
         grads = {n: sum(dict(r.model.named_parameters())[n].grad for r in reps) for n in names}
-        results.append((sum(o.loss_sum for o in out), sum(o.weight_sum for o in out), grads))
+        results.append((sum(o.loss_sum for o in out), sum(o.weight_sum for o in out), grads, sum(work)))
     return results
 
 
@@ -90,6 +93,7 @@ def _compare(cfg, n: int, grouped: bool = False, **kw: str) -> None:
     assert one[1] == pytest.approx(many[1], rel=1e-6)  # Σ w: float32 sums in another order
     for name, g in one[2].items():  # max|Δ| ≤ 1e-6 · max|g|, tensor by tensor
         assert torch.allclose(g, many[2][name], rtol=0, atol=1e-6 * float(g.abs().max()) + 1e-15), name
+    assert many[3] == pytest.approx(one[3], rel=1e-9)  # the profiler's FLOPs: the ranks' add up to the row's
 
 
 FAMILIES = {

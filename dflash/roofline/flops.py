@@ -131,17 +131,20 @@ def drafter_step(  # no-sync: Python numbers and shapes
     chunk: int = 0,
     dense: bool = True,
     visible: float | None = None,
+    row_keys: float | None = None,
 ) -> DrafterFlops:
     """FLOPs of one micro-batch's drafter forward and backward. `rows` × `length`: the
     context (R, T); `anchors` (N): blocks a row; `supervised` (M): the slots with a loss; `head_rows`
     (V'): the loss's LM-head rows; `chunk`: loss.chunk (several chunks recompute in
     backward); `dense`: the dense mask path (queries against every key), else flex
     attention, whose blocks skip what is masked: `visible` keys a query sees on average
-    (default: the dense count)."""
+    (default: the dense count). `row_keys`: the keys of the dense path when they are not
+    T + N·B (a sequence-parallel rank: its share of the row's queries, for its heads, against
+    the whole row's keys, which comes to all heads against the whole row for its queries)."""
     d = DecoderShape.of_spec(spec)
     H, B, k = d.hidden, spec.block_size, len(spec.target_layer_ids)
     R, T, Q = float(rows), float(length), float(anchors * B)
-    keys = T + Q if dense or visible is None else float(visible)
+    keys = float(visible) if not dense and visible is not None else T + Q if row_keys is None else float(row_keys)
     fc = 2.0 * R * T * k * H * H
     fwd = fc
     bwd = fc  # weight gradient only: the features need none
@@ -201,5 +204,8 @@ def of_prepared(rep: Any, batch: Any, chunk: int) -> DrafterFlops:  # no-sync: P
     else:
         head_rows = int(rep.head.lm_head.shape[0])
     dense = all(isinstance(m, torch.Tensor) for m in batch.masks.values())
+    shard, row_keys = getattr(batch, "shard", None), None
+    if shard is not None:  # a sequence-parallel rank: its context and blocks; the whole row's keys
+        row_keys = shard.ctx_bounds[-1][1] + shard.block_bounds[-1][1] * spec.block_size
     return drafter_step(spec, rows, length, anchors, supervised, head_rows, chunk=chunk, dense=dense,
-                        visible=getattr(batch, "visible", None))  # fmt: skip
+                        visible=getattr(batch, "visible", None), row_keys=row_keys)  # fmt: skip

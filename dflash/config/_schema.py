@@ -521,7 +521,8 @@ class PipelineConfig(_Section):
         le=1024,
         description="drafter replicas that train one batch of rows together (sequence parallelism: each holds 1/N "
         "of the context and of the blocks, an all-to-all by heads around each attention): drafter_devices cut "
-        "into groups of N in order, or with one drafter device a process, N torchrun ranks in order",
+        "into groups of N in order (under torchrun, in each process), or with one drafter device a process, N "
+        "torchrun ranks in order; a resume at another N needs the same N × data.token_budget",
     )
     batch_queue_depth: int = Field(4, ge=1, le=4096, description="prefetched batches")
     hs_queue_depth: int = Field(8, ge=1, le=4096, description="hidden-state batches in flight")

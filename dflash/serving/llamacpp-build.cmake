@@ -63,7 +63,7 @@ endfunction()
 function(_dflash_build_flags dir)
   get_property(targets DIRECTORY "${dir}" PROPERTY BUILDSYSTEM_TARGETS)
   foreach(t IN LISTS targets)
-    if(t STREQUAL "ggml-cpu")
+    if(t MATCHES "^ggml-cpu(-.+)?$")  # and its variants (GGML_CPU_ALL_VARIANTS)
       # each file alone: its sources include ggml-common.h under different declarations (C-style
       # blocks, C++ aggregates), and on a CPU with AMX (Sapphire Rapids) amx/mmq.cpp compiles in and
       # fails when a batch holds it after repack.cpp

@@ -227,7 +227,9 @@ def check_resume_config(saved: dict[str, Any], cfg: Config, path: Path) -> None:
         if a != b:
             diffs.append(f"{section}.{key} {a!r} -> {b!r}")
     (was, n_was), (budget, n) = _group_budget(saved), _group_budget(now)
-    if was * n_was != budget * n:
+    if was * n_was != budget * n and n_was == n == 1:
+        diffs.append(f"data.token_budget {was!r} -> {budget!r}")
+    elif was * n_was != budget * n:
         keep = f"; data.token_budget = {was * n_was // n} keeps it" if was * n_was % n == 0 else ""
         diffs.append(
             f"a group's token budget (data.token_budget × pipeline.sequence_parallel) {was} × {n_was} -> {budget} × {n}"

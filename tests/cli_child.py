@@ -72,12 +72,24 @@ def run_script(
 ) -> None:
     """`python SCRIPT ARGS` as `run_cli` runs `dflash`: ARGV is [SCRIPT, *ARGS]; the script runs
     as `__main__` with sys.argv [SCRIPT, *ARGS] and its folder first on sys.path."""
+    _as_process(env, cwd, stdin, stdout, stderr)
+    _exit_as_interpreter(python_main(argv, cwd))
+
+
+def python_main(argv: list[str], cwd: str) -> Any:
+    """What `python ARGV` runs, `-m MODULE ARGS` or `SCRIPT ARGS`, with `sys.argv` and the
+    first entry of `sys.path` (the working directory, or the script's folder) as the
+    interpreter sets them."""
     import runpy
 
-    _as_process(env, cwd, stdin, stdout, stderr)
+    if argv[0] == "-m":
+        module, *args = argv[1:]
+        sys.argv = [module, *args]
+        sys.path.insert(0, cwd)
+        return lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    _exit_as_interpreter(lambda: runpy.run_path(argv[0], run_name="__main__"))
+    return lambda: runpy.run_path(argv[0], run_name="__main__")
 
 
 def _as_process(env: dict[str, str], cwd: str, stdin: str | int, stdout: str | int, stderr: str | int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import select
 import signal
 import socket
@@ -37,7 +36,7 @@ from vllm import LLM  # noqa: F401  (its engine's modules)
 import dflash.cli
 import dflash.engines.vllm
 import dflash.eval.command  # noqa: F401
-from tests.cli_child import _as_process, _exit_as_interpreter
+from tests.cli_child import _as_process, _exit_as_interpreter, python_main
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
@@ -49,15 +48,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> No
         redirected = True
         if env.get("OMP_NUM_THREADS", "").isdigit():  # as a new interpreter reads it
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        if argv[0] == "-m":
-            module, *args = argv[1:]
-            sys.argv = [module, *args]
-            sys.path.insert(0, cwd)
-            main = lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)  # noqa: E731
-        else:
-            sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            main = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+        main = python_main(argv, cwd)
     except BaseException:
         if redirected:
             traceback.print_exc()

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import dflash, engines_python, json_lines
-from tests.test_engines import ENGINES_PY
+from tests.conftest import ENGINES_PY, dflash, engines_python, json_lines
 from tests.test_regen_files import _tokenizer
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines

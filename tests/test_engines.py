@@ -16,11 +16,9 @@ from dflash.engines import vllm as engine
 from dflash.model.drafter import DFlashDrafter, DrafterSpec
 from dflash.model.export import drafter_config_json, export_drafter
 from dflash.serving import vllm
-from tests.conftest import ROOT, dflash, engines_python, json_lines, tiny_overrides
+from tests.conftest import ENGINES_PY, ROOT, dflash, engines_python, json_lines, tiny_overrides
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
-
-ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 
 SPEC = DrafterSpec(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=512,

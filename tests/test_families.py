@@ -20,8 +20,7 @@ import torch
 from dflash.errors import CheckpointError, ConfigError, DFlashError
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, FrozenHead
 from dflash.model.export import export_drafter, load_drafter
-from tests.conftest import ROOT, engines_python, run_records
-from tests.test_engines import ENGINES_PY
+from tests.conftest import ENGINES_PY, ROOT, engines_python, run_records
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
 

@@ -20,12 +20,10 @@ from dflash.config import Config, load_config
 from dflash.data.prompts import load_prompts
 from dflash.errors import ConfigError
 from dflash.regen.vllm import ReplySettings, hf_sampling, model_len, sampling_options
-from tests.conftest import ROOT, dflash, engines_python
+from tests.conftest import ENGINES_PY, dflash, engines_python
 from tests.test_regen_files import NUM_TRAIN, _tokenizer, regen_setup
 
 pytestmark = pytest.mark.engines("vllm")  # last, once `make test` has made .venv-engines
-
-ENGINES_PY = ROOT / ".venv-engines" / "bin" / "python"
 
 # In .venv-engines: `dflash regen ARGS...`, in this process, with each reply's token ids (as
 # the loop hands them to be decoded and written) saved as JSON to IDS; first, vLLM takes a
